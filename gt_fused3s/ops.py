@@ -1,0 +1,124 @@
+"""Public functional API: ``fused3s_attention``.
+
+CUDA tensors take the fused kernel (compiled on first use, see ``_build``);
+CPU tensors, and CUDA tensors when the extension cannot be built or
+``GT_FUSED3S_DISABLE_KERNEL=1`` is set, take the reference path of
+``reference.py``, which computes the same function.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import Tensor
+
+from .graph import BSBGraph, cached_bsb
+from .reference import _check_qkv, attention_reference, default_scale
+
+_SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: BSBGraph | Tensor,
+                      scale: float | None = None, *, num_nodes: int | None = None,
+                      out_dtype: torch.dtype | None = None,
+                      compute_dtype: torch.dtype | None = None) -> Tensor:
+    r"""Sparse graph attention fused into one kernel (SDDMM, softmax, SpMM).
+
+    .. math::
+        \mathbf{o}_{i,h} = \sum_{j \in \mathcal{N}(i)}
+        \mathrm{softmax}_j\left(s \langle \mathbf{q}_{i,h}, \mathbf{k}_{j,h} \rangle\right)
+        \mathbf{v}_{j,h}
+
+    Args:
+        q, k, v: [N, H, D] node queries, keys and values (fp16 or bf16 for
+            the kernel; fp32 is accepted and computed in ``compute_dtype``).
+        graph: a :class:`~gt_fused3s.graph.BSBGraph`, or an ``edge_index``
+            [2, E] (source, destination) whose BSB is built once and cached
+            for as long as that tensor lives.
+        scale: the score scale :math:`s`, default ``1 / sqrt(D)``.
+        num_nodes: with an ``edge_index``, the node count (default ``N``).
+        out_dtype: dtype of the output, default ``q.dtype``.
+        compute_dtype: operand precision of the kernel for fp32 inputs,
+            ``torch.float16`` (default) or ``torch.bfloat16``.
+
+    Returns:
+        [N, H, D]; rows without in-neighbours are 0. Differentiable (until
+        the fused backward lands, gradients of the kernel path are computed
+        by the reference path from the saved inputs).
+    """
+    N, H, D = _check_qkv(q, k, v)
+    if v.shape != q.shape:
+        raise ValueError(f"v must have the shape of q {tuple(q.shape)} (got {tuple(v.shape)})")
+    if isinstance(graph, Tensor):
+        graph = cached_bsb(graph, N if num_nodes is None else num_nodes)
+    elif not isinstance(graph, BSBGraph):
+        raise ValueError(f"graph must be a BSBGraph or an edge_index tensor (got {type(graph).__name__})")
+    graph.check_nodes(N)
+    if graph.device != q.device:
+        raise ValueError(f"graph is on {graph.device} but q, k, v are on {q.device}; "
+                         f"move it once with graph.to(q.device)")
+    scale = default_scale(D) if scale is None else float(scale)
+    out_dtype = out_dtype or q.dtype
+    if compute_dtype is not None and compute_dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"compute_dtype must be torch.float16 or torch.bfloat16 (got {compute_dtype})")
+
+    if not _use_kernel(q):
+        return attention_reference(q, k, v, graph.edge_index, scale, out_dtype=out_dtype)
+    _check_kernel_inputs(q, k, v)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _KernelWithReferenceGrad.apply(q, k, v, graph, scale, out_dtype, compute_dtype)
+    return _kernel_forward(q, k, v, graph, scale, out_dtype, compute_dtype)
+
+
+def _use_kernel(q: Tensor) -> bool:
+    if not q.is_cuda or os.environ.get("GT_FUSED3S_DISABLE_KERNEL") == "1":
+        return False
+    from ._build import extension_available
+    if extension_available():
+        return True
+    warnings.warn("gt_fused3s: the CUDA extension is unavailable, CUDA tensors take the "
+                  "reference path (see gt_fused3s._build.load_extension() for the reason)",
+                  RuntimeWarning, stacklevel=3)
+    return False
+
+
+def _check_kernel_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    D = q.size(-1)
+    if D % 8 != 0 or D > _SUPPORTED_HEAD_DIMS[-1]:
+        raise ValueError(f"the fused kernel needs a head dim that is a multiple of 8 and at most "
+                         f"{_SUPPORTED_HEAD_DIMS[-1]} (got D={D})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _KERNEL_DTYPES + (torch.float32,):
+            raise ValueError(f"{name} must be fp16, bf16 or fp32 for the fused kernel (got {t.dtype})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
+
+
+def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, bsb: BSBGraph, scale: float,
+                    out_dtype: torch.dtype, compute_dtype: torch.dtype | None) -> Tensor:
+    """Run the CUDA kernel on validated inputs (fills in by the kernel work)."""
+    raise NotImplementedError("the fused CUDA kernel is not built into this version")
+
+
+class _KernelWithReferenceGrad(torch.autograd.Function):
+    """Kernel forward; backward by differentiating the reference on the saved
+    inputs. Costs O(E * H * D) memory in the backward only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bsb, scale, out_dtype, compute_dtype):
+        ctx.save_for_backward(q, k, v)
+        ctx.bsb, ctx.scale = bsb, scale
+        return _kernel_forward(q, k, v, bsb, scale, out_dtype, compute_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():
+            raise RuntimeError("gt_fused3s: double backward through fused3s_attention is not supported")
+        q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = attention_reference(q, k, v, ctx.bsb.edge_index, ctx.scale, out_dtype=torch.float32)
+            inputs = [t for t in (q, k, v) if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, inputs, grad_out.float()))
+        return tuple(next(grads) if t.requires_grad else None for t in (q, k, v)) + (None,) * 4

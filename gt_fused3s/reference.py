@@ -1,0 +1,106 @@
+"""The 3S attention in plain PyTorch: the ground truth of every test, the CPU
+path and the fallback of the fused kernel.
+
+    out[i, h] = sum_{j -> i} softmax_j(scale * <q[i, h], k[j, h]>) * v[j, h]
+
+Edges follow PyG: ``edge_index[0]`` = source ``j``, ``edge_index[1]`` =
+destination ``i``. Rows without in-neighbours give 0. The mask is binary:
+pass deduplicated edges (a :class:`~gt_fused3s.graph.BSBGraph`'s
+``edge_index`` is) or duplicates are counted twice.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have shape [N, H, D] (got {tuple(t.shape)})")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor (got {t.dtype})")
+    if k.shape != q.shape or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k, v must share [N, H] and q, k must share D "
+                         f"(got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device (got {q.device}, {k.device}, {v.device})")
+    return q.shape
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
+                        scale: float | None = None, *,
+                        compute_dtype: torch.dtype = torch.float32,
+                        out_dtype: torch.dtype | None = None) -> Tensor:
+    """Unfused 3S: gather, max-stabilised segment softmax, scatter-sum.
+
+    Args:
+        q, k, v: [N, H, D] (v may have its own last dim), any float dtype.
+        edge_index: [2, E] int64, sources in row 0, destinations in row 1.
+        scale: score scale, default ``1 / sqrt(D)``.
+        compute_dtype: ``float32`` (default) or ``float64`` computes every step
+            in that precision. ``float16`` / ``bfloat16`` gives the reference
+            *in low precision*: the rounding points of a tensor-core kernel
+            (scores and probabilities rounded to that dtype, exp and sums in
+            fp32); tests use its error to set the kernel's tolerance.
+        out_dtype: dtype of the result, default ``q.dtype``.
+
+    Returns:
+        [N, H, Dv]. Differentiable with respect to q, k and v.
+    """
+    N, H, D = _check_qkv(q, k, v)
+    scale = default_scale(D) if scale is None else float(scale)
+    low = compute_dtype in _LOW_PRECISION
+    acc = torch.float32 if low else compute_dtype
+    src, dst = edge_index[0].long(), edge_index[1].long()
+
+    if low:
+        qc, kc, vc = (t.to(compute_dtype).to(acc) for t in (q, k, v))
+    else:
+        qc, kc, vc = (t.to(acc) for t in (q, k, v))
+    score = (qc.index_select(0, dst) * kc.index_select(0, src)).sum(-1) * scale   # [E, H]
+    if low:
+        score = score.to(compute_dtype).to(acc)
+    idx = dst.unsqueeze(-1).expand_as(score)
+    row_max = torch.full((N, H), float("-inf"), dtype=acc, device=q.device)
+    row_max = row_max.scatter_reduce(0, idx, score, reduce="amax", include_self=True)
+    p = torch.exp(score - row_max.index_select(0, dst))                              # [E, H]
+    denom = torch.zeros((N, H), dtype=acc, device=q.device).index_add(0, dst, p)
+    if low:
+        p = p.to(compute_dtype).to(acc)
+    msg = p.unsqueeze(-1) * vc.index_select(0, src)                                 # [E, H, Dv]
+    out = torch.zeros((N, H, v.size(-1)), dtype=acc, device=q.device).index_add(0, dst, msg)
+    has_nbr = (denom > 0).unsqueeze(-1)
+    out = torch.where(has_nbr, out / torch.where(has_nbr, denom.unsqueeze(-1), 1), 0)
+    return out.to(out_dtype or q.dtype)
+
+
+def attention_dense(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                    scale: float | None = None, *,
+                    compute_dtype: torch.dtype = torch.float32,
+                    out_dtype: torch.dtype | None = None) -> Tensor:
+    """Masked dense softmax attention for small graphs.
+
+    ``mask``: bool [N, N], ``mask[i, j]`` True iff ``j -> i`` is an edge
+    (``BSBGraph.to_dense_mask()``). Costs O(H N^2) memory.
+    """
+    N, H, D = _check_qkv(q, k, v)
+    if mask.shape != (N, N) or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool [N, N] = [{N}, {N}] (got {mask.dtype} {tuple(mask.shape)})")
+    scale = default_scale(D) if scale is None else float(scale)
+    qc, kc, vc = (t.to(compute_dtype).transpose(0, 1) for t in (q, k, v))   # [H, N, D]
+    score = torch.matmul(qc, kc.transpose(1, 2)) * scale                     # [H, N, N]
+    score = score.masked_fill(~mask, float("-inf"))
+    attn = torch.softmax(score, dim=-1).nan_to_num(0.0)    # empty rows: all -inf -> 0
+    out = torch.matmul(attn, vc).transpose(0, 1)
+    return out.to(out_dtype or q.dtype)
