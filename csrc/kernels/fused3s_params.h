@@ -1,0 +1,82 @@
+// Plain parameter block of the fused SDDMM + online-softmax + SpMM forward pass.
+// No torch header here: raw pointers, element strides, sizes, the scale.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace gt_fused3s {
+
+// One work item of the forward kernel: a chunk of consecutive TCBs of one row
+// window. Items are executed in the order given (heaviest first); the grid
+// covers num_items * num_heads warps-teams, work index = item * num_heads + head.
+//   window     : row window r (rows 16r .. 16r+15)
+//   tcb_begin  : first TCB of the chunk (global TCB index)
+//   tcb_end    : one past the last TCB (tcb_begin == tcb_end: empty window,
+//                the item writes zeros and lse = -inf)
+//   slot       : -1 if the chunk is the whole window (output written directly);
+//                else the partial-result slot this chunk writes (merged later)
+struct Fused3SItem {
+    int32_t window;
+    int32_t tcb_begin;
+    int32_t tcb_end;
+    int32_t slot;
+};
+
+// One split row window for the merge kernel: its partial slots are
+// slot_begin .. slot_end-1 (one per chunk).
+struct Fused3SMergeItem {
+    int32_t window;
+    int32_t slot_begin;
+    int32_t slot_end;
+    int32_t pad_;
+};
+
+struct Fused3SParams {
+    // q, k, v: [N, H, D], fp16 or bf16, last dim contiguous. Strides are in
+    // elements; every row/head start must be 16-byte aligned.
+    const void* q_ptr;
+    const void* k_ptr;
+    const void* v_ptr;
+    int64_t q_row_stride, q_head_stride;
+    int64_t k_row_stride, k_head_stride;
+    int64_t v_row_stride, v_head_stride;
+
+    // out: [N, H, D] in the input dtype or fp32 (out_fp32), arbitrary 16-byte
+    // aligned row/head strides, last dim contiguous.
+    void* o_ptr;
+    int64_t o_row_stride, o_head_stride;
+    bool out_fp32;
+
+    // lse: [N, H] fp32, natural-log log-sum-exp of the scaled scores (-inf for
+    // rows without in-neighbours).
+    float* lse_ptr;
+    int64_t lse_row_stride, lse_head_stride;
+
+    // BSB: cols int32 [T * 8] (-1 = padding), bitmap uint64 [T, 2].
+    const int32_t* cols_ptr;
+    const uint64_t* bitmap_ptr;
+
+    // Schedule.
+    const Fused3SItem* items_ptr;
+    int32_t num_items;
+    const Fused3SMergeItem* merge_ptr;
+    int32_t num_merge;
+
+    // Partial results of split windows (fp32 workspace), only when num_merge > 0:
+    //   part_o  [num_slots, H, 16, D]  unnormalised O
+    //   part_ml [num_slots, H, 16, 2]  (row max in log2 units, row sum)
+    float* part_o_ptr;
+    float* part_ml_ptr;
+
+    int32_t num_nodes;   // N
+    int32_t num_heads;   // H
+    float scale_log2;    // scale * log2(e)
+};
+
+// Launches the forward kernel (and the merge kernel when some windows are split).
+// T is __half or __nv_bfloat16; HeadDim in {16, 32, 64, 128, 256}.
+template <typename T, int HeadDim>
+void run_fused3s_fwd(const Fused3SParams& params, cudaStream_t stream);
+
+}  // namespace gt_fused3s
