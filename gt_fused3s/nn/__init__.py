@@ -1,0 +1,7 @@
+"""Drop-in layers. ``gt_fused3s.nn.Fused3SConv`` is the PyTorch Geometric
+layer (a :class:`torch_geometric.nn.TransformerConv` drop-in); the DGL layer
+is ``gt_fused3s.nn.dgl.Fused3SConv`` and is imported only on request, so this
+package never needs DGL."""
+from .pyg import Fused3SConv
+
+__all__ = ["Fused3SConv"]

@@ -1,0 +1,266 @@
+"""DGL layer: :class:`Fused3SConv`, dot-product graph attention whose
+attention runs fused over the BSB format of the graph.
+
+Importing this module needs DGL (``pip install "gt-fused3s[dgl]"``). DGL on
+PyPI is CPU-only: a DGL graph is a source of structure here, the features
+may live on the GPU.
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+os.environ.setdefault("DGLBACKEND", "pytorch")
+try:
+    import dgl  # noqa: F401  (the top-level package, not this module)
+    from dgl import function as fn
+    from dgl.base import DGLError
+    from dgl.nn.functional import edge_softmax
+    from dgl.utils import expand_as_pair
+except ImportError as e:  # ModuleNotFoundError, or DGL's own import failures
+    raise ImportError('gt_fused3s.nn.dgl needs DGL, which could not be imported '
+                      f'({e}); install it with: pip install "gt-fused3s[dgl]"') from e
+
+from ..graph import BSBGraph
+from ..ops import _KERNEL_DTYPES, _SUPPORTED_HEAD_DIMS, fused3s_attention
+from ..reference import attention_reference
+
+__all__ = ["Fused3SConv"]
+
+_ZERO_IN_DEGREE_MSG = (
+    "There are 0-in-degree nodes in the graph, "
+    "output for those nodes will be invalid. "
+    "This is harmful for some applications, "
+    "causing silent performance regression. "
+    "Adding self-loop on the input graph by "
+    "calling `g = dgl.add_self_loop(g)` will resolve "
+    "the issue. Setting ``allow_zero_in_degree`` "
+    "to be `True` when constructing this module will "
+    "suppress the check and let the code run."
+)
+
+
+class Fused3SConv(nn.Module):
+    r"""Multi-head dot-product graph attention, fused (SDDMM, softmax and
+    SpMM in one kernel over the graph's BSB format, see
+    :mod:`gt_fused3s.graph`).
+
+    .. math::
+        h_i^{(l+1)} = \sum_{j\in \mathcal{N}(i)} \alpha_{i, j} W_v h_j^{(l)},
+        \qquad
+        \alpha_{i, j} = \mathrm{softmax}_j\left(
+        \frac{(W_q h_i^{(l)})^T W_k h_j^{(l)}}{\sqrt{d}}\right)
+
+    per head, with :math:`d` = ``out_feats``. It equals DGL's unfused
+    computation with the same projections::
+
+        graph.apply_edges(fn.u_dot_v('k', 'q', 'e'))
+        graph.edata['a'] = edge_softmax(graph, graph.edata['e'] / out_feats ** 0.5)
+        graph.update_all(fn.u_mul_e('v', 'a', 'm'), fn.sum('m', 'h'))
+
+    The graph's format is built once per graph object and device (the first
+    call on a graph builds it on the device of the features; later calls
+    and other layers reuse it). The cache is checked against the graph's
+    node and edge counts: a graph whose edges were added or removed in place
+    is rebuilt (after an edit that keeps both counts, use a new graph).
+
+    Graphs whose source and destination node counts differ (bipartite
+    graphs, blocks) and ``get_attention=True`` take the unfused DGL
+    computation above, which needs the features on the graph's device.
+
+    .. note::
+        The attention mask is binary: a duplicate edge (a multigraph) counts
+        once, while DGL's edge softmax counts every copy. The layer warns
+        once per graph; ``dgl.to_simple(g)`` removes duplicates.
+
+    Parameters
+    ----------
+    in_feats : int, or pair of ints
+        Input feature size. A pair gives the source and destination feature
+        sizes (keys and values are projected from source features, queries
+        from destination features).
+    out_feats : int
+        Output feature size per head (the head dimension :math:`d`).
+    num_heads : int
+        Number of attention heads.
+    bias : bool, optional
+        If True, the query, key and value projections learn a bias.
+        Default: ``True``.
+    allow_zero_in_degree : bool, optional
+        If False (default), raise a DGLError on graphs with 0-in-degree
+        nodes, like DGL's convolutions. If True, those nodes output 0.
+
+    Shapes
+    ------
+    - **feat**: :math:`(N, D_{in})`, or a pair :math:`(N_{src}, D_{in_{src}})`,
+      :math:`(N_{dst}, D_{in_{dst}})`.
+    - **output**: :math:`(N_{dst}, H, D_{out})` with :math:`H` = ``num_heads``,
+      :math:`D_{out}` = ``out_feats``.
+    """
+
+    def __init__(self, in_feats, out_feats: int, num_heads: int, bias: bool = True,
+                 allow_zero_in_degree: bool = False):
+        super().__init__()
+        self._in_src_feats, self._in_dst_feats = expand_as_pair(in_feats)
+        self._out_feats = out_feats
+        self._num_heads = num_heads
+        self._allow_zero_in_degree = allow_zero_in_degree
+        self.q_proj = nn.Linear(self._in_dst_feats, out_feats * num_heads, bias=bias)
+        self.k_proj = nn.Linear(self._in_src_feats, out_feats * num_heads, bias=bias)
+        self.v_proj = nn.Linear(self._in_src_feats, out_feats * num_heads, bias=bias)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """Reinitialise the projections (as DGL's BiasedMHA: Xavier uniform
+        with gain :math:`2^{-1/2}`, zero bias)."""
+        for lin in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(lin.weight, gain=2 ** -0.5)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def set_allow_zero_in_degree(self, set_value: bool):
+        """Set the ``allow_zero_in_degree`` flag."""
+        self._allow_zero_in_degree = set_value
+
+    def extra_repr(self) -> str:
+        in_feats = (self._in_src_feats if self._in_src_feats == self._in_dst_feats
+                    else (self._in_src_feats, self._in_dst_feats))
+        return (f"in_feats={in_feats}, "
+                f"out_feats={self._out_feats}, num_heads={self._num_heads}")
+
+    @staticmethod
+    def to_graph_format(graph, device=None) -> BSBGraph:
+        """The BSB format of ``graph`` on ``device`` (default: the graph's),
+        built on first use and cached for as long as the graph lives."""
+        device = torch.device(device) if device is not None else graph.device
+        return _graph_bsb(graph, device)
+
+    def forward(self, graph, feat, get_attention: bool = False):
+        r"""Compute the attention.
+
+        Parameters
+        ----------
+        graph : DGLGraph
+            The graph (homogeneous, or with one edge type).
+        feat : torch.Tensor or pair of torch.Tensor
+            :math:`(N, D_{in})` features, or a pair of source and destination
+            features.
+        get_attention : bool, optional
+            Also return the attention values :math:`(E, H, 1)` (unfused path).
+            Default: ``False``.
+
+        Returns
+        -------
+        torch.Tensor
+            :math:`(N_{dst}, H, D_{out})`; and the attention values if
+            ``get_attention``.
+
+        Raises
+        ------
+        DGLError
+            If there are 0-in-degree nodes in the graph and
+            ``allow_zero_in_degree`` is False, or the features do not match
+            the graph's node counts.
+        """
+        if not self._allow_zero_in_degree and _has_zero_in_degree(graph):
+            raise DGLError(_ZERO_IN_DEGREE_MSG)
+
+        n_src, n_dst = graph.num_src_nodes(), graph.num_dst_nodes()
+        if isinstance(feat, (tuple, list)):
+            if len(feat) != 2:
+                raise DGLError(f"feat must be a tensor or a pair (feat_src, feat_dst) "
+                               f"(got {len(feat)} tensors)")
+            h_src, h_dst = feat
+        else:
+            h_src = feat
+            h_dst = feat[:n_dst] if graph.is_block and isinstance(feat, Tensor) else feat
+        for name, h, n, f in (("feat_src", h_src, n_src, self._in_src_feats),
+                              ("feat_dst", h_dst, n_dst, self._in_dst_feats)):
+            if not isinstance(h, Tensor) or not h.is_floating_point() or h.dim() != 2:
+                raise DGLError(f"{name} must be a floating-point tensor [num_nodes, {f}] (got "
+                               f"{h.dtype if isinstance(h, Tensor) else type(h).__name__} "
+                               f"{tuple(h.shape) if isinstance(h, Tensor) else ''})")
+            if h.size(0) != n or h.size(1) != f:
+                raise DGLError(f"{name} has shape {tuple(h.shape)} but the graph has {n} such "
+                               f"nodes and the layer expects {f} features")
+
+        H, D = self._num_heads, self._out_feats
+        q = self.q_proj(h_dst).view(-1, H, D)
+        k = self.k_proj(h_src).view(-1, H, D)
+        v = self.v_proj(h_src).view(-1, H, D)
+        scale = 1.0 / math.sqrt(D)
+
+        if get_attention or n_src != n_dst or len(graph.canonical_etypes) != 1:
+            return self._forward_unfused(graph, q, k, v, get_attention)
+
+        bsb = _graph_bsb(graph, q.device)
+        if q.is_cuda and not _kernel_takes(q, D):
+            return attention_reference(q, k, v, bsb.edge_index, scale)
+        return fused3s_attention(q, k, v, bsb, scale)
+
+    def _forward_unfused(self, graph, q: Tensor, k: Tensor, v: Tensor, get_attention: bool):
+        """DGL's message passing: u_dot_v -> edge_softmax -> u_mul_e / sum."""
+        with graph.local_scope():
+            graph.srcdata.update({"k": k, "v": v})
+            graph.dstdata.update({"q": q})
+            graph.apply_edges(fn.u_dot_v("k", "q", "e"))
+            graph.edata["a"] = edge_softmax(graph, graph.edata["e"] / self._out_feats ** 0.5)
+            graph.update_all(fn.u_mul_e("v", "a", "m"), fn.sum("m", "h"))
+            rst = graph.dstdata["h"]
+            return (rst, graph.edata["a"]) if get_attention else rst
+
+
+def _kernel_takes(q: Tensor, head_dim: int) -> bool:
+    """Whether the fused CUDA kernel accepts q's dtype and head size (else the
+    reference computes the same function)."""
+    return (head_dim % 8 == 0 and head_dim <= _SUPPORTED_HEAD_DIMS[-1]
+            and q.dtype in _KERNEL_DTYPES + (torch.float32,))
+
+
+# One entry per DGLGraph object: its BSB per device and its 0-in-degree
+# flag. Checked against the node and edge counts, so a graph changed in
+# place is rebuilt; entries die with their graph.
+_GRAPH_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_DUPLICATES_WARNED: "weakref.WeakSet[BSBGraph]" = weakref.WeakSet()
+
+
+def _graph_entry(graph) -> dict:
+    sig = (graph.num_src_nodes(), graph.num_dst_nodes(), graph.num_edges())
+    entry = _GRAPH_CACHE.get(graph)
+    if entry is None or entry["sig"] != sig:
+        entry = {"sig": sig, "bsb": {}, "zero_in": None}
+        _GRAPH_CACHE[graph] = entry
+    return entry
+
+
+def _has_zero_in_degree(graph) -> bool:
+    entry = _graph_entry(graph)
+    if entry["zero_in"] is None:
+        entry["zero_in"] = bool((graph.in_degrees() == 0).any())
+    return entry["zero_in"]
+
+
+def _graph_bsb(graph, device: torch.device) -> BSBGraph:
+    entry = _graph_entry(graph)
+    bsb = entry["bsb"].get(device)
+    if bsb is None:
+        if len(graph.canonical_etypes) != 1 or graph.num_src_nodes() != graph.num_dst_nodes():
+            raise DGLError("the fused attention needs a graph with one edge type and as many "
+                           "source as destination nodes")
+        src, dst = graph.edges()
+        edge_index = torch.stack([src, dst]).to(device=device, dtype=torch.int64)
+        bsb = BSBGraph.from_edge_index(edge_index, graph.num_dst_nodes())
+        entry["bsb"][device] = bsb
+    if bsb.num_duplicates > 0 and bsb not in _DUPLICATES_WARNED:
+        _DUPLICATES_WARNED.add(bsb)
+        warnings.warn(
+            f"Fused3SConv: the graph has {bsb.num_duplicates} duplicate edge(s). The fused "
+            f"attention counts each edge once, DGL's edge_softmax counts every copy, so the "
+            f"outputs differ on this graph. Remove duplicates to match DGL: "
+            f"g = dgl.to_simple(g).", UserWarning, stacklevel=5)  # the caller of the layer
+    return bsb

@@ -1,0 +1,380 @@
+"""PyTorch Geometric layer: :class:`Fused3SConv`, a drop-in for
+:class:`torch_geometric.nn.TransformerConv` whose attention runs fused."""
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+from torch_geometric.nn import TransformerConv
+from torch_geometric.typing import SparseTensor
+
+from ..graph import BSBGraph, _check_index_tensor, _check_range, cached_bsb
+from ..ops import _KERNEL_DTYPES, _SUPPORTED_HEAD_DIMS, fused3s_attention
+
+__all__ = ["Fused3SConv"]
+
+# Hook tables of MessagePassing that only its own propagate() calls: when one
+# is in use, the layer takes the unfused path so that the hooks still run.
+_HOOK_TABLES = (
+    "_propagate_forward_pre_hooks", "_propagate_forward_hooks",
+    "_message_forward_pre_hooks", "_message_forward_hooks",
+    "_aggregate_forward_pre_hooks", "_aggregate_forward_hooks",
+    "_message_and_aggregate_forward_pre_hooks", "_message_and_aggregate_forward_hooks",
+)
+
+
+class Fused3SConv(TransformerConv):
+    r"""The graph transformer operator of
+    :class:`~torch_geometric.nn.conv.TransformerConv` with its attention
+    fused into one kernel (SDDMM, softmax and SpMM over the BSB format of
+    the graph, see :mod:`gt_fused3s.graph`).
+
+    .. math::
+        \mathbf{x}^{\prime}_i = \mathbf{W}_1 \mathbf{x}_i +
+        \sum_{j \in \mathcal{N}(i)} \alpha_{i,j} \mathbf{W}_2 \mathbf{x}_{j},
+        \qquad
+        \alpha_{i,j} = \textrm{softmax}_j \left(
+        \frac{(\mathbf{W}_3\mathbf{x}_i)^{\top} (\mathbf{W}_4\mathbf{x}_j)}
+        {\sqrt{d}} \right)
+
+    per head, followed by concatenation (or the mean) of the heads, the root
+    weight :math:`\mathbf{W}_1 \mathbf{x}_i` and the optional :math:`\beta`
+    gating, all exactly as in :class:`TransformerConv`. The class subclasses
+    it: constructor, parameter names, :meth:`reset_parameters`, ``repr`` and
+    ``state_dict`` are shared, so a :class:`TransformerConv` checkpoint loads
+    with ``strict=True`` (and back).
+
+    The BSB format of a graph is built once and reused: for an
+    ``edge_index`` tensor (or sparse adjacency) it is cached for as long as
+    that tensor lives unmodified, so every call and every layer on one graph
+    shares it. It can also be built explicitly with :meth:`to_graph_format`
+    and passed as ``edge_index``.
+
+    CUDA inputs take the fused kernel (fp32 features are computed with fp16
+    tensor-core operands and fp32 accumulation); CPU inputs take the
+    reference implementation of the same function.
+
+    What the fused path does not do takes :class:`TransformerConv`'s own
+    unfused path (``super().forward``), with its exact results:
+
+    - edge features (``edge_dim`` set or ``edge_attr`` given, including a
+      sparse adjacency whose values are feature vectors),
+    - attention dropout (``dropout > 0``) while training,
+    - ``return_attention_weights`` (any bool),
+    - bipartite inputs whose source and destination node counts differ,
+    - ``aggr`` other than ``"add"``, ``flow="target_to_source"``, explain
+      mode and registered message-passing hooks,
+    - on CUDA, a head size ``out_channels`` the kernel does not take (not a
+      multiple of 8 or above 256) or fp64 features.
+
+    .. note::
+        The attention mask is binary: a duplicate edge counts once, while
+        :class:`TransformerConv` counts it as often as it appears. When a
+        graph has duplicates the layer warns once per graph; coalesce it
+        (:func:`torch_geometric.utils.coalesce`) to match
+        :class:`TransformerConv`. The unfused path above passes the edges
+        as given, duplicates included.
+
+    Args:
+        in_channels (int or tuple): Size of each input sample, or :obj:`-1`
+            to derive the size from the first input(s) to the forward method.
+            A tuple corresponds to the sizes of source and target
+            dimensionalities.
+        out_channels (int): Size of each output sample (the head size
+            :math:`d`).
+        heads (int, optional): Number of attention heads. (default: :obj:`1`)
+        concat (bool, optional): If set to :obj:`False`, the heads are
+            averaged instead of concatenated. (default: :obj:`True`)
+        beta (bool, optional): If set, combines aggregation and skip
+            information as in :class:`TransformerConv`. (default: :obj:`False`)
+        dropout (float, optional): Dropout probability of the normalized
+            attention coefficients (unfused path while training).
+            (default: :obj:`0.`)
+        edge_dim (int, optional): Edge feature dimensionality (unfused path).
+            (default: :obj:`None`)
+        bias (bool, optional): If set to :obj:`False`, the layer will not
+            learn an additive bias. (default: :obj:`True`)
+        root_weight (bool, optional): If set to :obj:`False`, the layer will
+            not add the transformed root node features to the output and the
+            option :attr:`beta` is set to :obj:`False`. (default: :obj:`True`)
+        **kwargs (optional): Additional arguments of
+            :class:`torch_geometric.nn.conv.MessagePassing`.
+
+    Shapes:
+        - **input:**
+          node features :math:`(|\mathcal{V}|, F_{in})` or
+          :math:`((|\mathcal{V_s}|, F_{s}), (|\mathcal{V_t}|, F_{t}))`
+          if bipartite,
+          edge indices :math:`(2, |\mathcal{E}|)` (int32 or int64, row 0 = source),
+          a sparse adjacency :math:`(|\mathcal{V_t}|, |\mathcal{V_s}|)` or a
+          :class:`~gt_fused3s.graph.BSBGraph`,
+          edge features :math:`(|\mathcal{E}|, D)` *(optional)*
+        - **output:** node features :math:`(|\mathcal{V}_t|, H * F_{out})`
+          (:math:`(|\mathcal{V}_t|, F_{out})` if :obj:`concat=False`), or
+          :math:`((|\mathcal{V}_t|, H * F_{out}), ((2, |\mathcal{E}|),
+          (|\mathcal{E}|, H)))` if :obj:`return_attention_weights` is a bool
+    """
+
+    def __init__(
+        self,
+        in_channels: Union[int, Tuple[int, int]],
+        out_channels: int,
+        heads: int = 1,
+        concat: bool = True,
+        beta: bool = False,
+        dropout: float = 0.,
+        edge_dim: Optional[int] = None,
+        bias: bool = True,
+        root_weight: bool = True,
+        **kwargs,
+    ):
+        super().__init__(in_channels, out_channels, heads=heads, concat=concat,
+                         beta=beta, dropout=dropout, edge_dim=edge_dim, bias=bias,
+                         root_weight=root_weight, **kwargs)
+
+    @staticmethod
+    def to_graph_format(edge_index: Tensor, num_nodes: Optional[int] = None) -> BSBGraph:
+        r"""Converts a graph to the BSB format that :meth:`forward` takes as
+        ``edge_index`` (see :mod:`gt_fused3s.graph` for the layout).
+
+        The result is the one cached for ``edge_index``: a later call of the
+        layer with the same tensor reuses it. Build it on the device of the
+        node features.
+
+        Args:
+            edge_index (torch.Tensor): The edge indices :math:`(2, |\mathcal{E}|)`
+                (row 0 = source, row 1 = destination), or a sparse adjacency
+                :math:`(N, N)` (``adj_t``: entry ``[i, j]`` is the edge
+                ``j -> i``).
+            num_nodes (int, optional): The number of nodes. Pass it: isolated
+                trailing nodes cannot be inferred. (default: :obj:`None`,
+                ``edge_index.max() + 1``)
+        """
+        if isinstance(edge_index, BSBGraph):
+            return edge_index
+        if _is_sparse(edge_index):
+            return _sparse_bsb(edge_index)
+        return cached_bsb(edge_index, num_nodes)
+
+    def forward(  # noqa: D417
+        self,
+        x: Union[Tensor, Tuple[Tensor, Tensor]],
+        edge_index: Union[Tensor, SparseTensor, BSBGraph],
+        edge_attr: Optional[Tensor] = None,
+        return_attention_weights: Optional[bool] = None,
+    ):
+        r"""Runs the forward pass of the module.
+
+        Args:
+            x (torch.Tensor or (torch.Tensor, torch.Tensor)): The input node
+                features.
+            edge_index (torch.Tensor, SparseTensor or BSBGraph): The edge
+                indices, a sparse adjacency, or the graph's format from
+                :meth:`to_graph_format`.
+            edge_attr (torch.Tensor, optional): The edge features (unfused
+                path; not with a :class:`BSBGraph`, whose edges are
+                reordered). (default: :obj:`None`)
+            return_attention_weights (bool, optional): If set to a bool,
+                additionally returns :obj:`(edge_index, attention_weights)`
+                (unfused path). (default: :obj:`None`)
+        """
+        x_src, x_dst = self._check_x(x)
+        n_src, n_dst = x_src.size(0), x_dst.size(0)
+        is_bsb = isinstance(edge_index, BSBGraph)
+        if is_bsb:
+            if n_src != edge_index.num_nodes or n_dst != edge_index.num_nodes:
+                raise ValueError(f"x has {n_src} source and {n_dst} destination nodes but the "
+                                 f"BSBGraph passed as edge_index was built for "
+                                 f"num_nodes={edge_index.num_nodes}")
+            if edge_attr is not None:
+                raise ValueError("edge_attr cannot be used with a BSBGraph (its edges are "
+                                 "deduplicated and reordered); pass the edge_index tensor")
+        self._check_edge_index(edge_index, n_src, n_dst, x_dst.device)
+
+        if not self._fused_path_applies(x_dst, n_src, n_dst, edge_index, edge_attr,
+                                        return_attention_weights):
+            if is_bsb:
+                edge_index = edge_index.edge_index
+            elif isinstance(edge_index, Tensor) and not _is_sparse(edge_index):
+                # propagate() does not check ranges: give the clear error here
+                _check_range("edge_index[0]", edge_index[0], 0, n_src)
+                _check_range("edge_index[1]", edge_index[1], 0, n_dst)
+            return super().forward(x, edge_index, edge_attr, return_attention_weights)
+
+        bsb = self.to_graph_format(edge_index, n_dst)
+        _warn_duplicates_once(bsb)
+
+        H, C = self.heads, self.out_channels
+        query = self.lin_query(x_dst).view(-1, H, C)
+        key = self.lin_key(x_src).view(-1, H, C)
+        value = self.lin_value(x_src).view(-1, H, C)
+        out = fused3s_attention(query, key, value, bsb, 1.0 / math.sqrt(C))
+        return self._combine(out, x_dst)
+
+    # ------------------------------------------------------------- internals
+    def _combine(self, out: Tensor, x_dst: Tensor) -> Tensor:
+        """Heads concat/mean, root weight and beta gating, as TransformerConv."""
+        if self.concat:
+            out = out.reshape(-1, self.heads * self.out_channels)
+        else:
+            out = out.mean(dim=1)
+        if self.root_weight:
+            x_r = self.lin_skip(x_dst)
+            if self.lin_beta is not None:
+                beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1))
+                beta = beta.sigmoid()
+                out = beta * x_r + (1 - beta) * out
+            else:
+                out = out + x_r
+        return out
+
+    def _fused_path_applies(self, x_dst: Tensor, n_src: int, n_dst: int, edge_index,
+                            edge_attr, return_attention_weights) -> bool:
+        if self.lin_edge is not None or edge_attr is not None:
+            return False
+        if self.training and self.dropout > 0:
+            return False
+        if isinstance(return_attention_weights, bool):
+            return False
+        if n_src != n_dst:
+            return False
+        if self.aggr != "add" or self.flow != "source_to_target" or self.explain:
+            return False
+        if any(getattr(self, name, None) for name in _HOOK_TABLES):
+            return False
+        if _is_sparse(edge_index) and _sparse_has_features(edge_index):
+            return False   # TransformerConv reads such values as edge_attr
+        if x_dst.is_cuda:   # what the kernel takes (ops._check_kernel_inputs)
+            C = self.out_channels
+            if C % 8 != 0 or C > _SUPPORTED_HEAD_DIMS[-1]:
+                return False
+            if (x_dst.dtype not in _KERNEL_DTYPES + (torch.float32,)
+                    and not torch.is_autocast_enabled("cuda")):
+                return False   # fp64: the kernel takes fp16/bf16/fp32
+        return True
+
+    def _check_x(self, x) -> Tuple[Tensor, Tensor]:
+        if isinstance(x, Tensor):
+            pairs = (("x", x), ("x", x))
+        elif isinstance(x, (tuple, list)) and len(x) == 2:
+            pairs = (("x[0]", x[0]), ("x[1]", x[1]))
+        else:
+            raise ValueError(f"x must be a Tensor [num_nodes, in_channels] or a pair "
+                             f"(x_src, x_dst) of them (got {type(x).__name__})")
+        in_ch = self.in_channels
+        in_ch = (in_ch, in_ch) if isinstance(in_ch, int) else tuple(in_ch)
+        lins = (self.lin_key, self.lin_query)
+        for (name, t), c, lin in zip(pairs, in_ch, lins):
+            if not isinstance(t, Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
+            if not t.is_floating_point():
+                raise ValueError(f"{name} must be a floating-point tensor (got {t.dtype})")
+            if t.dim() != 2:
+                raise ValueError(f"{name} must have shape [num_nodes, in_channels] "
+                                 f"(got {tuple(t.shape)})")
+            if c not in (-1, None) and t.size(1) != c:
+                raise ValueError(f"{name} has {t.size(1)} features but the layer was built "
+                                 f"with in_channels={self.in_channels}")
+            w = lin.weight
+            if (not isinstance(w, torch.nn.parameter.UninitializedParameter)
+                    and w.dtype != t.dtype and not torch.is_autocast_enabled(t.device.type)):
+                raise ValueError(f"{name} has dtype {t.dtype} but the layer's parameters are "
+                                 f"{w.dtype}; cast one to the other (e.g. x.to({w.dtype}) "
+                                 f"or conv.to({t.dtype}))")
+        if pairs[0][1].device != pairs[1][1].device:
+            raise ValueError(f"x[0] and x[1] must be on one device "
+                             f"(got {pairs[0][1].device} and {pairs[1][1].device})")
+        return pairs[0][1], pairs[1][1]
+
+    @staticmethod
+    def _check_edge_index(edge_index, n_src: int, n_dst: int, device: torch.device) -> None:
+        if isinstance(edge_index, BSBGraph):
+            dev = edge_index.device
+        elif _is_sparse(edge_index):
+            torch_sparse = isinstance(edge_index, SparseTensor)
+            shape = tuple(edge_index.sizes() if torch_sparse else edge_index.shape)
+            if shape[:2] != (n_dst, n_src):
+                raise ValueError(f"the sparse adjacency edge_index must have shape "
+                                 f"[num_dst_nodes, num_src_nodes] = [{n_dst}, {n_src}] "
+                                 f"(got {shape})")
+            dev = edge_index.device() if torch_sparse else edge_index.device
+        elif isinstance(edge_index, Tensor):
+            if edge_index.is_floating_point() or edge_index.dtype == torch.bool:
+                raise ValueError(f"edge_index must be an integer tensor [2, E] "
+                                 f"(got {edge_index.dtype})")
+            _check_index_tensor("edge_index", edge_index, 2)
+            if edge_index.size(0) != 2:
+                raise ValueError(f"edge_index must have shape [2, E] "
+                                 f"(got {tuple(edge_index.shape)})")
+            dev = edge_index.device
+        else:
+            raise ValueError(f"edge_index must be an integer tensor [2, E], a sparse adjacency "
+                             f"or a BSBGraph (got {type(edge_index).__name__})")
+        if dev != device:
+            raise ValueError(f"edge_index is on {dev} but x is on {device}; move the graph "
+                             f"to the device of the features once (edge_index.to(x.device))")
+
+
+# --------------------------------------------------------------- helpers
+
+def _is_sparse(adj) -> bool:
+    return (isinstance(adj, SparseTensor)
+            or (isinstance(adj, Tensor) and adj.layout != torch.strided))
+
+
+def _sparse_has_features(adj) -> bool:
+    if isinstance(adj, SparseTensor):
+        return adj.storage.value() is not None
+    values = adj._values() if adj.layout == torch.sparse_coo else adj.values()
+    return values.dim() > 1
+
+
+# The BSB of a sparse adjacency, cached like graph.cached_bsb caches that of
+# an edge_index tensor: keyed by identity, checked against version and shape.
+_SPARSE_CACHE: dict = {}
+
+
+def _sparse_bsb(adj) -> BSBGraph:
+    if isinstance(adj, SparseTensor):
+        n_dst, n_src = adj.sizes()[:2]
+        sig = (adj.nnz(), n_dst, n_src)
+    else:
+        n_dst, n_src = adj.shape[:2]
+        sig = (adj._nnz(), adj._version, tuple(adj.shape), adj.device, adj.layout)
+    if n_dst != n_src:
+        raise ValueError(f"the fused path needs a square adjacency (got {n_dst} x {n_src})")
+    key = id(adj)
+    hit = _SPARSE_CACHE.get(key)
+    if hit is not None and hit[0]() is adj and hit[1] == sig:
+        return hit[2]
+    if isinstance(adj, SparseTensor):
+        rowptr, col, _ = adj.csr()
+        bsb = BSBGraph.from_csr(rowptr, col, n_dst)
+    elif adj.layout == torch.sparse_csr:
+        bsb = BSBGraph.from_csr(adj.crow_indices(), adj.col_indices(), n_dst)
+    elif adj.layout == torch.sparse_coo:
+        dst, src = adj._indices()
+        bsb = BSBGraph.from_edge_index(torch.stack([src, dst]), n_dst)
+    else:
+        raise ValueError(f"a sparse edge_index must have the COO or CSR layout "
+                         f"(got {adj.layout})")
+    _SPARSE_CACHE[key] = (weakref.ref(adj, lambda _, k=key: _SPARSE_CACHE.pop(k, None)), sig, bsb)
+    return bsb
+
+
+_DUPLICATES_WARNED: "weakref.WeakSet[BSBGraph]" = weakref.WeakSet()
+
+
+def _warn_duplicates_once(bsb: BSBGraph) -> None:
+    if bsb.num_duplicates > 0 and bsb not in _DUPLICATES_WARNED:
+        _DUPLICATES_WARNED.add(bsb)
+        warnings.warn(
+            f"Fused3SConv: the graph has {bsb.num_duplicates} duplicate edge(s). The fused "
+            f"attention counts each edge once, TransformerConv counts every copy, so the "
+            f"outputs differ on this graph. Coalesce it to match TransformerConv: "
+            f"edge_index = torch_geometric.utils.coalesce(edge_index).",
+            UserWarning, stacklevel=5)  # the caller of the layer

@@ -1,0 +1,230 @@
+"""gt_fused3s.nn.dgl.Fused3SConv against DGL's own unfused computation
+(u_dot_v -> edge_softmax -> u_mul_e / sum) with the same projections."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("DGLBACKEND", "pytorch")
+dgl = pytest.importorskip("dgl")
+
+import dgl.function as fn  # noqa: E402
+from dgl.base import DGLError  # noqa: E402
+from dgl.nn.functional import edge_softmax  # noqa: E402
+
+import gt_fused3s.nn.dgl as dgl_mod  # noqa: E402
+from gt_fused3s import BSBGraph  # noqa: E402
+from gt_fused3s.nn.dgl import Fused3SConv  # noqa: E402
+
+try:
+    from graph_cases import GRAPH_CASES
+except ImportError:  # tests/ collected as a package
+    from tests.graph_cases import GRAPH_CASES
+
+ATOL, RTOL = 1e-5, 1e-5
+F_IN, D = 19, 24
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    calls = []
+    orig = dgl_mod.fused3s_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return orig(*args, **kwargs)
+    monkeypatch.setattr(dgl_mod, "fused3s_attention", counting)
+    return calls
+
+
+@pytest.fixture
+def bsb_builds(monkeypatch):
+    calls = []
+    orig = BSBGraph._build.__func__
+
+    def counting(cls, *args, **kwargs):
+        calls.append(1)
+        return orig(cls, *args, **kwargs)
+    monkeypatch.setattr(BSBGraph, "_build", classmethod(counting))
+    return calls
+
+
+def dgl_unfused(conv, g, feat):
+    """DGL's own computation with conv's projections (the ground truth)."""
+    feat_src, feat_dst = feat if isinstance(feat, tuple) else (feat, feat)
+    H, Dh = conv._num_heads, conv._out_feats
+    with g.local_scope():
+        g.srcdata["k"] = conv.k_proj(feat_src).view(-1, H, Dh)
+        g.srcdata["v"] = conv.v_proj(feat_src).view(-1, H, Dh)
+        g.dstdata["q"] = conv.q_proj(feat_dst).view(-1, H, Dh)
+        g.apply_edges(fn.u_dot_v("k", "q", "e"))
+        g.edata["a"] = edge_softmax(g, g.edata["e"] / Dh ** 0.5)
+        g.update_all(fn.u_mul_e("v", "a", "m"), fn.sum("m", "h"))
+        return g.dstdata["h"], g.edata["a"]
+
+
+def to_dgl(case):
+    edge_index, n = GRAPH_CASES[case]()
+    return dgl.graph((edge_index[0], edge_index[1]), num_nodes=n)
+
+
+def with_self_loops(g):
+    """Every node gets exactly one self loop (no duplicates)."""
+    return dgl.add_self_loop(dgl.remove_self_loop(g))
+
+
+def random_feat(n, f=F_IN, seed=1):
+    return torch.randn(n, f, generator=torch.Generator().manual_seed(seed))
+
+
+def make_conv(in_feats=F_IN, out_feats=D, num_heads=3, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return Fused3SConv(in_feats, out_feats, num_heads, **kwargs)
+
+
+def assert_close(a, b):
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("num_heads", [1, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_dgl_with_self_loops(num_heads, bias, fused_calls):
+    g = with_self_loops(to_dgl("random_1003"))
+    conv = make_conv(num_heads=num_heads, bias=bias)
+    feat = random_feat(g.num_nodes())
+    out = conv(g, feat)
+    assert out.shape == (g.num_nodes(), num_heads, D)
+    assert_close(out, dgl_unfused(conv, g, feat)[0])
+    assert len(fused_calls) == 1
+
+
+@pytest.mark.parametrize("case", ["random_1003", "empty_rows", "isolated_nodes", "heavy_node",
+                                  "single_node", "no_edges"])
+def test_matches_dgl_with_zero_in_degree_allowed(case, fused_calls):
+    g = to_dgl(case)
+    conv = make_conv(allow_zero_in_degree=True)
+    feat = random_feat(g.num_nodes())
+    out = conv(g, feat)
+    assert_close(out, dgl_unfused(conv, g, feat)[0])
+    zero = g.in_degrees() == 0
+    assert torch.all(out[zero] == 0)
+    assert len(fused_calls) == 1
+
+
+def test_matches_dgl_on_batched_graphs(fused_calls):
+    gen = torch.Generator().manual_seed(7)
+    graphs = []
+    for n in [5, 17, 1, 33, 12, 40, 9]:
+        e = int(torch.randint(0, 3 * n + 1, (1,), generator=gen))
+        src, dst = torch.randint(0, n, (2, e), generator=gen)
+        graphs.append(dgl.to_simple(dgl.add_self_loop(dgl.graph((src, dst), num_nodes=n))))
+    bg = dgl.batch(graphs)
+    conv = make_conv(num_heads=3)
+    feat = random_feat(bg.num_nodes())
+    assert_close(conv(bg, feat), dgl_unfused(conv, bg, feat)[0])
+    assert len(fused_calls) == 1
+
+
+def test_zero_in_degree_raises_dgl_error():
+    g = to_dgl("isolated_nodes")
+    conv = make_conv()
+    with pytest.raises(DGLError, match=r"There are 0-in-degree nodes in the graph.*"
+                                       r"allow_zero_in_degree"):
+        conv(g, random_feat(g.num_nodes()))
+    conv.set_allow_zero_in_degree(True)
+    conv(g, random_feat(g.num_nodes()))
+
+
+def test_gradients_match():
+    g = with_self_loops(to_dgl("empty_rows"))
+    conv = make_conv(num_heads=3)
+    grads = []
+    for run in (lambda f: conv(g, f), lambda f: dgl_unfused(conv, g, f)[0]):
+        conv.zero_grad()
+        feat = random_feat(g.num_nodes()).requires_grad_()
+        out = run(feat)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append({"feat": feat.grad.clone(),
+                      **{k: p.grad.clone() for k, p in conv.named_parameters()}})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+def test_pair_features_on_homogeneous_graph(fused_calls):
+    g = with_self_loops(to_dgl("empty_rows"))
+    conv = make_conv(in_feats=(F_IN, 7))
+    feat = (random_feat(g.num_nodes(), F_IN), random_feat(g.num_nodes(), 7, seed=2))
+    assert_close(conv(g, feat), dgl_unfused(conv, g, feat)[0])
+    assert len(fused_calls) == 1
+
+
+def test_bipartite_and_get_attention_take_dgl_path(fused_calls):
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 30, (80,), generator=gen)
+    dst = torch.randint(0, 21, (80,), generator=gen)
+    g = dgl.heterograph({("u", "e", "v"): (src, dst)}, num_nodes_dict={"u": 30, "v": 21})
+    conv = make_conv(in_feats=(F_IN, 7), allow_zero_in_degree=True)
+    feat = (random_feat(30, F_IN), random_feat(21, 7, seed=2))
+    ref, ref_attn = dgl_unfused(conv, g, feat)
+    assert_close(conv(g, feat), ref)
+    out, attn = conv(g, feat, get_attention=True)
+    assert_close(out, ref)
+    assert_close(attn, ref_attn)
+    assert len(fused_calls) == 0
+
+
+def test_bsb_built_once_per_graph(bsb_builds, fused_calls):
+    g = to_dgl("self_loops")
+    conv1 = make_conv(num_heads=2, seed=0)
+    conv2 = make_conv(in_feats=D, num_heads=2, seed=1)
+    feat = random_feat(g.num_nodes())
+    for _ in range(2):
+        conv2(g, conv1(g, feat).mean(1))
+    assert len(bsb_builds) == 1 and len(fused_calls) == 4
+    bsb = Fused3SConv.to_graph_format(g)
+    assert bsb is Fused3SConv.to_graph_format(g, "cpu") and len(bsb_builds) == 1
+    # a graph changed in place is rebuilt, and the result still matches DGL
+    g.add_edges(torch.tensor([0, 1]), torch.tensor([5, 9]))
+    assert_close(conv1(g, feat), dgl_unfused(conv1, g, feat)[0])
+    assert len(bsb_builds) == 2
+
+
+def test_duplicate_edges_warn_once():
+    g = dgl.add_self_loop(to_dgl("duplicates"))
+    conv = make_conv()
+    feat = random_feat(g.num_nodes())
+    with pytest.warns(UserWarning, match=r"duplicate edge.*dgl.to_simple"):
+        out = conv(g, feat)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        conv(g, feat)
+    simple = dgl.to_simple(g)
+    assert_close(out, dgl_unfused(conv, simple, feat)[0])
+
+
+def test_bad_features_raise_dgl_error():
+    g = to_dgl("self_loops")
+    conv = make_conv()
+    with pytest.raises(DGLError, match=r"feat_src has shape \(32, 19\) but the graph has 33"):
+        conv(g, random_feat(32))
+    with pytest.raises(DGLError, match=r"feat_src must be a floating-point tensor"):
+        conv(g, random_feat(33).long())
+    with pytest.raises(DGLError, match=r"expects 19 features"):
+        conv(g, random_feat(33, 5))
+
+
+def test_reset_parameters_and_state_dict():
+    conv = make_conv(num_heads=3)
+    assert sorted(conv.state_dict()) == sorted(
+        f"{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias"))
+    other = make_conv(num_heads=3, seed=5)
+    other.load_state_dict(conv.state_dict(), strict=True)
+    g = to_dgl("self_loops")
+    feat = random_feat(g.num_nodes())
+    assert_close(other(g, feat), conv(g, feat))
+    conv.reset_parameters()
+    assert torch.all(conv.q_proj.bias == 0)

@@ -1,0 +1,350 @@
+"""gt_fused3s.nn.Fused3SConv against torch_geometric.nn.TransformerConv:
+same weights, same outputs and gradients, fused path where it applies and
+TransformerConv's own path where it does not."""
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+import warnings
+
+import pytest
+import torch
+from torch_geometric import EdgeIndex
+from torch_geometric.data import Batch, Data
+from torch_geometric.nn import TransformerConv
+from torch_geometric.utils import coalesce
+
+import gt_fused3s.nn.pyg as pyg_mod
+from gt_fused3s import BSBGraph, cached_bsb
+from gt_fused3s.nn import Fused3SConv
+
+try:
+    from graph_cases import GRAPH_CASES
+except ImportError:  # tests/ collected as a package
+    from tests.graph_cases import GRAPH_CASES
+
+ATOL, RTOL = 1e-5, 1e-5
+F_IN, D = 19, 24          # odd sizes on purpose
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts calls of the fused attention from the layer (0 = the layer
+    took TransformerConv's unfused path)."""
+    calls = []
+    orig = pyg_mod.fused3s_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return orig(*args, **kwargs)
+    monkeypatch.setattr(pyg_mod, "fused3s_attention", counting)
+    return calls
+
+
+@pytest.fixture
+def bsb_builds(monkeypatch):
+    """Counts BSB builds."""
+    calls = []
+    orig = BSBGraph._build.__func__
+
+    def counting(cls, *args, **kwargs):
+        calls.append(1)
+        return orig(cls, *args, **kwargs)
+    monkeypatch.setattr(BSBGraph, "_build", classmethod(counting))
+    return calls
+
+
+def make_pair(in_channels=F_IN, out_channels=D, seed=0, **kwargs):
+    """A TransformerConv and a Fused3SConv holding its weights (strict load)."""
+    torch.manual_seed(seed)
+    ref = TransformerConv(in_channels, out_channels, **kwargs)
+    ours = Fused3SConv(in_channels, out_channels, **kwargs)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    return ref, ours
+
+
+def random_x(n, f=F_IN, seed=1):
+    return torch.randn(n, f, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_close(a, b):
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+# ------------------------------------------------------------ equivalence
+
+@pytest.mark.parametrize("heads,concat,root_weight,beta,bias",
+                         list(itertools.product([1, 4], [True, False], [True, False],
+                                                [True, False], [True, False])))
+def test_matches_transformer_conv(heads, concat, root_weight, beta, bias, fused_calls):
+    edge_index, n = GRAPH_CASES["random_1003"]()
+    ref, ours = make_pair(heads=heads, concat=concat, root_weight=root_weight, beta=beta,
+                          bias=bias)
+    x = random_x(n)
+    assert_close(ours(x, edge_index), ref(x, edge_index))
+    assert len(fused_calls) == 1
+
+
+@pytest.mark.parametrize("case", [c for c in GRAPH_CASES if c != "duplicates"])
+def test_matches_on_graph_cases(case, fused_calls):
+    edge_index, n = GRAPH_CASES[case]()
+    ref, ours = make_pair(heads=4, beta=True)
+    x = random_x(n)
+    assert_close(ours(x, edge_index), ref(x, edge_index))
+    assert len(fused_calls) == 1
+
+
+def test_matches_on_pyg_batch(fused_calls):
+    g = torch.Generator().manual_seed(7)
+    graphs = []
+    for i, n in enumerate([5, 17, 1, 33, 12, 40, 9]):
+        e = int(torch.randint(0, 3 * n + 1, (1,), generator=g))
+        ei = coalesce(torch.randint(0, n, (2, e), generator=g), num_nodes=n)
+        if i % 2:   # self loops on half the graphs
+            ei = coalesce(torch.cat([ei, torch.arange(n).repeat(2, 1)], 1), num_nodes=n)
+        graphs.append(Data(x=torch.randn(n, F_IN, generator=g), edge_index=ei, num_nodes=n))
+    batch = Batch.from_data_list(graphs)
+    ref, ours = make_pair(heads=4, concat=False, beta=True)
+    assert_close(ours(batch.x, batch.edge_index), ref(batch.x, batch.edge_index))
+    assert len(fused_calls) == 1
+
+
+@pytest.mark.parametrize("concat,beta", [(True, True), (False, False)])
+def test_gradients_match(concat, beta, fused_calls):
+    edge_index, n = GRAPH_CASES["random_1003"]()
+    ref, ours = make_pair(heads=4, concat=concat, beta=beta)
+    grads = []
+    for conv in (ref, ours):
+        x = random_x(n).requires_grad_()
+        out = conv(x, edge_index)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append({"x": x.grad, **{k: p.grad for k, p in conv.named_parameters()}})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"grad of {name}: {m}")
+    assert len(fused_calls) == 1
+
+
+def test_bipartite_pair_with_equal_counts(fused_calls):
+    edge_index, n = GRAPH_CASES["random_1003"]()
+    ref, ours = make_pair(in_channels=(F_IN, 11), heads=4, beta=True)
+    x = (random_x(n, F_IN, seed=1), random_x(n, 11, seed=2))
+    assert_close(ours(x, edge_index), ref(x, edge_index))
+    assert len(fused_calls) == 1
+
+
+def test_output_invariant_to_edge_order():
+    edge_index, n = GRAPH_CASES["random_1003"]()
+    _, ours = make_pair(heads=4)
+    x = random_x(n)
+    perm = torch.randperm(edge_index.size(1), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(ours(x, edge_index[:, perm]), ours(x, edge_index),
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["coo", "csr", "edge_index_class"])
+def test_other_adjacency_formats(fmt, fused_calls):
+    edge_index, n = GRAPH_CASES["empty_rows"]()
+    ref, ours = make_pair(heads=4)
+    x = random_x(n)
+    if fmt == "edge_index_class":
+        adj = EdgeIndex(edge_index, sparse_size=(n, n))
+    else:   # adj_t: entry [dst, src]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # torch's sparse invariant-check notice
+            adj = torch.sparse_coo_tensor(edge_index.flip(0), torch.ones(edge_index.size(1)),
+                                          (n, n)).coalesce()
+            adj = adj.to_sparse_csr() if fmt == "csr" else adj
+    assert_close(ours(x, adj), ref(x, edge_index))
+    assert len(fused_calls) == 1
+
+
+def test_lazy_in_channels():
+    edge_index, n = GRAPH_CASES["self_loops"]()
+    x = random_x(n)
+    ref, ours = make_pair(in_channels=-1, heads=2)
+    ref(x, edge_index)                    # materialises the lazy weights
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    assert_close(ours(x, edge_index), ref(x, edge_index))
+
+
+# ------------------------------------------------------------ graph format
+
+def test_bsb_built_once_across_calls_and_layers(bsb_builds, fused_calls):
+    edge_index, n = GRAPH_CASES["random_1003"]()
+    edge_index = edge_index.clone()        # a tensor no other test has cached
+    _, conv1 = make_pair(heads=4, seed=0)
+    _, conv2 = make_pair(in_channels=4 * D, heads=2, seed=1)
+    x = random_x(n)
+    for _ in range(2):
+        conv2(conv1(x, edge_index), edge_index)
+    assert len(bsb_builds) == 1 and len(fused_calls) == 4
+    bsb = Fused3SConv.to_graph_format(edge_index, n)
+    assert bsb is cached_bsb(edge_index, n) and len(bsb_builds) == 1
+
+
+def test_prebuilt_bsb_graph(bsb_builds, fused_calls):
+    edge_index, n = GRAPH_CASES["isolated_nodes"]()
+    ref, ours = make_pair(heads=4, beta=True)
+    x = random_x(n)
+    bsb = Fused3SConv.to_graph_format(edge_index, n)
+    assert isinstance(bsb, BSBGraph) and bsb.num_nodes == n
+    assert len(bsb_builds) == 1
+    assert_close(ours(x, bsb), ref(x, edge_index))
+    assert len(bsb_builds) == 1 and len(fused_calls) == 1
+    # a fallback with a BSBGraph runs TransformerConv on its (deduplicated) edges
+    out, (ei, alpha) = ours(x, bsb, return_attention_weights=True)
+    assert ei is bsb.edge_index and alpha.shape == (bsb.num_edges, 4)
+    assert_close(out, ref(x, edge_index))
+
+
+def test_duplicate_edges_warn_once():
+    edge_index, n = GRAPH_CASES["duplicates"]()
+    ref, ours = make_pair(heads=4)
+    x = random_x(n)
+    with pytest.warns(UserWarning, match=r"duplicate edge.*coalesce"):
+        out = ours(x, edge_index)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours(x, edge_index)               # same graph: no second warning
+    # the fused mask counts a duplicate once: TransformerConv on the coalesced graph
+    assert_close(out, ref(x, coalesce(edge_index, num_nodes=n)))
+
+
+# ------------------------------------------------------------ fallbacks
+
+def test_fallback_edge_features(fused_calls):
+    edge_index, n = GRAPH_CASES["random_1003"]()
+    ref, ours = make_pair(heads=4, edge_dim=5, beta=True)
+    x = random_x(n)
+    edge_attr = torch.randn(edge_index.size(1), 5, generator=torch.Generator().manual_seed(2))
+    assert_close(ours(x, edge_index, edge_attr), ref(x, edge_index, edge_attr))
+    assert len(fused_calls) == 0
+
+
+def test_fallback_return_attention_weights(fused_calls):
+    edge_index, n = GRAPH_CASES["empty_rows"]()
+    ref, ours = make_pair(heads=4)
+    x = random_x(n)
+    out, (ei, alpha) = ours(x, edge_index, return_attention_weights=True)
+    out_ref, (ei_ref, alpha_ref) = ref(x, edge_index, return_attention_weights=True)
+    assert_close(out, out_ref)
+    assert_close(alpha, alpha_ref)
+    assert torch.equal(ei, ei_ref)
+    assert len(fused_calls) == 0
+
+
+def test_fallback_dropout_in_training_only(fused_calls):
+    edge_index, n = GRAPH_CASES["random_1003"]()
+    ref, ours = make_pair(heads=4, dropout=0.3)
+    x = random_x(n)
+    for conv in (ref, ours):
+        conv.train()
+    torch.manual_seed(5)
+    out_ref = ref(x, edge_index)
+    torch.manual_seed(5)
+    assert_close(ours(x, edge_index), out_ref)
+    assert len(fused_calls) == 0
+    ref.eval()
+    ours.eval()                           # no dropout: the fused path
+    assert_close(ours(x, edge_index), ref(x, edge_index))
+    assert len(fused_calls) == 1
+
+
+def test_fallback_bipartite(fused_calls):
+    g = torch.Generator().manual_seed(6)
+    n_src, n_dst = 30, 21
+    edge_index = torch.stack([torch.randint(0, n_src, (90,), generator=g),
+                              torch.randint(0, n_dst, (90,), generator=g)])
+    ref, ours = make_pair(in_channels=(F_IN, 7), heads=4, beta=True)
+    x = (torch.randn(n_src, F_IN, generator=g), torch.randn(n_dst, 7, generator=g))
+    assert_close(ours(x, edge_index), ref(x, edge_index))
+    assert len(fused_calls) == 0
+
+
+def test_fallback_other_aggregation(fused_calls):
+    edge_index, n = GRAPH_CASES["self_loops"]()
+    ref, ours = make_pair(heads=2, aggr="mean")
+    x = random_x(n)
+    assert_close(ours(x, edge_index), ref(x, edge_index))
+    assert len(fused_calls) == 0
+
+
+# ------------------------------------------------------------ state dict
+
+def test_state_dict_round_trip_both_ways():
+    edge_index, n = GRAPH_CASES["random_1003"]()
+    x = random_x(n)
+    for kwargs in ({"heads": 4, "beta": True}, {"heads": 1, "concat": False, "edge_dim": 3,
+                                                "bias": False}):
+        torch.manual_seed(0)
+        ref = TransformerConv(F_IN, D, **kwargs)
+        torch.manual_seed(0)
+        ours = Fused3SConv(F_IN, D, **kwargs)   # same init: shared reset_parameters
+        for (k1, v1), (k2, v2) in zip(ref.state_dict().items(), ours.state_dict().items()):
+            assert k1 == k2 and torch.equal(v1, v2)
+        torch.manual_seed(1)
+        ours.reset_parameters()
+        ref.load_state_dict(ours.state_dict(), strict=True)      # ours -> TransformerConv
+        ours2 = Fused3SConv(F_IN, D, **kwargs)
+        ours2.load_state_dict(ref.state_dict(), strict=True)     # TransformerConv -> ours
+        edge_attr = (torch.randn(edge_index.size(1), 3) if "edge_dim" in kwargs else None)
+        assert_close(ours2(x, edge_index, edge_attr), ref(x, edge_index, edge_attr))
+    assert repr(Fused3SConv(F_IN, D, heads=4)) == f"Fused3SConv({F_IN}, {D}, heads=4)"
+    assert isinstance(ours, TransformerConv)
+
+
+# ------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("make,match", [
+    (lambda x, ei: (x.long(), ei), r"x must be a floating-point tensor"),
+    (lambda x, ei: (x.unsqueeze(0), ei), r"x must have shape \[num_nodes, in_channels\]"),
+    (lambda x, ei: (x[:, :5], ei), r"x has 5 features .* in_channels=19"),
+    (lambda x, ei: (x.double(), ei), r"x has dtype torch.float64 .* torch.float32"),
+    (lambda x, ei: ((x, None), ei), r"x\[1\] must be a torch.Tensor"),
+    (lambda x, ei: ("x", ei), r"x must be a Tensor"),
+    (lambda x, ei: (x, ei.float()), r"edge_index must be an integer tensor"),
+    (lambda x, ei: (x, ei.short()), r"edge_index must be int32 or int64"),
+    (lambda x, ei: (x, ei[0]), r"edge_index must be 2-D"),
+    (lambda x, ei: (x, torch.cat([ei, ei[:1]])), r"edge_index must have shape \[2, E\]"),
+    (lambda x, ei: (x, ei.tolist()), r"edge_index must be an integer tensor \[2, E\]"),
+    (lambda x, ei: (x, torch.cat([ei, torch.tensor([[3], [33]])], 1)),
+     r"edge_index has index 33 out of range for num_nodes=33"),
+    (lambda x, ei: (x, torch.cat([ei, torch.tensor([[-1], [3]])], 1)),
+     r"edge_index has negative index -1"),
+    (lambda x, ei: (x[:20], BSBGraph.from_edge_index(ei, 33)), r"BSBGraph .* num_nodes=33"),
+])
+def test_bad_input_raises_value_error(make, match):
+    edge_index, n = GRAPH_CASES["self_loops"]()
+    _, ours = make_pair(heads=2)
+    x, ei = make(random_x(n), edge_index)
+    with pytest.raises(ValueError, match=match):
+        ours(x, ei)
+
+
+def test_bad_input_on_unfused_path():
+    edge_index, n = GRAPH_CASES["self_loops"]()
+    _, ours = make_pair(heads=2, edge_dim=3)
+    x = random_x(n)
+    bad = torch.cat([edge_index, torch.tensor([[40], [3]])], 1)
+    with pytest.raises(ValueError, match=r"edge_index\[0\] has index 40 out of range"):
+        ours(x, bad, torch.randn(bad.size(1), 3))
+    bsb = BSBGraph.from_edge_index(edge_index, n)
+    with pytest.raises(ValueError, match=r"edge_attr cannot be used with a BSBGraph"):
+        ours(x, bsb, torch.randn(bsb.num_edges, 3))
+
+
+# ------------------------------------------------------------ packaging
+
+def test_nn_package_needs_no_dgl(monkeypatch):
+    import gt_fused3s
+    monkeypatch.setattr(gt_fused3s, "nn", gt_fused3s.nn)  # restored with sys.modules
+    monkeypatch.setitem(sys.modules, "dgl", None)         # `import dgl` now fails
+    for name in [m for m in sys.modules if m.startswith("gt_fused3s.nn")]:
+        monkeypatch.delitem(sys.modules, name)
+    nn_pkg = importlib.import_module("gt_fused3s.nn")
+    assert nn_pkg.Fused3SConv.__name__ == "Fused3SConv"
+    with pytest.raises(ImportError, match=r'pip install "gt-fused3s\[dgl\]"'):
+        importlib.import_module("gt_fused3s.nn.dgl")
