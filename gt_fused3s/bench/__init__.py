@@ -1,0 +1,2 @@
+"""Benchmark harness shared by the scripts (``scripts/*.py`` are thin CLIs
+over these modules)."""

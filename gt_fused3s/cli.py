@@ -1,0 +1,35 @@
+"""The ``gt-fused3s`` command line. Subcommands live in their own modules
+(``gt_fused3s.bench.*``); this file only wires them up.
+
+    gt-fused3s infer --config configs/default.yaml [--backends fused3s pyg]
+                     [--device cuda] [--csv out.csv] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .bench import infer
+
+    parser = argparse.ArgumentParser(prog="gt-fused3s", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("infer", help="Graph Transformer inference: time and compare backends",
+                       description=infer.__doc__.split("\n\n")[0])
+    infer.add_arguments(p)
+    p.set_defaults(run=infer.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as err:   # bad config or arguments: one line
+        parser.exit(2, f"gt-fused3s {args.command}: error: {err}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

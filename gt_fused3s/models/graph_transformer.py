@@ -1,0 +1,252 @@
+r"""The Graph Transformer of the Fused3S end-to-end study: an input
+embedding, ``L`` blocks of sparse graph attention + FFN, and a node- or
+graph-level readout, with the attention backend switchable at run time.
+
+One block (post-norm, as in Dwivedi & Bresson's Graph Transformer)::
+
+    h = norm1(x + W_o · attention(W_q x, W_k x, W_v x; graph))
+    x = norm2(h + FFN(h)),     FFN = Linear(C, 2C) -> ReLU -> Linear(2C, C)
+
+where ``attention`` is the 3S attention of DESIGN.md over the graph's edges
+(node ``i`` attends to its in-neighbours ``j``), computed by one of
+:data:`gt_fused3s.backends.BACKENDS`. Every backend computes the same
+function, so one set of weights gives the same outputs under any backend.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from ..backends import AttentionGraph, get_backend
+from ..graph import BSBGraph
+
+# The format each built-in backend reads from an AttentionGraph: built before
+# the first block, so that it is timed apart from the attention itself.
+_FORMAT = {
+    "fused3s": lambda g: g.bsb,
+    "pyg": lambda g: g.edge_index,
+    "reference": lambda g: g.edge_index,
+    "dense": lambda g: g.dense_mask,
+    "flex": lambda g: g.flex_block_mask(),
+}
+
+
+class AttentionTimer:
+    """Time spent in the model's attention calls and graph-format builds.
+
+    Made by :meth:`GraphTransformer.attention_timer`; while it is active, every
+    span (``"attention"``: one backend call, ``"format"``: building the
+    backend's graph format, once per forward) is timed: with CUDA events on a
+    GPU (read by :meth:`ms`, after one synchronisation) and ``perf_counter``
+    on a CPU. Spans add a little overhead, so time a run without the timer
+    and use this one for the split.
+    """
+
+    def __init__(self):
+        self._ms: dict[str, float] = defaultdict(float)
+        self._count: dict[str, int] = defaultdict(int)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextlib.contextmanager
+    def span(self, kind: str, device: torch.device) -> Iterator[None]:
+        self._count[kind] += 1
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((kind, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._ms[kind] += (time.perf_counter() - t0) * 1e3
+
+    def _collect(self) -> None:
+        if self._events:
+            torch.cuda.synchronize()
+            for kind, start, end in self._events:
+                self._ms[kind] += start.elapsed_time(end)
+            self._events.clear()
+
+    def ms(self, kind: str = "attention") -> float:
+        """Total milliseconds spent in spans of ``kind``."""
+        self._collect()
+        return self._ms[kind]
+
+    def count(self, kind: str = "attention") -> int:
+        return self._count[kind]
+
+
+def _make_norm(norm: str, channels: int) -> nn.Module:
+    if norm == "layer":
+        return nn.LayerNorm(channels)
+    if norm == "batch":
+        return nn.BatchNorm1d(channels)
+    raise ValueError(f"norm must be 'layer' or 'batch' (got {norm!r})")
+
+
+class GraphTransformerBlock(nn.Module):
+    """Q/K/V projections, sparse attention, output projection, residual +
+    norm, FFN, residual + norm. The attention itself is passed in by the
+    model (one backend for all blocks)."""
+
+    def __init__(self, channels: int, heads: int = 1, norm: str = "layer", dropout: float = 0.0):
+        super().__init__()
+        if channels < heads:
+            raise ValueError(f"hidden_channels={channels} must be >= heads={heads}")
+        self.heads = heads
+        self.head_dim = channels // heads
+        inner = heads * self.head_dim
+        self.q = nn.Linear(channels, inner)
+        self.k = nn.Linear(channels, inner)
+        self.v = nn.Linear(channels, inner)
+        self.o = nn.Linear(inner, channels)
+        self.norm1 = _make_norm(norm, channels)
+        self.ffn = nn.Sequential(nn.Linear(channels, 2 * channels), nn.ReLU(), nn.Dropout(dropout),
+                                 nn.Linear(2 * channels, channels))
+        self.norm2 = _make_norm(norm, channels)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, attend) -> Tensor:
+        N = x.size(0)
+        shape = (N, self.heads, self.head_dim)
+        q, k, v = self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape)
+        a = attend(q, k, v, 1.0 / math.sqrt(self.head_dim)).reshape(N, -1)
+        x = self.norm1(x + self.dropout(self.o(a)))
+        return self.norm2(x + self.dropout(self.ffn(x)))
+
+
+class GraphTransformer(nn.Module):
+    r"""Graph Transformer with a switchable sparse-attention backend.
+
+    Args:
+        in_channels: input feature width F.
+        hidden_channels: width C of every block (projections go to
+            ``heads * (C // heads)``).
+        out_channels: width of the readout.
+        num_layers: number of blocks L (default 10, as in the paper's study).
+        heads: attention heads H.
+        backend: name in :data:`gt_fused3s.backends.BACKENDS` (``"fused3s"``,
+            ``"pyg"``, ``"reference"``, ``"dense"``, ``"flex"``); settable
+            later (``model.backend = "pyg"``) without touching the weights.
+        norm: ``"layer"`` (LayerNorm, default) or ``"batch"`` (BatchNorm1d
+            over nodes).
+        readout: ``"node"`` (a linear head per node) or ``"graph"`` (mean
+            pool per graph of ``batch``, then a linear head).
+        dropout: dropout after the output projection and inside the FFN
+            (training only).
+        self_loops: let every node attend to itself as well (adds the
+            missing self loops to the graph the model builds).
+
+    Shapes:
+        - input: x [N, F], edge_index [2, E] (source, destination),
+          batch [N] (graph readout; None = one graph)
+        - output: [N, out_channels] (node) or [G, out_channels] (graph)
+    """
+
+    def __init__(self, in_channels: int, hidden_channels: int, out_channels: int,
+                 num_layers: int = 10, heads: int = 1, backend: str = "fused3s",
+                 norm: str = "layer", readout: str = "node", dropout: float = 0.0,
+                 self_loops: bool = False):
+        super().__init__()
+        if readout not in ("node", "graph"):
+            raise ValueError(f"readout must be 'node' or 'graph' (got {readout!r})")
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1 (got {num_layers})")
+        self.readout = readout
+        self.self_loops = self_loops
+        self.embed = nn.Linear(in_channels, hidden_channels)
+        self.blocks = nn.ModuleList(GraphTransformerBlock(hidden_channels, heads, norm, dropout)
+                                    for _ in range(num_layers))
+        self.head = nn.Linear(hidden_channels, out_channels)
+        self.backend = backend
+        self._timer: AttentionTimer | None = None
+
+    # ----------------------------------------------------------------- backend
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self._attention_fn = get_backend(name)    # raises on an unknown name
+        self._backend = name
+
+    @contextlib.contextmanager
+    def attention_timer(self) -> Iterator[AttentionTimer]:
+        """Time the attention calls and format builds of the forwards run
+        inside the ``with`` block (see :class:`AttentionTimer`)::
+
+            with model.attention_timer() as t:
+                model(x, edge_index)
+            t.ms("attention"), t.ms("format"), t.count("attention")
+        """
+        self._timer = timer = AttentionTimer()
+        try:
+            yield timer
+        finally:
+            self._timer = None
+
+    def _span(self, kind: str, device: torch.device):
+        if self._timer is not None:
+            return self._timer.span(kind, device)
+        if torch.autograd._profiler_enabled():   # named ranges for torch.profiler
+            return torch.profiler.record_function(f"gt_fused3s::{kind}")
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ graph
+    def make_graph(self, edge_index: Tensor, num_nodes: int) -> AttentionGraph:
+        """The :class:`AttentionGraph` a forward builds (self loops added if
+        the model has ``self_loops``); build it once yourself and pass it as
+        ``graph=`` to reuse it across forwards on one graph."""
+        if self.self_loops:
+            from torch_geometric.utils import add_remaining_self_loops
+            edge_index, _ = add_remaining_self_loops(edge_index, num_nodes=num_nodes)
+        return AttentionGraph(edge_index, num_nodes)
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, x: Tensor, edge_index: Tensor | None, batch: Tensor | None = None,
+                graph: AttentionGraph | BSBGraph | None = None) -> Tensor:
+        """Args:
+            x: [N, F] node features.
+            edge_index: [2, E]; ignored when ``graph`` is given.
+            batch: [N] graph id of each node, for ``readout="graph"``.
+            graph: a prebuilt :class:`AttentionGraph` (or :class:`BSBGraph`)
+                of this graph. Default: built here, once per forward, and
+                shared by all blocks (a batch is a new graph).
+        """
+        N = x.size(0)
+        if graph is None:
+            if edge_index is None:
+                raise ValueError("pass edge_index or graph")
+            graph = self.make_graph(edge_index, N)
+        elif isinstance(graph, BSBGraph):
+            graph = AttentionGraph.from_bsb(graph)
+        if graph.num_nodes != N:
+            raise ValueError(f"graph has {graph.num_nodes} nodes but x has {N} rows")
+        if graph.device != x.device:
+            raise ValueError(f"graph is on {graph.device} but x is on {x.device}")
+
+        fn, device = self._attention_fn, x.device
+        prepare = _FORMAT.get(self._backend)
+        if prepare is not None:
+            with self._span("format", device):
+                prepare(graph)
+
+        def attend(q, k, v, scale):
+            with self._span("attention", device):
+                return fn(q, k, v, graph, scale)
+
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, attend)
+        if self.readout == "graph":
+            from torch_geometric.nn import global_mean_pool
+            h = global_mean_pool(h, batch)
+        return self.head(h)

@@ -1,0 +1,146 @@
+"""The Graph Transformer: one set of weights, the same outputs under every
+backend; readouts, norms, and one BSB per forward."""
+import pytest
+import torch
+
+from gt_fused3s.backends import AttentionGraph
+from gt_fused3s.data import molecule_batch, power_law_graph
+from gt_fused3s.graph import BSBGraph
+from gt_fused3s.models import GraphTransformer
+
+CPU_BACKENDS = ["fused3s", "pyg", "reference", "dense"]
+
+
+def _molecules(num_graphs=6, features=12, seed=0):
+    edge_index, ptr = molecule_batch(num_graphs, isolated_prob=0.5, seed=seed)
+    n = int(ptr[-1])
+    batch = torch.repeat_interleave(torch.arange(num_graphs), ptr[1:] - ptr[:-1])
+    x = torch.randn(n, features, generator=torch.Generator().manual_seed(seed))
+    return x, edge_index, batch
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    args = dict(in_channels=12, hidden_channels=32, out_channels=5, heads=2)
+    args.update(kw)
+    return GraphTransformer(**args).eval()
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch"])
+@pytest.mark.parametrize("readout", ["node", "graph"])
+def test_same_outputs_across_backends(norm, readout):
+    x, ei, batch = _molecules()
+    model = _model(norm=norm, readout=readout)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    outs = {}
+    with torch.no_grad():
+        for backend in CPU_BACKENDS:
+            model.backend = backend
+            outs[backend] = model(x, ei, batch)
+    for k, v in model.state_dict().items():      # switching backends leaves weights alone
+        assert torch.equal(v, state[k])
+    for backend, out in outs.items():
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, outs["reference"], atol=2e-5, rtol=1e-5,
+                                   msg=f"{backend} differs from reference")
+
+
+def test_power_law_graph_agrees_and_depends_on_the_graph():
+    n = 300
+    ei = power_law_graph(n, avg_degree=6, max_degree=60, seed=1)
+    x = torch.randn(n, 12, generator=torch.Generator().manual_seed(1))
+    model = _model(heads=4, hidden_channels=64)
+    with torch.no_grad():
+        ref = model(x, ei)
+        for backend in ("fused3s", "pyg", "dense"):
+            model.backend = backend
+            torch.testing.assert_close(model(x, ei), ref, atol=2e-5, rtol=1e-5)
+        other = model(x, power_law_graph(n, avg_degree=6, max_degree=60, seed=2))
+    assert (other - ref).abs().max() > 1e-3       # the attention is not a no-op
+
+
+def test_readout_shapes():
+    x, ei, batch = _molecules(num_graphs=5)
+    assert _model(readout="node")(x, ei).shape == (x.size(0), 5)
+    model = _model(readout="graph", num_layers=2)
+    assert model(x, ei, batch).shape == (5, 5)
+    assert model(x, ei).shape == (1, 5)           # no batch: one graph
+
+
+def test_constructor_options():
+    model = _model(num_layers=3, heads=4, hidden_channels=30)   # 30 // 4 = 7 per head
+    assert len(model.blocks) == 3 and model.blocks[0].q.out_features == 28
+    assert isinstance(_model(norm="batch").blocks[0].norm1, torch.nn.BatchNorm1d)
+    assert len(_model().blocks) == 10
+    x, ei, _ = _molecules()
+    assert model(x, ei).shape == (x.size(0), 5)
+    with pytest.raises(ValueError, match="norm"):
+        _model(norm="group")
+    with pytest.raises(ValueError, match="readout"):
+        _model(readout="edge")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        _model(backend="nope")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        model.backend = "nope"
+    assert model.backend == "fused3s"
+
+
+def test_bsb_built_once_per_forward(monkeypatch):
+    calls = []
+    build = BSBGraph._build.__func__
+
+    def counting_build(cls, *args):
+        calls.append(1)
+        return build(cls, *args)
+
+    monkeypatch.setattr(BSBGraph, "_build", classmethod(counting_build))
+    x, ei, _ = _molecules()
+    model = _model()                               # 10 blocks, backend fused3s
+    with torch.no_grad():
+        model(x, ei)
+        assert len(calls) == 1
+        model(x, ei)                               # a forward is a new graph
+        assert len(calls) == 2
+        graph = model.make_graph(ei, x.size(0))
+        model(x, None, graph=graph)
+        model(x, None, graph=graph)                # prebuilt: reused
+        assert len(calls) == 3
+        model(x, None, graph=graph.bsb)            # a BSBGraph is accepted too
+        assert len(calls) == 3
+
+
+def test_prebuilt_graph_checks():
+    x, ei, _ = _molecules()
+    model = _model()
+    with pytest.raises(ValueError, match="nodes"):
+        model(x[:-1], None, graph=AttentionGraph(ei, x.size(0)))
+    with pytest.raises(ValueError, match="edge_index or graph"):
+        model(x, None)
+
+
+def test_attention_timer_and_profiler_ranges():
+    x, ei, _ = _molecules()
+    model = _model(num_layers=4)
+    with torch.no_grad():
+        with model.attention_timer() as timer:
+            model(x, ei)
+            model(x, ei)
+        assert timer.count("attention") == 8 and timer.count("format") == 2
+        assert timer.ms("attention") > 0 and timer.ms("format") > 0
+        model(x, ei)                               # the timer is off again
+        assert timer.count("attention") == 8
+        with torch.profiler.profile() as prof:
+            model(x, ei)
+    names = [e.name for e in prof.events()]
+    assert names.count("gt_fused3s::attention") == 4
+    assert names.count("gt_fused3s::format") == 1
+
+
+def test_self_loops_and_training_step():
+    x, ei, batch = _molecules()
+    model = _model(self_loops=True, dropout=0.1, readout="graph").train()
+    g = model.make_graph(ei, x.size(0))
+    loops = g.edge_index[0] == g.edge_index[1]
+    assert int(loops.sum()) == x.size(0)
+    model(x, ei, batch).square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
