@@ -43,6 +43,12 @@ class AttentionGraph:
         g._formats = {"bsb": bsb, "edge_index": bsb.edge_index}
         return g
 
+    def prepare(self, backend: str) -> None:
+        """Build the format that ``backend`` reads (so it can be timed apart
+        from the attention); a no-op for unknown backends and built formats."""
+        if backend in FORMAT_OF:
+            getattr(self, FORMAT_OF[backend])
+
     def _get(self, name: str, build: Callable[[], object]):
         if name not in self._formats:
             self._formats[name] = build()
@@ -74,6 +80,7 @@ class AttentionGraph:
             return mask
         return self._get("dense_mask", build)
 
+    @property
     def flex_block_mask(self):
         """FlexAttention ``BlockMask`` of this graph (built from the dense mask:
         O(N^2) bytes while building, so for graphs that fit)."""
@@ -142,10 +149,14 @@ def _flex(q, k, v, graph: AttentionGraph, scale):
         from torch.nn.attention.flex_attention import flex_attention
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     out = _flex_compiled(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                         v.transpose(0, 1).unsqueeze(0), block_mask=graph.flex_block_mask(),
+                         v.transpose(0, 1).unsqueeze(0), block_mask=graph.flex_block_mask,
                          scale=scale)
     return out.squeeze(0).transpose(0, 1)
 
+
+#: the AttentionGraph format (attribute) each backend reads
+FORMAT_OF = {"fused3s": "bsb", "pyg": "edge_index", "reference": "edge_index",
+             "dense": "dense_mask", "flex": "flex_block_mask"}
 
 BACKENDS: dict[str, Callable] = {
     "fused3s": _fused3s,

@@ -26,17 +26,6 @@ from torch import Tensor, nn
 from ..backends import AttentionGraph, get_backend
 from ..graph import BSBGraph
 
-# The format each built-in backend reads from an AttentionGraph: built before
-# the first block, so that it is timed apart from the attention itself.
-_FORMAT = {
-    "fused3s": lambda g: g.bsb,
-    "pyg": lambda g: g.edge_index,
-    "reference": lambda g: g.edge_index,
-    "dense": lambda g: g.dense_mask,
-    "flex": lambda g: g.flex_block_mask(),
-}
-
-
 class AttentionTimer:
     """Time spent in the model's attention calls and graph-format builds.
 
@@ -234,10 +223,8 @@ class GraphTransformer(nn.Module):
             raise ValueError(f"graph is on {graph.device} but x is on {x.device}")
 
         fn, device = self._attention_fn, x.device
-        prepare = _FORMAT.get(self._backend)
-        if prepare is not None:
-            with self._span("format", device):
-                prepare(graph)
+        with self._span("format", device):      # the backend's format, timed apart
+            graph.prepare(self._backend)
 
         def attend(q, k, v, scale):
             with self._span("attention", device):
