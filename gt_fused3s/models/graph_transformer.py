@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ..backends import AttentionGraph, get_backend
 from ..graph import BSBGraph
 
+
 class AttentionTimer:
     """Time spent in the model's attention calls and graph-format builds.
 
