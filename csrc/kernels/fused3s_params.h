@@ -8,14 +8,15 @@
 namespace gt_fused3s {
 
 // One work item of the forward kernel: a chunk of consecutive TCBs of one row
-// window. Items are executed in the order given (heaviest first); the grid
-// covers num_items * num_heads warps-teams, work index = item * num_heads + head.
+// window. Items are listed heaviest first; warp-teams take work indices
+// w = item * num_heads + head in that order from an atomic counter.
 //   window     : row window r (rows 16r .. 16r+15)
 //   tcb_begin  : first TCB of the chunk (global TCB index)
 //   tcb_end    : one past the last TCB (tcb_begin == tcb_end: empty window,
 //                the item writes zeros and lse = -inf)
 //   slot       : -1 if the chunk is the whole window (output written directly);
-//                else the partial-result slot this chunk writes (merged later)
+//                else the partial-result slot this chunk writes; the team that
+//                completes a window's last chunk merges its partials
 struct Fused3SItem {
     int32_t window;
     int32_t tcb_begin;
@@ -23,9 +24,9 @@ struct Fused3SItem {
     int32_t slot;
 };
 
-// One split row window for the merge kernel: its partial slots are
+// Per partial slot: the split window it belongs to and that window's slots
 // slot_begin .. slot_end-1 (one per chunk).
-struct Fused3SMergeItem {
+struct Fused3SSlot {
     int32_t window;
     int32_t slot_begin;
     int32_t slot_end;
@@ -60,12 +61,15 @@ struct Fused3SParams {
     // Schedule.
     const Fused3SItem* items_ptr;
     int32_t num_items;
-    const Fused3SMergeItem* merge_ptr;
-    int32_t num_merge;
+    const Fused3SSlot* slots_ptr;   // [num_slots]
+    int32_t num_slots;
 
-    // Partial results of split windows (fp32 workspace), only when num_merge > 0:
-    //   part_o  [num_slots, H, 16, D]  unnormalised O
-    //   part_ml [num_slots, H, 16, 2]  (row max in log2 units, row sum)
+    // Workspace, zeroed before the launch (the launcher does it on the stream):
+    //   counters [num_slots * H] int32: [s0 * H + h] = chunks of (split window with
+    //            first slot s0, head h) finished
+    //   part_o   [num_slots, H, 16, D] fp32 unnormalised O of each chunk
+    //   part_ml  [num_slots, H, 16, 2] fp32 (row max in log2 units, row sum)
+    int32_t* counters_ptr;
     float* part_o_ptr;
     float* part_ml_ptr;
 
@@ -74,7 +78,7 @@ struct Fused3SParams {
     float scale_log2;    // scale * log2(e)
 };
 
-// Launches the forward kernel (and the merge kernel when some windows are split).
+// Zeroes the arrival counters and launches the forward kernel on `stream`.
 // T is __half or __nv_bfloat16; HeadDim in {16, 32, 64, 128, 256}.
 template <typename T, int HeadDim>
 void run_fused3s_fwd(const Fused3SParams& params, cudaStream_t stream);

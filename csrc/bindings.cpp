@@ -1,0 +1,197 @@
+// The only file that includes torch: input checks (each message names its
+// input), device guard, current stream, params, dispatch on dtype x head dim,
+// op registration (torch.ops.gt_fused3s.*).
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <cstdint>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/fused3s_params.h"
+
+namespace gt_fused3s {
+namespace {
+
+// torch's Python names (float64, not Double), as users see them.
+const char* dtype_name(at::ScalarType t) {
+    switch (t) {
+        case at::kHalf: return "float16";
+        case at::kBFloat16: return "bfloat16";
+        case at::kFloat: return "float32";
+        case at::kDouble: return "float64";
+        case at::kInt: return "int32";
+        case at::kLong: return "int64";
+        case at::kShort: return "int16";
+        case at::kChar: return "int8";
+        case at::kByte: return "uint8";
+        case at::kBool: return "bool";
+        default: return c10::toString(t);
+    }
+}
+
+// Numbers and shapes are formatted with snprintf / std::to_string, not through
+// std::ostream: streaming numbers from this library crashed (SIGSEGV) on the
+// device machine's torch build, strings and devices did not.
+std::string num(int64_t x) { return std::to_string(x); }
+std::string num(double x) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%g", x);
+    return buf;
+}
+std::string shape(c10::IntArrayRef s) {
+    std::string out = "[";
+    for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+    return out + "]";
+}
+
+void check_qkv(const at::Tensor& t, const char* name, const at::Tensor& q) {
+    TORCH_CHECK(t.defined(), name, " must be a tensor (got an undefined tensor)");
+    TORCH_CHECK(t.device() == q.device(), name, " must be on the device of q (", q.device().str(), "), got ",
+                t.device().str());
+    TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, name,
+                " must be fp16 or bf16 (got ", dtype_name(t.scalar_type()), ")");
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have the dtype of q (",
+                dtype_name(q.scalar_type()), "), got ", dtype_name(t.scalar_type()));
+    TORCH_CHECK(t.dim() == 3, name, " must have shape [N, H, D] (got ", shape(t.sizes()), ")");
+    TORCH_CHECK(t.sizes() == q.sizes(), name, " must have the shape of q ", shape(q.sizes()), " (got ", shape(t.sizes()), ")");
+    TORCH_CHECK(t.size(2) <= 1 || t.stride(2) == 1, name,
+                " must be contiguous in its last dim (got strides ", shape(t.strides()), ")");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+                " must start at a 16-byte aligned address");
+    TORCH_CHECK(t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0, name,
+                " must have row and head strides that are multiples of 8 elements (16 bytes), got strides ",
+                shape(t.strides()));
+}
+
+void check_index(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Tensor& q) {
+    TORCH_CHECK(t.defined(), name, " must be a tensor (got an undefined tensor)");
+    TORCH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on the device of q (", q.device().str(),
+                "), got ", t.device().str());
+    TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype_name(dtype), " (got ",
+                dtype_name(t.scalar_type()), ")");
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+template <typename T>
+void launch_for_head_dim(int64_t d, const Fused3SParams& params, cudaStream_t stream) {
+    switch (d) {
+        case 16: run_fused3s_fwd<T, 16>(params, stream); break;
+        case 32: run_fused3s_fwd<T, 32>(params, stream); break;
+        case 64: run_fused3s_fwd<T, 64>(params, stream); break;
+        case 128: run_fused3s_fwd<T, 128>(params, stream); break;
+        case 256: run_fused3s_fwd<T, 256>(params, stream); break;
+        default: TORCH_CHECK(false, "head dim ", num(d), " is not compiled (16, 32, 64, 128, 256)");
+    }
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const at::Tensor& rw_offset, const at::Tensor& cols,
+                                            const at::Tensor& bitmap, const at::Tensor& window_order,
+                                            const at::Tensor& items, const at::Tensor& slots, double scale,
+                                            bool out_fp32) {
+    TORCH_CHECK(q.defined(), "q must be a tensor (got an undefined tensor)");
+    TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor (got device ", q.device().str(), ")");
+    check_qkv(q, "q", q);
+    check_qkv(k, "k", q);
+    check_qkv(v, "v", q);
+    const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+    TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256,
+                "head dim D must be 16, 32, 64, 128 or 256 (got ", num(D), "); pad other multiples of 8");
+    TORCH_CHECK(N < (int64_t(1) << 31), "q has ", num(N), " nodes, more than the int32 format allows");
+    TORCH_CHECK(H >= 1, "q must have at least one head (got H = ", num(H), ")");
+
+    check_index(rw_offset, "rw_offset", at::kInt, q);
+    check_index(cols, "cols", at::kInt, q);
+    check_index(bitmap, "bitmap", at::kLong, q);
+    check_index(window_order, "window_order", at::kInt, q);
+    check_index(items, "items", at::kInt, q);
+    check_index(slots, "slots", at::kInt, q);
+    const int64_t R = (N + 15) / 16;
+    TORCH_CHECK(rw_offset.dim() == 1 && rw_offset.numel() == R + 1, "rw_offset has ", num(rw_offset.numel()),
+                " entries but q has N = ", num(N), " nodes, which needs ceil(N / 16) + 1 = ", num(R + 1),
+                "; the BSB was built for another graph");
+    TORCH_CHECK(window_order.dim() == 1 && window_order.numel() == R, "window_order has ",
+                num(window_order.numel()), " entries but q has N = ", num(N), " nodes, which needs ceil(N / 16) = ",
+                num(R), "; the BSB was built for another graph");
+    TORCH_CHECK(bitmap.dim() == 2 && bitmap.size(1) == 2, "bitmap must have shape [T, 2] (got ",
+                shape(bitmap.sizes()), ")");
+    const int64_t T = bitmap.size(0);
+    TORCH_CHECK(cols.dim() == 1 && cols.numel() == 8 * T, "cols must have 8 * T = ", num(8 * T), " entries (got ",
+                num(cols.numel()), ")");
+    TORCH_CHECK(T < (int64_t(1) << 28), "too many TCBs (", num(T), ") for int32 column offsets");
+    TORCH_CHECK(items.dim() == 2 && items.size(1) == 4, "items must have shape [I, 4] (got ", shape(items.sizes()), ")");
+    TORCH_CHECK(slots.dim() == 2 && slots.size(1) == 4, "slots must have shape [S, 4] (got ", shape(slots.sizes()), ")");
+    TORCH_CHECK(items.size(0) >= R, "items has ", num(items.size(0)), " rows, fewer than the ", num(R),
+                " row windows; the schedule was built for another graph");
+    TORCH_CHECK(items.size(0) * H < (int64_t(1) << 31) - (int64_t(1) << 24), "too many work items (",
+                num(items.size(0)), " x ", num(H), " heads)");
+    TORCH_CHECK(slots.size(0) * H * 16 * D < (int64_t(1) << 40), "partial workspace too large");
+    TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
+
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    auto out = at::empty({N, H, D}, q.options().dtype(out_fp32 ? at::kFloat : q.scalar_type()));
+    auto lse = at::empty({N, H}, q.options().dtype(at::kFloat));
+    if (N == 0) return {out, lse};
+    const int64_t S = slots.size(0);
+    auto f32 = q.options().dtype(at::kFloat);
+    auto part_o = at::empty({S, H, 16, D}, f32);
+    auto part_ml = at::empty({S, H, 16, 2}, f32);
+    auto counters = at::empty({S * H}, q.options().dtype(at::kInt));
+
+    Fused3SParams p{};
+    p.q_ptr = q.data_ptr();
+    p.k_ptr = k.data_ptr();
+    p.v_ptr = v.data_ptr();
+    p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
+    p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
+    p.v_row_stride = v.stride(0); p.v_head_stride = v.stride(1);
+    p.o_ptr = out.data_ptr();
+    p.o_row_stride = out.stride(0); p.o_head_stride = out.stride(1);
+    p.out_fp32 = out_fp32;
+    p.lse_ptr = lse.data_ptr<float>();
+    p.lse_row_stride = lse.stride(0); p.lse_head_stride = lse.stride(1);
+    p.cols_ptr = cols.data_ptr<int32_t>();
+    p.bitmap_ptr = reinterpret_cast<const uint64_t*>(bitmap.data_ptr<int64_t>());
+    p.items_ptr = reinterpret_cast<const Fused3SItem*>(items.data_ptr<int32_t>());
+    p.num_items = static_cast<int32_t>(items.size(0));
+    p.slots_ptr = reinterpret_cast<const Fused3SSlot*>(slots.data_ptr<int32_t>());
+    p.num_slots = static_cast<int32_t>(S);
+    p.counters_ptr = counters.data_ptr<int32_t>();
+    p.part_o_ptr = S > 0 ? part_o.data_ptr<float>() : nullptr;
+    p.part_ml_ptr = S > 0 ? part_ml.data_ptr<float>() : nullptr;
+    p.num_nodes = static_cast<int32_t>(N);
+    p.num_heads = static_cast<int32_t>(H);
+    p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    if (q.scalar_type() == at::kHalf) {
+        launch_for_head_dim<__half>(D, p, stream);
+    } else {
+        launch_for_head_dim<__nv_bfloat16>(D, p, stream);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {out, lse};
+}
+
+}  // namespace
+}  // namespace gt_fused3s
+
+TORCH_LIBRARY(gt_fused3s, m) {
+    m.def(
+        "fwd(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
+        "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32) "
+        "-> (Tensor out, Tensor lse)");
+}
+
+TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
+    m.impl("fwd", &gt_fused3s::fwd_cuda);
+}

@@ -1,0 +1,356 @@
+// Fused 3S forward: SDDMM + online softmax + SpMM per row window, on tensor cores.
+//
+// Work decomposition. A work item is (chunk of consecutive TCBs of one row
+// window, head); one thread block (a warp-team: one warp, two for D = 256)
+// runs one item. The host-side schedule lists chunks heaviest first and block
+// b runs work index w = b = item * H + head, so the hardware block scheduler
+// starts items in decreasing order of work on whichever SM slot frees up
+// (greedy LPT at the granularity of one team). A chunk covering a whole window
+// writes the normalised output and lse directly; the chunks of a split (heavy)
+// window write their unnormalised fp32 partial (O, m, l) to a workspace slot,
+// and the team that completes the window's last chunk (an arrival counter per
+// window and head) merges them, so there is no second kernel.
+//
+// Within a team (one warp; two warps for D = 256, each owning half of the head
+// dim), the window's 16 rows are the mma M dimension. Per TCB pair (a, b):
+//   SDDMM   S_a, S_b [16, 8] = Q_win K_cols^T      (mma, K gathered from global)
+//   softmax online, fp32, log2 domain, -inf masking (bitmap)
+//   SpMM    O[16, D] += [P_a P_b] [16, 16] V[16, D] (P reused from registers)
+// K and V rows of the next pair are loaded while the current pair is computed.
+#pragma once
+
+#include <cstdint>
+#include <cmath>
+#include <cuda_runtime.h>
+
+#include "fused3s_params.h"
+#include "mma_utils.cuh"
+#include "sddmm_tile.cuh"
+#include "online_softmax.cuh"
+#include "spmm_tile.cuh"
+
+namespace gt_fused3s {
+
+template <int kHeadDim>
+struct FwdConfig {
+    static_assert(kHeadDim == 16 || kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                  "head dim must be 16, 32, 64, 128 or 256");
+    static constexpr int kSplit = kHeadDim > 128 ? kHeadDim / 128 : 1;   // warps per team (head-dim split)
+    static constexpr int kDW = kHeadDim / kSplit;                        // head-dim slice per warp
+    static constexpr int kThreads = kSplit * 32;   // one team per block
+    static constexpr int kNT = kDW / 8;
+    // Resident warps per SM the register budget allows (occupancy hint).
+    static constexpr int kWarpsPerSM = kDW == 16 ? 24 : (kDW == 32 ? 16 : (kDW == 64 ? 12 : 8));
+    static constexpr int kMinBlocks = kWarpsPerSM / kSplit;
+};
+
+// Per-pair column/bitmap data as loaded (one step ahead of use).
+struct PairRaw {
+    int32_t c;     // cols[pair * 8 + (lane & 15)] (columns 0..7 of TCB a, then of TCB b), -1 = none
+    uint4 wa, wb;  // bitmap of TCB a and b as 4 x 32-bit words (w0.lo, w0.hi, w1.lo, w1.hi)
+};
+
+// Per-pair data in the shape the tiles use.
+struct PairMeta {
+    int32_t colk[2];   // K row of this thread's column g in TCB a, b
+    int32_t colv[4];   // V rows: cols 2t, 2t+1 of TCB a, then of TCB b
+    uint32_t mask;     // see online_softmax_pair
+};
+
+__device__ __forceinline__ void load_pair_raw(PairRaw& r, const int32_t* __restrict__ cols,
+                                              const uint4* __restrict__ bitmap, int tcb, int tcb_end, int lane) {
+    const int idx = tcb * 8 + (lane & 15);
+    r.c = idx < tcb_end * 8 ? __ldg(cols + idx) : -1;
+    r.wa = tcb < tcb_end ? __ldg(bitmap + tcb) : make_uint4(0u, 0u, 0u, 0u);
+    r.wb = tcb + 1 < tcb_end ? __ldg(bitmap + tcb + 1) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+__device__ __forceinline__ PairMeta decode_pair(const PairRaw& r, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    PairMeta m;
+    m.colk[0] = __shfl_sync(0xffffffffu, r.c, g);
+    m.colk[1] = __shfl_sync(0xffffffffu, r.c, 8 + g);
+    m.colv[0] = __shfl_sync(0xffffffffu, r.c, 2 * t);
+    m.colv[1] = __shfl_sync(0xffffffffu, r.c, 2 * t + 1);
+    m.colv[2] = __shfl_sync(0xffffffffu, r.c, 8 + 2 * t);
+    m.colv[3] = __shfl_sync(0xffffffffu, r.c, 9 + 2 * t);
+    // Row g's bits of word 0 are bits 2L, 2L+1 (row g+8: same bits of word 1):
+    // 32-bit half L / 16, shift 2L mod 32.
+    const bool hi = lane >= 16;
+    const int sh = (2 * lane) & 31;
+    const uint32_t a0 = hi ? r.wa.y : r.wa.x, a1 = hi ? r.wa.w : r.wa.z;
+    const uint32_t b0 = hi ? r.wb.y : r.wb.x, b1 = hi ? r.wb.w : r.wb.z;
+    m.mask = ((a0 >> sh) & 3u) | (((a1 >> sh) & 3u) << 2) | (((b0 >> sh) & 3u) << 4) | (((b1 >> sh) & 3u) << 6);
+    return m;
+}
+
+// Store 2 * kHalf consecutive output values (fp32 in) for one row: either as T
+// or as fp32. dst points to the first element; kHalf values come from
+// lo[j] (j < kHalf) then hi[j].
+template <typename T, int kNT>
+__device__ __forceinline__ void store_row(void* dst, bool out_fp32, const float (&o)[kNT][4], int c_lo, int c_hi,
+                                          float mul) {
+    if (out_fp32) {
+        float* d = reinterpret_cast<float*>(dst);
+        float vals[2 * kNT];
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+            vals[j] = o[j][c_lo] * mul;
+            vals[kNT + j] = o[j][c_hi] * mul;
+        }
+#pragma unroll
+        for (int i = 0; i < 2 * kNT; i += 4) {
+            *reinterpret_cast<float4*>(d + i) = make_float4(vals[i], vals[i + 1], vals[i + 2], vals[i + 3]);
+        }
+    } else {
+        uint32_t w[kNT];   // 2 * kNT halves
+#pragma unroll
+        for (int j = 0; j < kNT; j += 2) {
+            w[j / 2] = TypeTraits<T>::pack(o[j][c_lo] * mul, o[j + 1][c_lo] * mul);
+            w[kNT / 2 + j / 2] = TypeTraits<T>::pack(o[j][c_hi] * mul, o[j + 1][c_hi] * mul);
+        }
+        if constexpr (kNT % 4 == 0) {
+#pragma unroll
+            for (int i = 0; i < kNT; i += 4) {
+                *reinterpret_cast<uint4*>(reinterpret_cast<uint32_t*>(dst) + i) = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
+            }
+        } else {   // kNT == 2 (D = 16): 4 halves = 8 bytes
+            *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+        }
+    }
+}
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads, FwdConfig<kHeadDim>::kMinBlocks)
+fused3s_fwd_kernel(const Fused3SParams p) {
+    using Cfg = FwdConfig<kHeadDim>;
+    constexpr int kDW = Cfg::kDW;
+    constexpr int kNT = Cfg::kNT;
+    constexpr int kSplit = Cfg::kSplit;
+
+    const int lane = threadIdx.x & 31;
+    const int part = threadIdx.x >> 5;   // which head-dim slice this warp owns (0 unless D = 256)
+    const int g = lane >> 2, t = lane & 3;
+    const bool leader = lane == 0 && part == 0;
+
+    // Exchange buffer of partial S between the warps of a D = 256 team:
+    // [double buffer][part][8 values][32 lanes] fp32.
+    __shared__ float s_xchg[2][kSplit][8][32];
+    __shared__ int s_bcast;
+
+    // Synchronise the warps of the team (a warp alone: __syncwarp).
+    auto team_sync = [&]() {
+        if constexpr (kSplit > 1) __syncthreads();
+        else __syncwarp();
+    };
+    // The leader's value to every thread of the team.
+    auto broadcast = [&](int x) -> int {
+        if constexpr (kSplit == 1) {
+            return __shfl_sync(0xffffffffu, x, 0);
+        } else {
+            if (leader) s_bcast = x;
+            __syncthreads();
+            return s_bcast;
+        }
+    };
+
+    const uint4* bitmap = reinterpret_cast<const uint4*>(p.bitmap_ptr);
+    int buf = 0;   // S exchange double buffer index (D = 256)
+
+    {
+        const int w = blockIdx.x;   // work index = item * H + head, heaviest items first
+        const int item_idx = w / p.num_heads;
+        const int head = w - item_idx * p.num_heads;
+        const int4 it = __ldg(reinterpret_cast<const int4*>(p.items_ptr) + item_idx);
+        const int window = it.x, tcb_begin = it.y, tcb_end = it.z, slot = it.w;
+
+        const int row0 = window * 16 + g;   // rows g and g+8 of the window
+        const int row1 = row0 + 8;
+        const bool in0 = row0 < p.num_nodes, in1 = row1 < p.num_nodes;
+
+        const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q_ptr) + head * p.q_head_stride + part * kDW;
+        const uint16_t* k = reinterpret_cast<const uint16_t*>(p.k_ptr) + head * p.k_head_stride + part * kDW;
+        const uint16_t* v = reinterpret_cast<const uint16_t*>(p.v_ptr) + head * p.v_head_stride + part * kDW;
+
+        // [16, kDW] slice of Q in A-fragment registers, never read past row N-1.
+        QFragment<kDW> qf;
+        load_q_fragment<kDW>(qf, q + static_cast<int64_t>(in0 ? row0 : 0) * p.q_row_stride, in0,
+                             q + static_cast<int64_t>(in1 ? row1 : 0) * p.q_row_stride, in1, t);
+
+        float o[kNT][4];
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+        SoftmaxState st;
+        softmax_init(st);
+
+        if (tcb_begin < tcb_end) {
+            PairRaw raw;
+            load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin, tcb_end, lane);
+            PairMeta cur = decode_pair(raw, lane);
+            if (tcb_begin + 2 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin + 2, tcb_end, lane);
+
+            KFragment<kDW> kf[2];
+            VFragment<kDW> vf;
+            auto load_k = [&](const PairMeta& m) {
+#pragma unroll
+                for (int x = 0; x < 2; ++x) {
+                    const int c = m.colk[x];
+                    load_k_fragment<kDW>(kf[x], k + static_cast<int64_t>(c < 0 ? 0 : c) * p.k_row_stride, c >= 0, t);
+                }
+            };
+            auto load_v = [&](const PairMeta& m) {
+                const uint16_t* rows[4];
+                bool valid[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int c = m.colv[i];
+                    valid[i] = c >= 0;
+                    rows[i] = v + static_cast<int64_t>(c < 0 ? 0 : c) * p.v_row_stride;
+                }
+                load_v_fragment<kDW>(vf, rows, valid, g);
+            };
+            load_k(cur);
+            load_v(cur);
+
+            for (int base = tcb_begin;; base += 2) {
+                float s[2][4];
+                sddmm_pair<T, kDW>(s, qf, kf);
+                if constexpr (kSplit > 1) {
+                    // Sum the partial scores of the team's warps (same order in every
+                    // warp, so all of them hold bit-identical S and softmax state).
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) s_xchg[buf][part][i][lane] = s[i >> 2][i & 3];
+                    __syncthreads();
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        float acc = 0.f;
+#pragma unroll
+                        for (int q2 = 0; q2 < kSplit; ++q2) acc += s_xchg[buf][q2][i][lane];
+                        s[i >> 2][i & 3] = acc;
+                    }
+                    buf ^= 1;
+                }
+                const bool has_next = base + 2 < tcb_end;
+                PairMeta nxt;
+                if (has_next) {
+                    nxt = decode_pair(raw, lane);
+                    load_k(nxt);   // K of the next pair flies during softmax + SpMM
+                    if (base + 4 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, base + 4, tcb_end, lane);
+                }
+                uint32_t pa[4];
+                online_softmax_pair<T, kNT>(s, cur.mask, p.scale_log2, st, o, pa);
+                spmm_pair<T, kDW>(o, pa, vf);
+                if (!has_next) break;
+                load_v(nxt);       // V of the next pair flies during the next SDDMM
+                cur = nxt;
+            }
+        }
+        softmax_finish(st);   // st.l: full row sums
+
+        const int col0 = part * kDW + t * (kDW / 4);   // first head-dim index this thread holds
+        bool write_out = slot < 0;
+        if (!write_out) {
+            // Partial of a split window: unnormalised O, m, l in fp32.
+            {
+                const int64_t base_row = (static_cast<int64_t>(slot) * p.num_heads + head) * 16;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int rw = g + 8 * r;
+                    store_row<T, kNT>(p.part_o_ptr + (base_row + rw) * kHeadDim + col0, true, o, 2 * r, 2 * r + 1, 1.f);
+                    if (t == 0 && part == 0) {
+                        *reinterpret_cast<float2*>(p.part_ml_ptr + (base_row + rw) * 2) = make_float2(st.m[r], st.l[r]);
+                    }
+                }
+            }
+            __threadfence();   // partial visible GPU-wide before the arrival is counted
+            team_sync();
+            const int4 si = __ldg(reinterpret_cast<const int4*>(p.slots_ptr) + slot);
+            const int s0 = si.y, s1 = si.z;
+            const int prev = leader ? atomicAdd(p.counters_ptr + static_cast<int64_t>(s0) * p.num_heads + head, 1) : 0;
+            write_out = broadcast(prev) == s1 - s0 - 1;   // this team completed the window
+            if (write_out) {
+                __threadfence();
+                // Merge: out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.
+                float m_ref[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int rw = g + 8 * r;
+                    auto ml_at = [&](int sl) {
+                        return __ldcg(reinterpret_cast<const float2*>(p.part_ml_ptr) +
+                                      ((static_cast<int64_t>(sl) * p.num_heads + head) * 16 + rw));
+                    };
+                    float mx = -INFINITY;
+                    for (int sl = s0 + t; sl < s1; sl += 4) mx = fmaxf(mx, ml_at(sl).x);
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    m_ref[r] = mx == -INFINITY ? 0.f : mx;
+                    float l = 0.f;
+                    for (int sl = s0 + t; sl < s1; sl += 4) {
+                        const float2 ml = ml_at(sl);
+                        l += fast_exp2(ml.x - m_ref[r]) * ml.y;
+                    }
+                    l += __shfl_xor_sync(0xffffffffu, l, 1);
+                    l += __shfl_xor_sync(0xffffffffu, l, 2);
+                    st.m[r] = mx;
+                    st.l[r] = l;
+                }
+#pragma unroll
+                for (int j = 0; j < kNT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int rw = g + 8 * r;
+                    // 4 slots per step: their loads are independent and in flight together.
+#pragma unroll 4
+                    for (int sl = s0; sl < s1; ++sl) {
+                        const int64_t prow = (static_cast<int64_t>(sl) * p.num_heads + head) * 16 + rw;
+                        const float wgt = fast_exp2(__ldcg(reinterpret_cast<const float2*>(p.part_ml_ptr) + prow).x - m_ref[r]);
+                        const float4* src = reinterpret_cast<const float4*>(p.part_o_ptr + prow * kHeadDim + col0);
+#pragma unroll
+                        for (int e4 = 0; e4 < kNT / 2; ++e4) {   // 2 * kNT floats = kNT / 2 float4
+                            const float4 x = __ldcg(src + e4);
+                            const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const int e = 4 * e4 + i;
+                                if (e < kNT) o[e][2 * r] += wgt * xs[i];
+                                else o[e - kNT][2 * r + 1] += wgt * xs[i];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if (write_out) {
+            // Normalise and write out, lse.
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = r == 0 ? row0 : row1;
+                if (row >= p.num_nodes) continue;
+                const float l = st.l[r];
+                const float inv = l > 0.f ? 1.f / l : 0.f;
+                const int64_t off = static_cast<int64_t>(row) * p.o_row_stride + head * p.o_head_stride + col0;
+                void* dst = p.out_fp32 ? static_cast<void*>(reinterpret_cast<float*>(p.o_ptr) + off)
+                                       : static_cast<void*>(reinterpret_cast<uint16_t*>(p.o_ptr) + off);
+                store_row<T, kNT>(dst, p.out_fp32, o, 2 * r, 2 * r + 1, inv);
+                if (t == 0 && part == 0) {
+                    p.lse_ptr[static_cast<int64_t>(row) * p.lse_row_stride + head * p.lse_head_stride] =
+                        l > 0.f ? (st.m[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+                }
+            }
+        }
+    }
+}
+
+template <typename T, int kHeadDim>
+void run_fused3s_fwd(const Fused3SParams& params, cudaStream_t stream) {
+    using Cfg = FwdConfig<kHeadDim>;
+    const int64_t work = static_cast<int64_t>(params.num_items) * params.num_heads;
+    if (work <= 0) return;
+    if (params.num_slots > 0) {   // arrival counters of the split windows
+        const size_t bytes = sizeof(int32_t) * static_cast<size_t>(params.num_slots) * params.num_heads;
+        if (cudaMemsetAsync(params.counters_ptr, 0, bytes, stream) != cudaSuccess) return;   // error stays set
+    }
+    fused3s_fwd_kernel<T, kHeadDim><<<static_cast<unsigned>(work), Cfg::kThreads, 0, stream>>>(params);
+}
+
+}  // namespace gt_fused3s

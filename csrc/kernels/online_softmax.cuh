@@ -1,0 +1,89 @@
+// Online (streaming) softmax over the columns of a row window, in fp32, in log2
+// units (the scale is pre-multiplied by log2(e), so exp(x) = exp2(x * log2 e)).
+//
+// Each thread owns two rows of the window (g = lane / 4 and g + 8) and, per TCB
+// pair, 4 scores of each row (columns 2t, 2t+1 of TCB a and of TCB b). Row max
+// and the per-thread partial row sum are kept in registers; the row sum is
+// reduced over the 4 threads of a row only at the end (as in FlashAttention-2).
+//
+// Masked entries are -inf (never 0). The running max starts at -inf; when a row
+// has seen no edge yet its max stays -inf and exponentials are taken against 0,
+// so no exp(-inf - -inf) = NaN ever appears.
+#pragma once
+
+#include <cmath>
+#include "mma_utils.cuh"
+
+namespace gt_fused3s {
+
+struct SoftmaxState {
+    float m[2];   // running row max (log2 units) of rows g, g+8; -inf until an edge is seen
+    float l[2];   // per-thread partial row sum of exp2(x - m)
+};
+
+__device__ __forceinline__ void softmax_init(SoftmaxState& st) {
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+}
+
+// s: raw scores of TCBs a, b (mma C layout). mask: 8 bits, bits 2x..2x+1 = row g
+// cols 2t, 2t+1 of TCB x (x = 0: a, 1: b) at bit 4x, row g+8 at bit 4x + 2.
+// On return p holds the A fragment (packed T) of P[16, 16] for the SpMM, and
+// o[kNT][4] (the SpMM accumulator of this thread) has been rescaled.
+template <typename T, int kNT>
+__device__ __forceinline__ void online_softmax_pair(const float (&s)[2][4], uint32_t mask, float scale_log2,
+                                                    SoftmaxState& st, float (&o)[kNT][4], uint32_t (&p)[4]) {
+    // x[x][i]: scaled, masked score. i = 0,1: row g; i = 2,3: row g+8.
+    float x[2][4];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const bool on = (mask >> (4 * b + i)) & 1u;
+            x[b][i] = on ? s[b][i] * scale_log2 : -INFINITY;
+        }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = fmaxf(fmaxf(x[0][2 * r], x[0][2 * r + 1]), fmaxf(x[1][2 * r], x[1][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(st.m[r], mx);
+        // Reference point for the exponentials: 0 while the row is still empty.
+        const float m_ref = (m_new == -INFINITY) ? 0.f : m_new;
+        alpha[r] = fast_exp2(st.m[r] - m_ref);   // m_old = -inf -> 0 (l and o are 0 anyway)
+        st.m[r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            x[b][2 * r] = fast_exp2(x[b][2 * r] - m_ref);
+            x[b][2 * r + 1] = fast_exp2(x[b][2 * r + 1] - m_ref);
+            sum += x[b][2 * r] + x[b][2 * r + 1];
+        }
+        st.l[r] = st.l[r] * alpha[r] + sum;
+    }
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+    }
+    // P as the A operand of m16n8k16: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
+    p[0] = TypeTraits<T>::pack(x[0][0], x[0][1]);   // row g,   k 2t, 2t+1
+    p[1] = TypeTraits<T>::pack(x[0][2], x[0][3]);   // row g+8, k 2t, 2t+1
+    p[2] = TypeTraits<T>::pack(x[1][0], x[1][1]);   // row g,   k 2t+8, 2t+9
+    p[3] = TypeTraits<T>::pack(x[1][2], x[1][3]);   // row g+8, k 2t+8, 2t+9
+}
+
+// Full row sums (the 4 threads of a row hold partial sums).
+__device__ __forceinline__ void softmax_finish(SoftmaxState& st) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
+        st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
+    }
+}
+
+}  // namespace gt_fused3s

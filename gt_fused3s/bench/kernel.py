@@ -1,0 +1,444 @@
+"""Kernel-only benchmark of the fused 3S forward pass against the unfused
+backends, one process, one GPU (the work behind ``scripts/bench_kernel.py``).
+
+Backends, side by side on the same q, k, v:
+
+* ``fused3s``  : ``torch.ops.gt_fused3s.fwd`` called directly with the cached
+  BSB and schedule (counter memset + persistent kernel + output allocation); the public
+  ``fused3s_attention`` call (Python checks included) is timed too
+  (``fused3s_api_ms``).
+* ``reference``: this package's unfused PyTorch 3S (fp32 math).
+* ``pyg``      : PyG's unfused message passing (``torch_geometric.utils.softmax``
+  + scatter-add), the computation of ``TransformerConv``.
+* ``flex``     : FlexAttention (``torch.compile``) with a block mask of the
+  graph, built from a dense N x N mask, so only for N <= ``--flex-max-nodes``.
+
+Timing: CUDA events around each call, L2 flushed (a 256 MB memset) before each
+call, warm-up first, median and the 10th/90th percentiles of the repetitions
+(``*_ms``: the op as called, device side). ``fused3s_kernel_ms`` is the median
+duration of the forward kernel alone as the profiler (CUPTI) reports it.
+
+Bytes (``gbps_min``): the compulsory traffic, each of q, k, v read once and
+out written once, plus the BSB arrays:
+``(4 N H D) * elem + T (8*4 + 16) + 8 R``. ``gbps_gather``: the traffic of the
+gathered design, q read and out written once, one K and one V row slice per
+valid TCB column and head: ``(2 N H D + 2 C H D) * elem + T (8*4 + 16) + 8 R``
+(C = number of non-padding TCB columns). Tensor-core FLOPs:
+``T * H * 2 * (2 * 16 * 8 * D)`` (SDDMM and SpMM, padding included).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.base import REPO_ROOT, data_dirs
+
+SINGLE_GRAPHS = ("cora", "citeseer", "pubmed", "github")
+COLLECTIONS = ("molhiv", "zinc", "peptides")
+SYNTHETIC = {"powerlaw200k": 200_000, "powerlaw1m": 1_000_000}
+ALL_GRAPHS = SINGLE_GRAPHS + COLLECTIONS + tuple(SYNTHETIC)
+QUICK_GRAPHS = ("cora", "pubmed", "github", "molhiv", "powerlaw200k")
+
+# name -> (head dim D, heads H, dtype)
+SETTINGS = {
+    "d128h1fp16": (128, 1, torch.float16),
+    "d32h8bf16": (32, 8, torch.bfloat16),
+    "d64h8bf16": (64, 8, torch.bfloat16),
+}
+BACKENDS = ("fused3s", "reference", "pyg", "flex")
+
+# Synthetic power law of issue 3: Zipf(2.1) weights clipped to [1, 5000],
+# Chung-Lu endpoints, symmetrised. Generated on an H100, avg_degree 40.2 gave
+# 6.31M and 43.4 gave 7.00M directed edges at N = 200k; 42.5 aims at ~6.8M.
+POWERLAW = dict(alpha=2.1, max_degree=5000, avg_degree=42.5, seed=0)
+
+
+# --------------------------------------------------------------------- data
+def _find(name: str) -> Path | None:
+    for d in data_dirs():
+        if (d / f"{name}.npz").is_file():
+            return d / f"{name}.npz"
+    return None
+
+
+def available_graphs() -> list[str]:
+    """Names of the real graphs whose .npz file is found."""
+    return [n for n in SINGLE_GRAPHS + COLLECTIONS if _find(n) is not None]
+
+
+def load_graph(name: str, device, batch: int = 1024) -> tuple[torch.Tensor, int]:
+    """(edge_index int64 [2, E] on ``device``, N) of a real graph (whole) or of
+    the first ``batch`` graphs of a collection (block-diagonal), or of a
+    synthetic power-law graph generated on ``device``."""
+    if name in SYNTHETIC:
+        from ..data.synthetic import power_law_graph
+        n = SYNTHETIC[name]
+        return power_law_graph(n, device=device, **POWERLAW), n
+    path = _find(name)
+    if path is None:
+        raise FileNotFoundError(f"{name}.npz not found in {[str(d) for d in data_dirs()]}")
+    with np.load(path) as z:
+        d = {k: z[k] for k in z.files}
+    if "graph_ptr" in d:
+        gp, ep = d["graph_ptr"], d["edge_ptr"]
+        count = min(batch, gp.size - 1)
+        n0, n1, e0, e1 = int(gp[0]), int(gp[count]), int(ep[0]), int(ep[count])
+        src = torch.from_numpy(d["src"][e0:e1].astype(np.int64) - n0)
+        dst = torch.from_numpy(d["dst"][e0:e1].astype(np.int64) - n0)
+        n = n1 - n0
+    else:
+        n = int(d["num_nodes"])
+        indptr = torch.from_numpy(d["indptr"].astype(np.int64))
+        src = torch.from_numpy(d["indices"].astype(np.int64))
+        dst = torch.repeat_interleave(torch.arange(n), indptr[1:] - indptr[:-1])
+    return torch.stack([src, dst]).to(device), n
+
+
+# ------------------------------------------------------------------ timing
+_FLUSH = None
+
+
+def _flush_l2():
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    _FLUSH.zero_()
+
+
+def time_cuda(fn, *, min_reps: int = 10, max_reps: int = 200, budget_ms: float = 400.0,
+              warmup: int = 3, flush: bool = True) -> dict:
+    """Median / p10 / p90 milliseconds of ``fn()`` with CUDA events (L2 flushed
+    before each call unless ``flush`` is False)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = max((time.perf_counter() - t0) * 1e3, 1e-3)
+    reps = int(min(max_reps, max(min_reps, budget_ms / est)))
+    events = []
+    for _ in range(reps):
+        if flush:
+            _flush_l2()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in events)
+    q = lambda f: ts[min(len(ts) - 1, int(f * (len(ts) - 1) + 0.5))]   # noqa: E731
+    return {"median": statistics.median(ts), "p10": q(0.1), "p90": q(0.9), "reps": reps}
+
+
+def kernel_time(fn, name: str = "fused3s_fwd_kernel", reps: int = 30, flush: bool = True) -> float | None:
+    """Median device duration (ms) of the CUDA kernels whose name contains
+    ``name``, per call of ``fn()``, read from the profiler (CUPTI): the kernel
+    alone, without launch gaps or the counter memset. None if unavailable."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # the profiler's notes on event cycles
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    if flush:
+                        _flush_l2()
+                    fn()
+                torch.cuda.synchronize()
+            events = list(prof.events())
+        durs = []
+        for e in events:
+            if name in e.name:
+                us = getattr(e, "device_time", None)
+                if us is None:
+                    us = getattr(e, "cuda_time", 0.0)
+                durs.append(us / 1e3)
+        return statistics.median(durs) if durs else None
+    except Exception:   # profiler unavailable: the column stays empty
+        return None
+
+
+def time_host(fn, reps: int = 7) -> dict:
+    """Wall-clock milliseconds of ``fn()`` (which may synchronise with the host),
+    synchronised before and after; median / min / max."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return {"median": statistics.median(ts), "min": min(ts), "max": max(ts)}
+
+
+# --------------------------------------------------------------------- env
+def git_sha() -> str:
+    """Short sha of the checkout (``-dirty`` if modified); ``$GT_FUSED3S_GIT_SHA``
+    wins (a copy of the tree without ``.git``, as on the GPU machine)."""
+    if os.environ.get("GT_FUSED3S_GIT_SHA"):
+        return os.environ["GT_FUSED3S_GIT_SHA"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=10)
+        sha = out.stdout.strip()
+        if sha:
+            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def env_info() -> dict:
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "",
+        "git_sha": git_sha(),
+        "python": platform.python_version(),
+    }
+
+
+def _short(err: BaseException) -> str:
+    msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    msg = f"{type(err).__name__}: {msg}" if msg else type(err).__name__
+    return msg if len(msg) <= 120 else msg[:117] + "..."
+
+
+def _free():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------- run
+def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, out: str | None = None,
+        flex_max_nodes: int = 65_536, flex_settings=("d128h1fp16",), flush: bool = True,
+        log=print) -> list[dict]:
+    from .. import BSBGraph, fused3s_attention
+    from .._build import load_extension
+    from ..backends import AttentionGraph, get_backend
+    from ..ops import _kernel_forward
+    from ..reference import attention_reference, default_scale
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    ops = load_extension()
+    env = env_info()
+    graphs = list(graphs or (QUICK_GRAPHS if quick else ALL_GRAPHS))
+    settings = list(settings or SETTINGS)
+    reps = dict(min_reps=5, budget_ms=100.0) if quick else dict(min_reps=10, budget_ms=400.0)
+    reps["flush"] = flush
+    log(f"# {env['gpu']} | torch {env['torch']} | CUDA {env['cuda']} | git {env['git_sha']}")
+    rows, builds = [], []
+    for gname in graphs:
+        try:
+            ei, n = load_graph(gname, "cuda")
+        except FileNotFoundError as e:
+            log(f"[skip] {gname}: {e}")
+            continue
+        torch.cuda.synchronize()
+        bsb = BSBGraph.from_edge_index(ei, n)
+        tb = time_host(lambda: BSBGraph.from_edge_index(ei, n), reps=5 if quick else 11)
+        st = bsb.stats()
+        builds.append({"graph": gname, "N": n, "nnz": bsb.num_edges, "tcbs": bsb.num_tcbs,
+                       "bsb_build_ms": tb["median"], "bsb_build_min_ms": tb["min"],
+                       "tcb_per_rw_max": st["tcb_per_rw_max"], "nnz_per_tcb": st["nnz_per_tcb_mean"]})
+        if out:
+            write_csv(builds, str(Path(out).with_suffix("")) + "_bsb_build.csv")
+        log(f"[graph] {gname}: N={n} nnz={bsb.num_edges} TCB={bsb.num_tcbs} max TCB/RW="
+            f"{st['tcb_per_rw_max']} nnz/TCB={st['nnz_per_tcb_mean']:.2f} "
+            f"BSB build {tb['median']:.3f} ms (min {tb['min']:.3f})")
+        graph = AttentionGraph.from_bsb(bsb)
+        valid_cols = int((bsb.cols >= 0).sum())
+        for sname in settings:
+            D, H, dtype = SETTINGS[sname]
+            elem = torch.finfo(dtype).bits // 8
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(n, H, D, generator=gen, device="cuda").to(dtype) for _ in range(3))
+            scale = default_scale(D)
+            T, R = bsb.num_tcbs, bsb.num_windows
+            bsb_bytes = T * (8 * 4 + 16) + 8 * R
+            bytes_min = 4 * n * H * D * elem + bsb_bytes
+            bytes_gather = (2 * n * H * D + 2 * valid_cols * H * D) * elem + bsb_bytes
+            flops = T * H * 2 * (2 * 16 * 8 * D)
+            row = {**env, "graph": gname, "N": n, "nnz": bsb.num_edges, "tcbs": T, "setting": sname,
+                   "D": D, "H": H, "dtype": str(dtype).replace("torch.", ""), "bsb_build_ms": tb["median"]}
+            # Schedule (once per graph and setting), then the op alone.
+            t0 = time.perf_counter()
+            _kernel_forward(q, k, v, bsb, scale, dtype, None)
+            torch.cuda.synchronize()
+            row["schedule_first_call_ms"] = (time.perf_counter() - t0) * 1e3
+            items, slots = next(val for key, val in bsb.extras.items()
+                                if key.startswith(f"fused3s_fwd_schedule:H={H}:D={D}"))
+            row["work_items"] = items.size(0)
+            row["split_windows"] = int((slots[:, 1] == torch.arange(slots.size(0), device=slots.device)).sum())
+            args = (q, k, v, bsb.rw_offset, bsb.cols, bsb.bitmap, bsb.window_order, items, slots, scale, False)
+            fused_out = None
+            for be in backends:
+                note = ""
+                try:
+                    if be == "fused3s":
+                        fn = lambda: ops.fwd(*args)   # noqa: E731
+                    elif be == "flex":
+                        if n > flex_max_nodes:
+                            raise _Skip(f"N={n} > flex_max_nodes={flex_max_nodes} (dense mask)")
+                        if sname not in flex_settings:
+                            raise _Skip("setting not in --flex-settings (compile time)")
+                        fb = get_backend("flex")
+                        fn = lambda: fb(q, k, v, graph, scale)   # noqa: E731
+                    else:
+                        fb = get_backend(be)
+                        fn = lambda: fb(q, k, v, graph, scale)   # noqa: E731
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    res = fn()
+                    torch.cuda.synchronize()
+                    row[f"{be}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                    o = res[0] if isinstance(res, tuple) else res
+                    if be == "fused3s":
+                        fused_out = o.float()
+                    elif fused_out is not None and be == "reference":
+                        row["max_err_vs_reference"] = (fused_out - o.float()).abs().max().item()
+                    del res, o
+                    t = time_cuda(fn, **reps)
+                    row[f"{be}_ms"] = t["median"]
+                    row[f"{be}_p10_ms"], row[f"{be}_p90_ms"] = t["p10"], t["p90"]
+                    if be == "fused3s":
+                        row["fused3s_api_ms"] = time_cuda(lambda: fused3s_attention(q, k, v, bsb, scale),
+                                                          **reps)["median"]
+                        row["fused3s_kernel_ms"] = kernel_time(fn, flush=flush)
+                except _Skip as e:
+                    note = f"{be} skipped: {e}"
+                except torch.cuda.OutOfMemoryError:
+                    note = f"{be}: out of memory"
+                except Exception as e:   # a missing/broken baseline must not stop the run
+                    note = f"{be}: {_short(e)}"
+                    if os.environ.get("GT_FUSED3S_BENCH_TRACEBACK") == "1":
+                        traceback.print_exc()
+                finally:
+                    fn = None
+                    _free()
+                if note:
+                    row["notes"] = (row.get("notes", "") + "; " + note).lstrip("; ")
+            f_ms = row.get("fused3s_ms")
+            if f_ms:
+                row["gbps_min"] = bytes_min / f_ms / 1e6
+                row["gbps_gather"] = bytes_gather / f_ms / 1e6
+                row["tc_tflops"] = flops / f_ms / 1e9
+                for be in backends:
+                    if be != "fused3s" and row.get(f"{be}_ms"):
+                        row[f"speedup_vs_{be}"] = row[f"{be}_ms"] / f_ms
+            rows.append(row)
+            log(format_row(row))
+            if out:   # rewritten after every row, so a run cut short keeps its results
+                write_csv(rows, out)
+            del q, k, v, args, fused_out
+            _free()
+        del bsb, graph, ei
+        _free()
+    if out:
+        write_csv(rows, out)
+        write_csv(builds, str(Path(out).with_suffix("")) + "_bsb_build.csv")
+    log("")
+    log(format_table(rows))
+    log("")
+    log(format_builds(builds))
+    return rows
+
+
+class _Skip(Exception):
+    pass
+
+
+def format_row(r: dict) -> str:
+    f = lambda k: f"{r[k]:.4f}" if isinstance(r.get(k), float) else "-"   # noqa: E731
+    return (f"[{r['graph']} {r['setting']}] fused3s {f('fused3s_ms')} ms (kernel {f('fused3s_kernel_ms')}, "
+            f"api {f('fused3s_api_ms')}) "
+            f"ref {f('reference_ms')} pyg {f('pyg_ms')} flex {f('flex_ms')} "
+            f"x{r.get('speedup_vs_pyg', float('nan')):.1f} vs pyg; items {r.get('work_items')} "
+            f"split {r.get('split_windows')} err {r.get('max_err_vs_reference', float('nan')):.2e}"
+            + (f" | {r['notes']}" if r.get("notes") else ""))
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("graph", "setting", "N", "nnz", "TCBs", "fused3s ms", "p10-p90", "kernel ms", "reference", "pyg",
+            "flex", "x pyg", "GB/s min", "GB/s gath")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    geo = {}
+    for r in rows:
+        ms = lambda k: f"{r[k]:.4f}" if isinstance(r.get(k), float) else "-"   # noqa: E731
+        spread = (f"{r['fused3s_p10_ms']:.4f}-{r['fused3s_p90_ms']:.4f}" if "fused3s_p10_ms" in r else "-")
+        sp = r.get("speedup_vs_pyg")
+        if sp:
+            geo.setdefault(r["setting"], []).append(sp)
+        lines.append("| " + " | ".join([
+            r["graph"], r["setting"], str(r["N"]), str(r["nnz"]), str(r["tcbs"]), ms("fused3s_ms"), spread,
+            ms("fused3s_kernel_ms"), ms("reference_ms"), ms("pyg_ms"), ms("flex_ms"), f"{sp:.1f}" if sp else "-",
+            f"{r['gbps_min']:.0f}" if "gbps_min" in r else "-",
+            f"{r['gbps_gather']:.0f}" if "gbps_gather" in r else "-"]) + " |")
+    for s, v in geo.items():
+        lines.append(f"geomean speedup over pyg, {s}: {math.exp(sum(map(math.log, v)) / len(v)):.2f}x "
+                     f"over {len(v)} graphs")
+    return "\n".join(lines)
+
+
+def format_builds(builds: list[dict]) -> str:
+    lines = ["| graph | N | nnz | TCBs | max TCB/RW | BSB build ms (GPU, median) | min |", "|---|---|---|---|---|---|---|"]
+    for b in builds:
+        lines.append(f"| {b['graph']} | {b['N']} | {b['nnz']} | {b['tcbs']} | {b['tcb_per_rw_max']} | "
+                     f"{b['bsb_build_ms']:.3f} | {b['bsb_build_min_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    if not rows:
+        return
+    keys = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def sanitize_case() -> None:
+    """A small run of every kernel path (split + merge, D = 256 team exchange,
+    empty rows, N not a multiple of 16, fp16 and bf16) for compute-sanitizer:
+
+        compute-sanitizer --tool memcheck python -c \\
+            "from gt_fused3s.bench.kernel import sanitize_case; sanitize_case()"
+    """
+    from .. import BSBGraph, fused3s_attention
+    from ..reference import attention_reference
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = 1003
+    src = torch.randint(0, n, (3 * n,), generator=gen, device="cuda")
+    dst = torch.randint(0, n - 40, (3 * n,), generator=gen, device="cuda")     # empty trailing rows
+    hub = torch.arange(0, n, 2, device="cuda")
+    bsb = BSBGraph.from_edge_index(torch.stack([torch.cat([src, hub]), torch.cat([dst, hub * 0 + 17])]), n)
+    worst = 0.0
+    for dtype in (torch.float16, torch.bfloat16):
+        for h, d in ((2, 16), (2, 64), (1, 128), (2, 256), (1, 40)):
+            q, k, v = (torch.randn(n, h, d, generator=gen, device="cuda").to(dtype) for _ in range(3))
+            out = fused3s_attention(q, k, v, bsb)
+            ref = attention_reference(q, k, v, bsb.edge_index, out_dtype=torch.float32)
+            worst = max(worst, (out.float() - ref).abs().max().item())
+    torch.cuda.synchronize()
+    print(f"sanitize_case: ok, max abs err {worst:.3e}")

@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Kernel-only benchmark: fused3s vs reference vs PyG vs FlexAttention.
+
+    python scripts/bench_kernel.py --out results/kernel.csv
+    python scripts/bench_kernel.py --quick --graphs cora github --settings d128h1fp16
+
+Graphs: cora citeseer pubmed github (whole), molhiv zinc peptides (first 1024
+graphs as one batch), powerlaw200k powerlaw1m (generated on the GPU).
+Settings: d128h1fp16 (D=128, H=1, fp16), d32h8bf16, d64h8bf16 (H=8, bf16).
+See gt_fused3s/bench/kernel.py for the timing method and byte formulas.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gt_fused3s.bench import kernel  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--graphs", nargs="+", choices=kernel.ALL_GRAPHS, help="default: all (or the quick set)")
+    p.add_argument("--settings", nargs="+", choices=list(kernel.SETTINGS), help="default: all")
+    p.add_argument("--backends", nargs="+", choices=kernel.BACKENDS, default=list(kernel.BACKENDS))
+    p.add_argument("--quick", action="store_true", help="fewer graphs and repetitions")
+    p.add_argument("--out", help="CSV path (a second CSV *_bsb_build.csv holds the BSB build times)")
+    p.add_argument("--flex-max-nodes", type=int, default=65_536,
+                   help="skip FlexAttention above this N (its block mask is built from a dense N x N mask)")
+    p.add_argument("--flex-settings", nargs="+", default=["d128h1fp16"], choices=list(kernel.SETTINGS),
+                   help="settings in which FlexAttention runs (each graph and setting is a torch.compile)")
+    p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed call")
+    a = p.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("bench_kernel: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    kernel.run(a.graphs, a.settings, a.backends, quick=a.quick, out=a.out,
+               flex_max_nodes=a.flex_max_nodes, flex_settings=a.flex_settings, flush=not a.no_flush)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
