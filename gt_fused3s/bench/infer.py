@@ -42,7 +42,6 @@ import csv
 import math
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from ..backends import BACKENDS
 from ..data import load_dataset
 from ..data.base import REPO_ROOT
 from ..models import GraphTransformer
+from .common import free_cuda_memory, git_sha, short_error
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 
@@ -166,25 +166,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def git_sha() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine() or "cpu"
-
-
-def _short(err: BaseException) -> str:
-    msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    msg = f"{type(err).__name__}: {msg}" if msg else type(err).__name__
-    return msg if len(msg) <= 160 else msg[:157] + "..."
 
 
 def _skip_reason(backend: str, device: torch.device, nodes: int, max_nodes: dict) -> str | None:
@@ -261,7 +246,7 @@ def run(cfg: dict, *, quick: bool = False, progress: bool = True,
     rows: list[dict] = []
     for spec in cfg["datasets"]:
         rows += _run_dataset(spec, settings)
-        _free(device)          # the dataset's batches and model are gone now
+        free_cuda_memory(device)          # the dataset's batches and model are gone now
     return rows
 
 
@@ -277,7 +262,7 @@ def _run_dataset(spec: dict, settings: _Settings) -> list[dict]:
                                        disable=not settings.progress, file=sys.stderr)]
     except Exception as err:   # missing file, offline, bad params: note it, go on
         log(f"{name}: dataset not loaded: {type(err).__name__}: {err}")
-        return [{**base, "backend": "-", "status": "error", "note": f"dataset: {_short(err)}"}]
+        return [{**base, "backend": "-", "status": "error", "note": f"dataset: {short_error(err)}"}]
 
     readout = spec.get("readout") or ds.level
     nodes = [d.num_nodes for d in batches]
@@ -309,8 +294,8 @@ def _run_dataset(spec: dict, settings: _Settings) -> list[dict]:
             model.backend = cfg["reference"]
             target = [forward(d).float() for d in batches]
         except Exception as err:
-            target_note = f"no reference outputs ({cfg['reference']}: {_short(err)})"
-            _free(device)
+            target_note = f"no reference outputs ({cfg['reference']}: {short_error(err)})"
+            free_cuda_memory(device)
     if target_note:
         log(f"{name}: {target_note}")
 
@@ -332,9 +317,9 @@ def _run_dataset(spec: dict, settings: _Settings) -> list[dict]:
         except Exception as err:
             oom = isinstance(err, torch.cuda.OutOfMemoryError)
             row.update(status="oom" if oom else "error", note="out of memory" if oom
-                       else _short(err))
+                       else short_error(err))
             log(f"{name}: {backend} failed: {row['note']}")
-            _free(device)
+            free_cuda_memory(device)
         finally:
             bar.close()
         rows.append(row)
@@ -344,11 +329,6 @@ def _run_dataset(spec: dict, settings: _Settings) -> list[dict]:
         if pyg and r["status"] == "ok":
             r["speedup_vs_pyg"] = pyg["ms_median"] / r["ms_median"]
     return rows
-
-
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _measure(forward, batches, device, warmup, repeats, model, target, step) -> dict:

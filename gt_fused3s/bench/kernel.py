@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import time
 import traceback
 import warnings
@@ -42,7 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data.base import REPO_ROOT, data_dirs
+from ..data.base import data_dirs
+from .common import free_cuda_memory, git_sha, short_error
 
 SINGLE_GRAPHS = ("cora", "citeseer", "pubmed", "github")
 COLLECTIONS = ("molhiv", "zinc", "peptides")
@@ -187,24 +187,6 @@ def time_host(fn, reps: int = 7) -> dict:
 
 
 # --------------------------------------------------------------------- env
-def git_sha() -> str:
-    """Short sha of the checkout (``-dirty`` if modified); ``$GT_FUSED3S_GIT_SHA``
-    wins (a copy of the tree without ``.git``, as on the GPU machine)."""
-    if os.environ.get("GT_FUSED3S_GIT_SHA"):
-        return os.environ["GT_FUSED3S_GIT_SHA"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                             capture_output=True, text=True, timeout=10)
-        sha = out.stdout.strip()
-        if sha:
-            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT,
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
-
-
 def env_info() -> dict:
     return {
         "gpu": torch.cuda.get_device_name(),
@@ -215,17 +197,6 @@ def env_info() -> dict:
     }
 
 
-def _short(err: BaseException) -> str:
-    msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    msg = f"{type(err).__name__}: {msg}" if msg else type(err).__name__
-    return msg if len(msg) <= 120 else msg[:117] + "..."
-
-
-def _free():
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 # --------------------------------------------------------------------- run
 def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, out: str | None = None,
         flex_max_nodes: int = 65_536, flex_settings=("d128h1fp16",), flush: bool = True,
@@ -234,7 +205,7 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
     from .._build import load_extension
     from ..backends import AttentionGraph, get_backend
     from ..ops import _kernel_forward
-    from ..reference import attention_reference, default_scale
+    from ..reference import default_scale
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     ops = load_extension()
@@ -327,12 +298,12 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
                 except torch.cuda.OutOfMemoryError:
                     note = f"{be}: out of memory"
                 except Exception as e:   # a missing/broken baseline must not stop the run
-                    note = f"{be}: {_short(e)}"
+                    note = f"{be}: {short_error(e)}"
                     if os.environ.get("GT_FUSED3S_BENCH_TRACEBACK") == "1":
                         traceback.print_exc()
                 finally:
                     fn = None
-                    _free()
+                    free_cuda_memory()
                 if note:
                     row["notes"] = (row.get("notes", "") + "; " + note).lstrip("; ")
             f_ms = row.get("fused3s_ms")
@@ -348,9 +319,9 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
             if out:   # rewritten after every row, so a run cut short keeps its results
                 write_csv(rows, out)
             del q, k, v, args, fused_out
-            _free()
+            free_cuda_memory()
         del bsb, graph, ei
-        _free()
+        free_cuda_memory()
     if out:
         write_csv(rows, out)
         write_csv(builds, str(Path(out).with_suffix("")) + "_bsb_build.csv")
