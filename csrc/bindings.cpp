@@ -16,6 +16,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/bsb_build.h"
 #include "kernels/fused3s_params.h"
 
 namespace gt_fused3s {
@@ -182,6 +183,70 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
     return {out, lse};
 }
 
+// ---- BSB builder -------------------------------------------------------------
+// Builds the BSB format of gt_fused3s/graph.py on the GPU. One host
+// synchronisation: the copy of the counters (T, E_u, index range) that sizes
+// the outputs and validates the indices.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> bsb_build_cuda(
+    const at::Tensor& edge_index, int64_t num_nodes) {
+    TORCH_CHECK_VALUE(edge_index.is_cuda(), "edge_index must be a CUDA tensor (got ", edge_index.device().str(), ")");
+    TORCH_CHECK_VALUE(edge_index.scalar_type() == at::kInt || edge_index.scalar_type() == at::kLong,
+                      "edge_index must be int32 or int64 (got ", dtype_name(edge_index.scalar_type()), ")");
+    TORCH_CHECK_VALUE(edge_index.dim() == 2 && edge_index.size(0) == 2, "edge_index must have shape [2, E] (got ",
+                      shape(edge_index.sizes()), ")");
+    TORCH_CHECK_VALUE(num_nodes >= 0 && num_nodes <= INT32_MAX, "num_nodes must be in [0, 2^31) (got ",
+                      num(num_nodes), ")");
+    const int64_t E = edge_index.size(1);
+    // the builder packs two running counts of up to E into one 64-bit scan
+    TORCH_CHECK_VALUE(E < (int64_t(1) << 31), "edge_index has ", num(E), " edges; the builder takes fewer than 2^31");
+    const c10::cuda::CUDAGuard guard(edge_index.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+
+    const int32_t N = static_cast<int32_t>(num_nodes);
+    const int32_t R = (N + 15) / 16;
+    const int64_t max_tcbs = E / 8 + R + 1;
+    const auto i32 = edge_index.options().dtype(at::kInt);
+    const auto i64 = edge_index.options().dtype(at::kLong);
+    at::Tensor rw_offset = at::empty({R + 1}, i32);
+    at::Tensor cols = at::empty({max_tcbs * 8}, i32);
+    at::Tensor bitmap = at::empty({max_tcbs, 2}, i64);
+    at::Tensor window_order = at::empty({R}, i32);
+    at::Tensor edges = at::empty({2, E}, i64);
+    at::Tensor counters = at::empty({4}, i64);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bsb_build_workspace_bytes(E, N))},
+                                     edge_index.options().dtype(at::kByte));
+
+    BsbBuildParams p{};
+    p.src_ptr = edge_index.data_ptr();
+    p.dst_ptr = static_cast<const char*>(edge_index.data_ptr()) + edge_index.stride(0) * edge_index.element_size();
+    p.src_stride = p.dst_stride = edge_index.stride(1);
+    p.index64 = edge_index.scalar_type() == at::kLong;
+    p.num_edges = E;
+    p.num_nodes = N;
+    p.num_windows = R;
+    p.max_tcbs = max_tcbs;
+    p.rw_offset_ptr = rw_offset.data_ptr<int32_t>();
+    p.cols_ptr = cols.data_ptr<int32_t>();
+    p.bitmap_ptr = reinterpret_cast<uint64_t*>(bitmap.data_ptr<int64_t>());
+    p.window_order_ptr = window_order.data_ptr<int32_t>();
+    p.edge_src_ptr = edges.data_ptr<int64_t>();
+    p.edge_dst_ptr = edges.data_ptr<int64_t>() + E;
+    p.counters_ptr = counters.data_ptr<int64_t>();
+    run_bsb_build(p, workspace.data_ptr(), static_cast<size_t>(workspace.numel()), stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    const at::Tensor host = counters.cpu();   // the one synchronisation
+    const int64_t* c = host.data_ptr<int64_t>();
+    if (E > 0) {
+        TORCH_CHECK_VALUE(c[2] >= 0, "edge_index has negative index ", num(c[2]));
+        TORCH_CHECK_VALUE(c[3] < num_nodes, "edge_index has index ", num(c[3]), " out of range for num_nodes=",
+                          num(num_nodes));
+    }
+    const int64_t T = c[0], num_unique = c[1];
+    return {rw_offset, cols.narrow(0, 0, T * 8), bitmap.narrow(0, 0, T), window_order,
+            edges.narrow(1, 0, num_unique), E - num_unique};
+}
+
 }  // namespace
 }  // namespace gt_fused3s
 
@@ -190,8 +255,10 @@ TORCH_LIBRARY(gt_fused3s, m) {
         "fwd(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
         "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32) "
         "-> (Tensor out, Tensor lse)");
+    m.def("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int)");
 }
 
 TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("fwd", &gt_fused3s::fwd_cuda);
+    m.impl("bsb_build", &gt_fused3s::bsb_build_cuda);
 }

@@ -32,13 +32,14 @@ the scores of row ``L // 4`` (bits ``2L``, ``2L + 1`` of word 0) and row
 
 The mask is binary: duplicate edges count once (``num_duplicates`` says how
 many were dropped). All arrays are built on the device of the input with
-vectorised ops (one sort, scans, scatters); building never loops over nodes in
-Python and synchronises with the host three times (validation, unique size,
-TCB count).
+vectorised ops (one sort, scans, scatters) and never loops over nodes in
+Python: on the GPU by the CUDA builder of ``csrc/kernels/bsb_build.cu`` (one
+host synchronisation), elsewhere by :meth:`BSBGraph._build` in PyTorch, which
+is the specification the GPU builder must equal exactly.
 """
 from __future__ import annotations
 
-import math
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +120,9 @@ class BSBGraph:
         if num_nodes is None:
             num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
         num_nodes = _check_num_nodes(num_nodes)
+        if edge_index.is_cuda and (gpu_build := _gpu_builder()) is not None:
+            # validates the indices itself, in its single host synchronisation
+            return cls(num_nodes, *gpu_build(edge_index, num_nodes))
         _check_range("edge_index", edge_index, 0, num_nodes)
         return cls._build(edge_index[0].long(), edge_index[1].long(), num_nodes)
 
@@ -148,6 +152,8 @@ class BSBGraph:
         _check_range("indices", indices, 0, num_nodes)
         dst = torch.repeat_interleave(torch.arange(rows, device=indices.device),
                                       counts.long(), output_size=indices.numel())
+        if indices.is_cuda and (gpu_build := _gpu_builder()) is not None:
+            return cls(num_nodes, *gpu_build(torch.stack([indices.long(), dst]), num_nodes))
         return cls._build(indices.long(), dst, num_nodes)
 
     @classmethod
@@ -304,6 +310,16 @@ class BSBGraph:
                 f"num_windows={self.num_windows}, num_tcbs={self.num_tcbs}, device={self.device})")
 
 
+def _gpu_builder():
+    """The CUDA builder ``torch.ops.gt_fused3s.bsb_build`` (one sort, a few
+    kernels, one host synchronisation; same arrays as :meth:`BSBGraph._build`),
+    or None where the extension cannot run or ``GT_FUSED3S_DISABLE_KERNEL=1``."""
+    if os.environ.get("GT_FUSED3S_DISABLE_KERNEL") == "1":
+        return None
+    from ._build import extension_available, load_extension
+    return load_extension().bsb_build if extension_available() else None
+
+
 def _check_num_nodes(num_nodes: Any) -> int:
     if isinstance(num_nodes, Tensor):
         num_nodes = int(num_nodes)
@@ -335,7 +351,3 @@ def cached_bsb(edge_index: Tensor, num_nodes: int | None = None) -> BSBGraph:
     bsb = BSBGraph.from_edge_index(edge_index, num_nodes)
     _CACHE[key] = (weakref.ref(edge_index, lambda _, k=key: _CACHE.pop(k, None)), sig, bsb)
     return bsb
-
-
-def num_windows_for(num_nodes: int) -> int:
-    return math.ceil(num_nodes / ROWS_PER_WINDOW)

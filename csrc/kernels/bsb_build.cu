@@ -1,0 +1,255 @@
+// GPU builder of the BSB format: one radix sort of 64-bit keys, one scan,
+// four element-wise kernels, a per-window scan and a sort of the windows by
+// work. The same algorithm as BSBGraph._build in gt_fused3s/graph.py:
+//
+//   key = ((window * N + source) * 16 + row_in_window)     sorted, so that
+//   equal keys are duplicate edges and equal key >> 4 is one compacted column
+//   (a (window, source) pair); a pair's rank within its window is its
+//   compacted column, rank / 8 its TCB, rank % 8 its column in the TCB.
+#include "bsb_build.h"
+
+#include <algorithm>
+
+#include <cub/cub.cuh>
+
+namespace gt_fused3s {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr uint64_t kInvalidKey = ~0ull;   // an edge with an index outside [0, N)
+
+inline int blocks_for(int64_t n) {
+    int64_t b = (n + kThreads - 1) / kThreads;
+    return static_cast<int>(b < 65535 * 32 ? (b > 0 ? b : 1) : 65535 * 32);
+}
+
+// Significant bits of the largest key, so the radix sort skips the zero ones.
+inline int key_bits(int64_t num_nodes) {
+    uint64_t windows = (num_nodes + 15) / 16;
+    uint64_t max_key = windows * static_cast<uint64_t>(num_nodes) * 16;
+    int bits = 1;
+    while (bits < 64 && (max_key >> bits) != 0) ++bits;
+    return bits;
+}
+
+inline size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
+
+// Where each scratch array lives inside the caller's workspace.
+struct Layout {
+    size_t keys_a, keys_b, incl;            // [E] uint64 each
+    size_t first_pair, end_pair, tcb_count, iota, counts_sorted;  // per window
+    size_t temp;
+    size_t temp_bytes;
+    size_t total;
+};
+
+Layout make_layout(int64_t E, int32_t N) {
+    const int64_t R = (static_cast<int64_t>(N) + 15) / 16;
+    const int bits = key_bits(N);
+    size_t sort_bytes = 0, scan_bytes = 0, wscan_bytes = 0, wsort_bytes = 0;
+    cub::DeviceRadixSort::SortKeys(nullptr, sort_bytes, static_cast<const uint64_t*>(nullptr),
+                                   static_cast<uint64_t*>(nullptr), E, 0, bits);
+    cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, static_cast<const uint64_t*>(nullptr),
+                                  static_cast<uint64_t*>(nullptr), E);
+    cub::DeviceScan::ExclusiveSum(nullptr, wscan_bytes, static_cast<const int32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr), R + 1);
+    cub::DeviceRadixSort::SortPairsDescending(nullptr, wsort_bytes, static_cast<const int32_t*>(nullptr),
+                                              static_cast<int32_t*>(nullptr),
+                                              static_cast<const int32_t*>(nullptr),
+                                              static_cast<int32_t*>(nullptr), R);
+    Layout l{};
+    size_t off = 0;
+    auto take = [&](size_t bytes) { size_t at = off; off += align_up(bytes); return at; };
+    l.keys_a = take(sizeof(uint64_t) * E);
+    l.keys_b = take(sizeof(uint64_t) * E);
+    l.incl = take(sizeof(uint64_t) * E);
+    l.first_pair = take(sizeof(int32_t) * R);
+    l.end_pair = take(sizeof(int32_t) * R);
+    l.tcb_count = take(sizeof(int32_t) * (R + 1));
+    l.iota = take(sizeof(int32_t) * R);
+    l.counts_sorted = take(sizeof(int32_t) * R);
+    l.temp_bytes = std::max(std::max(sort_bytes, scan_bytes), std::max(wscan_bytes, wsort_bytes));
+    l.temp = take(l.temp_bytes);
+    l.total = off;
+    return l;
+}
+
+__global__ void init_counters(int64_t* counters) {
+    counters[0] = 0;
+    counters[1] = 0;
+    counters[2] = INT64_MAX;   // smallest index seen
+    counters[3] = INT64_MIN;   // largest index seen
+}
+
+// keys[i] of edge i, and the range of all indices (for the caller's check).
+template <typename Idx>
+__global__ void make_keys(const Idx* __restrict__ src, int64_t src_stride, const Idx* __restrict__ dst,
+                          int64_t dst_stride, int64_t E, int32_t N, uint64_t* __restrict__ keys,
+                          int64_t* __restrict__ counters) {
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < E; i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t s = static_cast<int64_t>(src[i * src_stride]);
+        const int64_t d = static_cast<int64_t>(dst[i * dst_stride]);
+        lo = min(lo, min(s, d));
+        hi = max(hi, max(s, d));
+        const bool ok = s >= 0 && s < N && d >= 0 && d < N;
+        keys[i] = ok ? ((static_cast<uint64_t>(d >> 4) * N + s) << 4) | (d & 15) : kInvalidKey;
+    }
+    // warp reduction, then one atomic per warp
+    for (int o = 16; o > 0; o >>= 1) {
+        lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    }
+    if ((threadIdx.x & 31) == 0) {
+        atomicMin(reinterpret_cast<long long*>(counters + 2), static_cast<long long>(lo));
+        atomicMax(reinterpret_cast<long long*>(counters + 3), static_cast<long long>(hi));
+    }
+}
+
+// flags[i] = (is first copy of its key) << 32 | (is first key of its pair);
+// an inclusive scan of these packs two running counts in one 64-bit word.
+__global__ void mark_firsts(const uint64_t* __restrict__ keys, int64_t E, uint64_t* __restrict__ flags) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < E; i += int64_t(gridDim.x) * blockDim.x) {
+        const uint64_t k = keys[i];
+        const bool uniq = i == 0 || k != keys[i - 1];
+        const bool new_pair = uniq && (i == 0 || (k >> 4) != (keys[i - 1] >> 4));
+        flags[i] = (static_cast<uint64_t>(uniq) << 32) | static_cast<uint64_t>(new_pair);
+    }
+}
+
+__device__ __forceinline__ int32_t pair_count(uint64_t incl) { return static_cast<int32_t>(incl & 0xffffffffu); }
+__device__ __forceinline__ int64_t edge_count(uint64_t incl) { return static_cast<int64_t>(incl >> 32); }
+
+// For each window: the id of its first pair and one past its last pair, read
+// at the window's first and last key (keys of one window are contiguous).
+__global__ void window_bounds(const uint64_t* __restrict__ keys, const uint64_t* __restrict__ incl, int64_t E,
+                              int32_t N, uint64_t num_pairs_total, int32_t* __restrict__ first_pair,
+                              int32_t* __restrict__ end_pair) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < E; i += int64_t(gridDim.x) * blockDim.x) {
+        const uint64_t pair = keys[i] >> 4;
+        if (pair >= num_pairs_total) continue;             // invalid edge (sorted last)
+        const uint64_t w = pair / N;
+        if (i == 0 || (keys[i - 1] >> 4) / N != w) first_pair[w] = pair_count(incl[i]) - 1;
+        if (i == E - 1 || (keys[i + 1] >> 4) / N != w) end_pair[w] = pair_count(incl[i]);
+    }
+}
+
+// tcb_count[w] = ceil(pairs / 8) (tcb_count[R] = 0, so that an exclusive scan
+// of R + 1 entries ends with T), iota for the sort of windows by work.
+__global__ void window_tcbs(const int32_t* __restrict__ first_pair, const int32_t* __restrict__ end_pair,
+                            int32_t R, int32_t* __restrict__ tcb_count, int32_t* __restrict__ iota) {
+    const int64_t w = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (w < R) {
+        tcb_count[w] = (end_pair[w] - first_pair[w] + 7) / 8;
+        iota[w] = static_cast<int32_t>(w);
+    } else if (w == R) {
+        tcb_count[R] = 0;
+    }
+}
+
+// One thread per key: the first copy of each edge sets its bit, the first
+// key of each pair writes its column id, and each distinct edge is listed.
+__global__ void fill_blocks(const uint64_t* __restrict__ keys, const uint64_t* __restrict__ incl, int64_t E,
+                            int32_t N, uint64_t num_pairs_total, const int32_t* __restrict__ first_pair,
+                            const int32_t* __restrict__ rw_offset, int32_t* __restrict__ cols,
+                            unsigned long long* __restrict__ bitmap, int64_t* __restrict__ edge_src,
+                            int64_t* __restrict__ edge_dst) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < E; i += int64_t(gridDim.x) * blockDim.x) {
+        const uint64_t k = keys[i];
+        const uint64_t pair = k >> 4;
+        if (pair >= num_pairs_total) continue;
+        if (i > 0 && keys[i - 1] == k) continue;           // a duplicate edge counts once
+        const int64_t w = static_cast<int64_t>(pair / N);
+        const int64_t s = static_cast<int64_t>(pair - static_cast<uint64_t>(w) * N);
+        const int32_t row_in = static_cast<int32_t>(k & 15);
+        const uint64_t c = incl[i];
+        const int32_t rank = pair_count(c) - 1 - first_pair[w];
+        const int64_t tcb = rw_offset[w] + (rank >> 3);
+        const int32_t col = rank & 7;
+        if (i == 0 || (keys[i - 1] >> 4) != pair) cols[tcb * 8 + col] = static_cast<int32_t>(s);
+        atomicOr(bitmap + tcb * 2 + (row_in >> 3), 1ull << (((row_in & 7) << 3) | col));
+        const int64_t e = edge_count(c) - 1;
+        edge_src[e] = s;
+        edge_dst[e] = w * 16 + row_in;
+    }
+}
+
+__global__ void finish_counters(const int32_t* __restrict__ rw_offset, int32_t R,
+                                const uint64_t* __restrict__ incl, int64_t E, int64_t* __restrict__ counters) {
+    counters[0] = rw_offset[R];
+    counters[1] = E > 0 ? edge_count(incl[E - 1]) : 0;
+}
+
+#define GT_CUDA_RETURN_IF_ERROR(expr)              \
+    do {                                           \
+        cudaError_t err_ = (expr);                 \
+        if (err_ != cudaSuccess) return err_;      \
+    } while (0)
+
+}  // namespace
+
+size_t bsb_build_workspace_bytes(int64_t num_edges, int32_t num_nodes) {
+    return make_layout(num_edges, num_nodes).total;
+}
+
+void run_bsb_build(const BsbBuildParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+    const int64_t E = p.num_edges;
+    const int32_t N = p.num_nodes, R = p.num_windows;
+    const Layout l = make_layout(E, N);
+    (void)workspace_bytes;   // the binding allocates bsb_build_workspace_bytes(E, N)
+    auto* base = static_cast<char*>(workspace);
+    auto* keys_a = reinterpret_cast<uint64_t*>(base + l.keys_a);
+    auto* keys_b = reinterpret_cast<uint64_t*>(base + l.keys_b);
+    auto* incl = reinterpret_cast<uint64_t*>(base + l.incl);
+    auto* first_pair = reinterpret_cast<int32_t*>(base + l.first_pair);
+    auto* end_pair = reinterpret_cast<int32_t*>(base + l.end_pair);
+    auto* tcb_count = reinterpret_cast<int32_t*>(base + l.tcb_count);
+    auto* iota = reinterpret_cast<int32_t*>(base + l.iota);
+    auto* counts_sorted = reinterpret_cast<int32_t*>(base + l.counts_sorted);
+    void* temp = base + l.temp;
+    size_t temp_bytes = l.temp_bytes;
+    const uint64_t num_pairs_total = static_cast<uint64_t>(R) * static_cast<uint64_t>(N);
+
+    init_counters<<<1, 1, 0, stream>>>(p.counters_ptr);
+    cudaMemsetAsync(p.cols_ptr, 0xff, sizeof(int32_t) * 8 * p.max_tcbs, stream);   // -1 = padding
+    cudaMemsetAsync(p.bitmap_ptr, 0, sizeof(uint64_t) * 2 * p.max_tcbs, stream);
+    cudaMemsetAsync(first_pair, 0, sizeof(int32_t) * R, stream);                  // empty windows: 0 pairs
+    cudaMemsetAsync(end_pair, 0, sizeof(int32_t) * R, stream);
+    if (E > 0) {
+        if (p.index64) {
+            make_keys<int64_t><<<blocks_for(E), kThreads, 0, stream>>>(
+                static_cast<const int64_t*>(p.src_ptr), p.src_stride, static_cast<const int64_t*>(p.dst_ptr),
+                p.dst_stride, E, N, keys_a, p.counters_ptr);
+        } else {
+            make_keys<int32_t><<<blocks_for(E), kThreads, 0, stream>>>(
+                static_cast<const int32_t*>(p.src_ptr), p.src_stride, static_cast<const int32_t*>(p.dst_ptr),
+                p.dst_stride, E, N, keys_a, p.counters_ptr);
+        }
+        // Invalid keys have all their low bits set: they sort last.
+        cub::DeviceRadixSort::SortKeys(temp, temp_bytes, keys_a, keys_b, E, 0, key_bits(N), stream);
+        mark_firsts<<<blocks_for(E), kThreads, 0, stream>>>(keys_b, E, keys_a);
+        temp_bytes = l.temp_bytes;
+        cub::DeviceScan::InclusiveSum(temp, temp_bytes, keys_a, incl, E, stream);
+        window_bounds<<<blocks_for(E), kThreads, 0, stream>>>(keys_b, incl, E, N, num_pairs_total, first_pair,
+                                                              end_pair);
+    }
+    if (R > 0) {
+        window_tcbs<<<blocks_for(R + 1), kThreads, 0, stream>>>(first_pair, end_pair, R, tcb_count, iota);
+        temp_bytes = l.temp_bytes;
+        cub::DeviceScan::ExclusiveSum(temp, temp_bytes, tcb_count, p.rw_offset_ptr, R + 1, stream);
+        // Stable: windows with equal work keep ascending order (as torch.sort(stable=True)).
+        temp_bytes = l.temp_bytes;
+        cub::DeviceRadixSort::SortPairsDescending(temp, temp_bytes, tcb_count, counts_sorted, iota,
+                                                  p.window_order_ptr, R, 0, 32, stream);
+    } else {
+        cudaMemsetAsync(p.rw_offset_ptr, 0, sizeof(int32_t), stream);
+    }
+    if (E > 0) {
+        fill_blocks<<<blocks_for(E), kThreads, 0, stream>>>(
+            keys_b, incl, E, N, num_pairs_total, first_pair, p.rw_offset_ptr, p.cols_ptr,
+            reinterpret_cast<unsigned long long*>(p.bitmap_ptr), p.edge_src_ptr, p.edge_dst_ptr);
+    }
+    finish_counters<<<1, 1, 0, stream>>>(p.rw_offset_ptr, R, incl, E, p.counters_ptr);
+}
+
+}  // namespace gt_fused3s

@@ -1,0 +1,87 @@
+"""The GPU builder of the BSB format (csrc/kernels/bsb_build.cu) must give
+exactly the arrays of the CPU builder (BSBGraph._build), which test_graph.py
+checks against hand-made graphs."""
+import os
+import sys
+
+import pytest
+import torch
+
+from gt_fused3s.graph import BSBGraph
+
+from graph_cases import GRAPH_CASES
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+FIELDS = ("rw_offset", "cols", "bitmap", "window_order", "edge_index")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops():
+    from gt_fused3s._build import load_extension
+    return load_extension()
+
+
+def _assert_same(gpu: BSBGraph, cpu: BSBGraph):
+    assert gpu.device.type == "cuda"
+    assert gpu.num_nodes == cpu.num_nodes and gpu.num_duplicates == cpu.num_duplicates
+    for name in FIELDS:
+        a, b = getattr(gpu, name), getattr(cpu, name)
+        assert a.dtype == b.dtype, name
+        assert torch.equal(a.cpu(), b), name
+
+
+@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_gpu_builder_equals_cpu_builder(case, index_dtype):
+    ei, n = GRAPH_CASES[case]()
+    ei = ei.to(index_dtype)
+    _assert_same(BSBGraph.from_edge_index(ei.cuda(), n), BSBGraph.from_edge_index(ei, n))
+
+
+def test_gpu_builder_on_shared_data_and_unsorted_strided_input():
+    sys.path.insert(0, _data_dir())
+    import load
+    for name in ("cora", "github"):
+        n, indptr, indices = load.csr(name)
+        indptr, indices = torch.from_numpy(indptr), torch.from_numpy(indices)
+        _assert_same(BSBGraph.from_csr(indptr.cuda(), indices.cuda()), BSBGraph.from_csr(indptr, indices))
+    n, src, dst = load.batch("peptides", 0, 1024)
+    ei = torch.stack([torch.from_numpy(src), torch.from_numpy(dst)]).long()
+    perm = torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(0))
+    ei = torch.cat([ei[:, perm], ei[:, :50]], 1)                     # shuffled + duplicates
+    strided = ei.t().contiguous().cuda().t()                        # [2, E] with strides (1, 2)
+    _assert_same(BSBGraph.from_edge_index(strided, n), BSBGraph.from_edge_index(ei, n))
+
+
+def test_gpu_builder_random_large_and_empty():
+    g = torch.Generator().manual_seed(3)
+    n = 50_001
+    ei = torch.randint(0, n, (2, 400_000), generator=g)
+    ei[1, :20_000] = 7                                              # one heavy row
+    _assert_same(BSBGraph.from_edge_index(ei.cuda(), n), BSBGraph.from_edge_index(ei, n))
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    for nodes in (0, 1, 33):
+        _assert_same(BSBGraph.from_edge_index(empty.cuda(), nodes), BSBGraph.from_edge_index(empty, nodes))
+
+
+@pytest.mark.parametrize("edge_index,num_nodes,match", [
+    ([[0, 5], [1, 2]], 5, "index 5 out of range for num_nodes=5"),
+    ([[0, 1], [1, -2]], 5, "negative index -2"),
+    ([[0, 1], [1, 2]], 2, "index 2 out of range for num_nodes=2"),
+])
+def test_gpu_builder_rejects_bad_indices(edge_index, num_nodes, match):
+    with pytest.raises(ValueError, match=match):
+        BSBGraph.from_edge_index(torch.tensor(edge_index, device="cuda"), num_nodes)
+
+
+def _data_dir():
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.environ.get("GT_FUSED3S_DATA"), os.path.join(here, "..", "..", "shared", "data"),
+              os.path.join(here, "..", ".data")):
+        if d and os.path.exists(os.path.join(d, "load.py")):
+            return d
+    pytest.skip("shared data folder not found")
