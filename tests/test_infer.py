@@ -22,7 +22,7 @@ def _rows(path):
 
 def test_default_config_quick_via_cli(tmp_path, capsys):
     out = tmp_path / "infer.csv"
-    rc = main(["infer", "--config", "configs/default.yaml", "--quick", "--no-progress",
+    rc = main(["infer", "--device", "cpu", "--config", "configs/default.yaml", "--quick", "--no-progress",
                "--csv", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
@@ -56,7 +56,7 @@ def test_overrides_skips_and_missing_data(tmp_path, capsys):
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "o.csv"
-    assert main(["infer", "--config", str(path), "--backends", "reference,pyg", "dense",
+    assert main(["infer", "--device", "cpu", "--config", str(path), "--backends", "reference,pyg", "dense",
                  "--no-progress", "--csv", str(out)]) == 0
     rows = {(r["dataset"], r["backend"]): r for r in _rows(out)}
     assert rows["mols", "reference"]["status"] == "ok"
@@ -66,10 +66,10 @@ def test_overrides_skips_and_missing_data(tmp_path, capsys):
     assert rows["gone", "-"]["status"] == "error" and "no/such.npz" in rows["gone", "-"]["note"]
     assert rows["mols", "pyg"]["hidden"] == "16"
     # --datasets picks entries; an unknown one is an error with a clear line
-    assert main(["infer", "--config", str(path), "--datasets", "mols", "--backends", "pyg",
+    assert main(["infer", "--device", "cpu", "--config", str(path), "--datasets", "mols", "--backends", "pyg",
                  "--no-progress"]) == 0
     with pytest.raises(SystemExit) as err:
-        main(["infer", "--config", str(path), "--datasets", "nope"])
+        main(["infer", "--device", "cpu", "--config", str(path), "--datasets", "nope"])
     assert err.value.code == 2 and "nope" in capsys.readouterr().err
 
 
@@ -99,7 +99,7 @@ def test_npz_config_quick(tmp_path):
     if not any((d / "zinc.npz").is_file() for d in data_dirs()):
         pytest.skip("zinc.npz not found in $GT_FUSED3S_DATA, ../shared/data or .data")
     out = tmp_path / "zinc.csv"
-    assert main(["infer", "--config", "configs/zinc.yaml", "--quick", "--no-progress",
+    assert main(["infer", "--device", "cpu", "--config", "configs/zinc.yaml", "--quick", "--no-progress",
                  "--backends", "fused3s", "reference", "--csv", str(out)]) == 0
     rows = _rows(out)
     assert [r["status"] for r in rows] == ["ok", "ok"]
