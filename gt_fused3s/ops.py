@@ -85,6 +85,13 @@ def _use_kernel(q: Tensor) -> bool:
     return False
 
 
+def kernel_accepts(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the fused CUDA kernel takes features of this head dim and dtype
+    (the layers send what it does not take to their unfused path)."""
+    return (head_dim % 8 == 0 and head_dim <= _SUPPORTED_HEAD_DIMS[-1]
+            and dtype in _KERNEL_DTYPES + (torch.float32,))
+
+
 def _check_kernel_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
     D = q.size(-1)
     if D % 8 != 0 or D > _SUPPORTED_HEAD_DIMS[-1]:

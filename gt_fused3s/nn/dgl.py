@@ -27,7 +27,7 @@ except ImportError as e:  # ModuleNotFoundError, or DGL's own import failures
                       f'({e}); install it with: pip install "gt-fused3s[dgl]"') from e
 
 from ..graph import BSBGraph
-from ..ops import _KERNEL_DTYPES, _SUPPORTED_HEAD_DIMS, fused3s_attention
+from ..ops import fused3s_attention, kernel_accepts
 from ..reference import attention_reference
 
 __all__ = ["Fused3SConv"]
@@ -199,7 +199,7 @@ class Fused3SConv(nn.Module):
             return self._forward_unfused(graph, q, k, v, get_attention)
 
         bsb = _graph_bsb(graph, q.device)
-        if q.is_cuda and not _kernel_takes(q, D):
+        if q.is_cuda and not kernel_accepts(D, q.dtype):
             return attention_reference(q, k, v, bsb.edge_index, scale)
         return fused3s_attention(q, k, v, bsb, scale)
 
@@ -213,13 +213,6 @@ class Fused3SConv(nn.Module):
             graph.update_all(fn.u_mul_e("v", "a", "m"), fn.sum("m", "h"))
             rst = graph.dstdata["h"]
             return (rst, graph.edata["a"]) if get_attention else rst
-
-
-def _kernel_takes(q: Tensor, head_dim: int) -> bool:
-    """Whether the fused CUDA kernel accepts q's dtype and head size (else the
-    reference computes the same function)."""
-    return (head_dim % 8 == 0 and head_dim <= _SUPPORTED_HEAD_DIMS[-1]
-            and q.dtype in _KERNEL_DTYPES + (torch.float32,))
 
 
 # One entry per DGLGraph object: its BSB per device and its 0-in-degree

@@ -13,7 +13,7 @@ from torch_geometric.nn import TransformerConv
 from torch_geometric.typing import SparseTensor
 
 from ..graph import BSBGraph, _check_index_tensor, _check_range, cached_bsb
-from ..ops import _KERNEL_DTYPES, _SUPPORTED_HEAD_DIMS, fused3s_attention
+from ..ops import fused3s_attention, kernel_accepts
 
 __all__ = ["Fused3SConv"]
 
@@ -248,13 +248,10 @@ class Fused3SConv(TransformerConv):
             return False
         if _is_sparse(edge_index) and _sparse_has_features(edge_index):
             return False   # TransformerConv reads such values as edge_attr
-        if x_dst.is_cuda:   # what the kernel takes (ops._check_kernel_inputs)
-            C = self.out_channels
-            if C % 8 != 0 or C > _SUPPORTED_HEAD_DIMS[-1]:
+        if x_dst.is_cuda:   # what the kernel takes; fp64 (without autocast) it does not
+            dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x_dst.dtype
+            if not kernel_accepts(self.out_channels, dtype):
                 return False
-            if (x_dst.dtype not in _KERNEL_DTYPES + (torch.float32,)
-                    and not torch.is_autocast_enabled("cuda")):
-                return False   # fp64: the kernel takes fp16/bf16/fp32
         return True
 
     def _check_x(self, x) -> Tuple[Tensor, Tensor]:
