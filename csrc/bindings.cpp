@@ -187,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
 // Builds the BSB format of gt_fused3s/graph.py on the GPU. One host
 // synchronisation: the copy of the counters (T, E_u, index range) that sizes
 // the outputs and validates the indices.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> bsb_build_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t> bsb_build_cuda(
     const at::Tensor& edge_index, int64_t num_nodes) {
     TORCH_CHECK_VALUE(edge_index.is_cuda(), "edge_index must be a CUDA tensor (got ", edge_index.device().str(), ")");
     TORCH_CHECK_VALUE(edge_index.scalar_type() == at::kInt || edge_index.scalar_type() == at::kLong,
@@ -212,7 +212,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
     at::Tensor bitmap = at::empty({max_tcbs, 2}, i64);
     at::Tensor window_order = at::empty({R}, i32);
     at::Tensor edges = at::empty({2, E}, i64);
-    at::Tensor counters = at::empty({4}, i64);
+    at::Tensor counters = at::empty({5}, i64);
     at::Tensor workspace = at::empty({static_cast<int64_t>(bsb_build_workspace_bytes(E, N))},
                                      edge_index.options().dtype(at::kByte));
 
@@ -244,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
     }
     const int64_t T = c[0], num_unique = c[1];
     return {rw_offset, cols.narrow(0, 0, T * 8), bitmap.narrow(0, 0, T), window_order,
-            edges.narrow(1, 0, num_unique), E - num_unique};
+            edges.narrow(1, 0, num_unique), E - num_unique, c[4]};
 }
 
 }  // namespace
@@ -255,7 +255,7 @@ TORCH_LIBRARY(gt_fused3s, m) {
         "fwd(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
         "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32) "
         "-> (Tensor out, Tensor lse)");
-    m.def("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int)");
+    m.def("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
 }
 
 TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from .graph import BSBGraph, _check_index_tensor, _check_num_nodes, _check_range
-from .ops import fused3s_attention
+from .ops import fused3s_attention, kernel_accepts, padded_head_dim
+from .schedule import work_schedule
 from .reference import attention_dense, attention_reference
 
 
@@ -43,11 +44,17 @@ class AttentionGraph:
         g._formats = {"bsb": bsb, "edge_index": bsb.edge_index}
         return g
 
-    def prepare(self, backend: str) -> None:
-        """Build the format that ``backend`` reads (so it can be timed apart
-        from the attention); a no-op for unknown backends and built formats."""
+    def prepare(self, backend: str, heads: int | None = None, head_dim: int | None = None) -> None:
+        """Build what ``backend`` reads, so that it can be timed apart from the
+        attention and so that, for ``fused3s`` on CUDA with ``heads`` and
+        ``head_dim`` given, a later attention call makes no host
+        synchronisation (the kernel's work schedule is built here too).
+        A no-op for unknown backends and formats already built."""
         if backend in FORMAT_OF:
-            getattr(self, FORMAT_OF[backend])
+            fmt = getattr(self, FORMAT_OF[backend])
+            if (backend == "fused3s" and fmt.device.type == "cuda" and heads is not None
+                    and head_dim is not None and kernel_accepts(head_dim, torch.float16)):
+                work_schedule(fmt, heads, padded_head_dim(head_dim))
 
     def _get(self, name: str, build: Callable[[], object]):
         if name not in self._formats:

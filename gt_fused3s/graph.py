@@ -102,6 +102,8 @@ class BSBGraph:
     window_order: Tensor
     edge_index: Tensor
     num_duplicates: int = 0
+    #: the largest TCB count of a row window (the kernel splits heavier windows)
+    max_window_tcbs: int = 0
     #: per-graph derived device arrays (kernel schedules, masks of other
     #: backends), built lazily by their users and cached here by name
     extras: dict = field(default_factory=dict, repr=False)
@@ -214,6 +216,7 @@ class BSBGraph:
             window_order=window_order.to(torch.int32),
             edge_index=torch.stack([src, win * ROWS_PER_WINDOW + row_in]),
             num_duplicates=n_in - E,
+            max_window_tcbs=int(tcb_per_win.max()) if R else 0,
         )
 
     # ------------------------------------------------------------ properties
@@ -242,7 +245,7 @@ class BSBGraph:
             return self
         return BSBGraph(self.num_nodes, self.rw_offset.to(device), self.cols.to(device),
                         self.bitmap.to(device), self.window_order.to(device),
-                        self.edge_index.to(device), self.num_duplicates)
+                        self.edge_index.to(device), self.num_duplicates, self.max_window_tcbs)
 
     def nbytes(self) -> int:
         """Device memory held by the format arrays (``edge_index`` included)."""
@@ -270,7 +273,7 @@ class BSBGraph:
             "num_tcbs": T,
             "tcb_per_rw_mean": float(tcb_per_rw.double().mean()) if self.num_windows else 0.0,
             "tcb_per_rw_cv": _cv(tcb_per_rw),
-            "tcb_per_rw_max": int(tcb_per_rw.max()) if self.num_windows else 0,
+            "tcb_per_rw_max": self.max_window_tcbs,
             "nnz_per_tcb_mean": float(nnz.double().mean()) if T else 0.0,
             "nnz_per_tcb_cv": _cv(nnz),
             "density": self.num_edges / (T * 128) if T else 0.0,

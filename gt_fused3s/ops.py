@@ -85,6 +85,11 @@ def _use_kernel(q: Tensor) -> bool:
     return False
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the kernel runs for ``head_dim`` (zero-padded up to it)."""
+    return next(d for d in _SUPPORTED_HEAD_DIMS if d >= head_dim)
+
+
 def kernel_accepts(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the fused CUDA kernel takes features of this head dim and dtype
     (the layers send what it does not take to their unfused path)."""
@@ -116,7 +121,7 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, bsb: BSBGraph, scale: float
     ops = load_extension()
     cdt = q.dtype if q.dtype in _KERNEL_DTYPES else (compute_dtype or torch.float16)
     N, H, D = q.shape
-    Dp = next(d for d in _SUPPORTED_HEAD_DIMS if d >= D)
+    Dp = padded_head_dim(D)
 
     def prep(t: Tensor) -> Tensor:
         t = t.to(cdt)

@@ -12,6 +12,7 @@ time first), so the hardware block scheduler balances the load.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -21,6 +22,11 @@ from .graph import BSBGraph
 
 # Resident warp-teams per SM for each head dim (register-limited).
 _TEAMS_PER_SM = {16: 24, 32: 16, 64: 12, 128: 8, 256: 4}
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def work_schedule(bsb: BSBGraph, H: int, Dp: int) -> tuple[Tensor, Tensor]:
@@ -35,14 +41,23 @@ def work_schedule(bsb: BSBGraph, H: int, Dp: int) -> tuple[Tensor, Tensor]:
     # heaviest chunk ends near the average finish time (LPT order).
     # GT_FUSED3S_CHUNK=C fixes C (and the split threshold) for tuning.
     dev = bsb.device
-    cnt = (bsb.rw_offset[1:] - bsb.rw_offset[:-1]).long()
-    teams_per_sm = _TEAMS_PER_SM[Dp]
-    workers = torch.cuda.get_device_properties(dev).multi_processor_count * teams_per_sm
+    workers = _num_sms(dev) * _TEAMS_PER_SM[Dp]
     C = int(chunk_env) if chunk_env else max(16, -(-bsb.num_tcbs * H // workers))
     C += C % 2
     # Splitting costs a counter memset and a merge (a few us): windows of at
     # most 32 TCBs stay whole (measured on an H100: cheaper unsplit).
     threshold = C if chunk_env else max(32, C)
+    if bsb.max_window_tcbs <= threshold:
+        # Nothing to split (all molecule batches): one item per window, in
+        # window_order, built without a host synchronisation.
+        order = bsb.window_order
+        begin = bsb.rw_offset[order.long()]
+        end = bsb.rw_offset[order.long() + 1]
+        items = torch.stack([order, begin, end, torch.full_like(order, -1)], 1).contiguous()
+        slots = torch.empty((0, 4), dtype=torch.int32, device=dev)
+        bsb.extras[key] = (items, slots)
+        return items, slots
+    cnt = (bsb.rw_offset[1:] - bsb.rw_offset[:-1]).long()
     order = bsb.window_order.long()
     cnt_o = cnt[order]
     nch = torch.where(cnt_o > threshold, (cnt_o + C - 1) // C, torch.ones_like(cnt_o))

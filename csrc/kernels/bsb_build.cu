@@ -175,9 +175,11 @@ __global__ void fill_blocks(const uint64_t* __restrict__ keys, const uint64_t* _
 }
 
 __global__ void finish_counters(const int32_t* __restrict__ rw_offset, int32_t R,
-                                const uint64_t* __restrict__ incl, int64_t E, int64_t* __restrict__ counters) {
+                                const uint64_t* __restrict__ incl, int64_t E,
+                                const int32_t* __restrict__ counts_sorted, int64_t* __restrict__ counters) {
     counters[0] = rw_offset[R];
     counters[1] = E > 0 ? edge_count(incl[E - 1]) : 0;
+    counters[4] = R > 0 ? counts_sorted[0] : 0;   // windows sorted by decreasing TCB count
 }
 
 #define GT_CUDA_RETURN_IF_ERROR(expr)              \
@@ -249,7 +251,7 @@ void run_bsb_build(const BsbBuildParams& p, void* workspace, size_t workspace_by
             keys_b, incl, E, N, num_pairs_total, first_pair, p.rw_offset_ptr, p.cols_ptr,
             reinterpret_cast<unsigned long long*>(p.bitmap_ptr), p.edge_src_ptr, p.edge_dst_ptr);
     }
-    finish_counters<<<1, 1, 0, stream>>>(p.rw_offset_ptr, R, incl, E, p.counters_ptr);
+    finish_counters<<<1, 1, 0, stream>>>(p.rw_offset_ptr, R, incl, E, counts_sorted, p.counters_ptr);
 }
 
 }  // namespace gt_fused3s

@@ -31,7 +31,8 @@ struct BsbBuildParams {
     int32_t* window_order_ptr;  // [R]
     int64_t* edge_src_ptr;      // [E] deduplicated edges, sorted by (window, source, row)
     int64_t* edge_dst_ptr;      // [E]
-    // [4]: T, E_u, smallest and largest index seen in edge_index. The caller
+    // [5]: T, E_u, smallest and largest index seen in edge_index, largest
+    // TCB count of a window (the kernel's schedule needs no split below it). The caller
     // copies them to the host once (the builder's only synchronisation) and
     // rejects the graph if an index was out of [0, N): then every other
     // output is unspecified (but nothing was written out of bounds).

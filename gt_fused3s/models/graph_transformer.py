@@ -200,9 +200,19 @@ class GraphTransformer(nn.Module):
             edge_index, _ = add_remaining_self_loops(edge_index, num_nodes=num_nodes)
         return AttentionGraph(edge_index, num_nodes)
 
+    def prepare_graph(self, graph: AttentionGraph) -> AttentionGraph:
+        """Build what the current backend reads of ``graph`` (for ``fused3s``
+        on CUDA, the BSB and the kernel's schedule for this model's heads),
+        so that a forward on it makes no host synchronisation. A forward
+        does this itself; call it ahead (e.g. on a side stream while the
+        previous batch computes) to take it off the critical path."""
+        graph.prepare(self._backend, self.blocks[0].heads, self.blocks[0].head_dim)
+        return graph
+
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor, edge_index: Tensor | None, batch: Tensor | None = None,
-                graph: AttentionGraph | BSBGraph | None = None) -> Tensor:
+                graph: AttentionGraph | BSBGraph | None = None,
+                num_graphs: int | None = None) -> Tensor:
         """Args:
             x: [N, F] node features.
             edge_index: [2, E]; ignored when ``graph`` is given.
@@ -210,6 +220,8 @@ class GraphTransformer(nn.Module):
             graph: a prebuilt :class:`AttentionGraph` (or :class:`BSBGraph`)
                 of this graph. Default: built here, once per forward, and
                 shared by all blocks (a batch is a new graph).
+            num_graphs: the number of graphs in ``batch`` (graph readout);
+                given, the readout needs no host synchronisation.
         """
         N = x.size(0)
         if graph is None:
@@ -225,7 +237,7 @@ class GraphTransformer(nn.Module):
 
         fn, device = self._attention_fn, x.device
         with self._span("format", device):      # the backend's format, timed apart
-            graph.prepare(self._backend)
+            self.prepare_graph(graph)
 
         def attend(q, k, v, scale):
             with self._span("attention", device):
@@ -236,5 +248,5 @@ class GraphTransformer(nn.Module):
             h = block(h, attend)
         if self.readout == "graph":
             from torch_geometric.nn import global_mean_pool
-            h = global_mean_pool(h, batch)
+            h = global_mean_pool(h, batch, size=num_graphs)
         return self.head(h)
