@@ -2,7 +2,8 @@
 (``gt_fused3s.bench.*``); this file only wires them up.
 
     gt-fused3s infer --config configs/default.yaml [--backends fused3s pyg]
-                     [--device cuda] [--csv out.csv] [--quick]
+                     [--device cuda] [--csv out.csv] [--plot out.png] [--quick]
+    gt-fused3s plot out.csv out.png
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import infer
+    from .bench import infer, plot
 
     parser = argparse.ArgumentParser(prog="gt-fused3s", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -19,6 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description=infer.__doc__.split("\n\n")[0])
     infer.add_arguments(p)
     p.set_defaults(run=infer.main)
+    p = sub.add_parser("plot", help="bar chart of speedups from the CSV of infer --csv",
+                       description=plot.__doc__.split("\n\n")[0])
+    plot.add_arguments(p)
+    p.set_defaults(run=plot.main)
     return parser
 
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
-from gt_fused3s.data import (DatasetUnavailableError, data_dirs, load_dataset, load_lrgb,
-                             load_npz, load_ogb, load_pyg, molecule_batch, molecules_dataset,
-                             power_law_graph, resolve_path)
+from gt_fused3s.data import (DatasetUnavailableError, check_entry, data_dirs, load_dataset,
+                             load_lrgb, load_npz, load_ogb, load_pyg, molecule_batch,
+                             molecules_dataset, power_law_graph, random_graph_batch,
+                             resolve_path)
 
 
 def _shared_file(name):
@@ -283,3 +284,69 @@ def test_pyg_loader_single_graph():
     assert ds.name == "fake" and ds.level == "node" and ds.num_features == 5
     d = ds[0]
     assert d.x.shape == (d.num_nodes, 5) and d.edge_index.size(0) == 2
+
+
+# --------------------------------------------- random graphs, devices, fallbacks
+def test_random_graph_batch():
+    ei, ptr = random_graph_batch(300, min_nodes=20, max_nodes=60, avg_degree=5.5, seed=4)
+    n = int(ptr[-1])
+    _check_simple_symmetric(ei, n)
+    sizes = ptr[1:] - ptr[:-1]
+    assert int(sizes.min()) >= 20 and int(sizes.max()) <= 60
+    graph = torch.repeat_interleave(torch.arange(300), sizes)
+    assert torch.equal(graph[ei[0]], graph[ei[1]])                 # no edge between graphs
+    assert 4.5 < ei.size(1) / n < 5.6                               # mean degree ~ 5.5, a bit less
+    again, _ = random_graph_batch(300, min_nodes=20, max_nodes=60, avg_degree=5.5, seed=4)
+    assert torch.equal(ei, again)
+    with pytest.raises(ValueError):
+        random_graph_batch(3, min_nodes=1)
+
+
+def test_dataset_makes_batches_where_asked():
+    ds = load_dataset({"name": "r", "kind": "random_graphs",
+                       "params": {"num_graphs": 5, "batch_size": 2, "min_nodes": 4,
+                                  "max_nodes": 8}})
+    assert ds.device == torch.device("cpu") and len(ds) == 3 and ds.info["synthetic"]
+    assert torch.equal(ds.get(1, "cpu").x, ds[1].x)
+    assert ds.get(2).ptr.numel() == 2
+
+
+def test_fallback_when_unavailable_or_offline(monkeypatch):
+    from gt_fused3s import data
+
+    fallback = {"kind": "powerlaw", "params": {"num_nodes": 50}, "quick": {"num_nodes": 20}}
+    spec = {"name": "big", "kind": "npz", "params": {"structure": "no/such/big.npz"},
+            "fallback": fallback}
+    ds = load_dataset(spec)
+    assert ds.name == "big" and ds[0].num_nodes == 50 and ds.info["synthetic"]
+    assert "FileNotFoundError" in ds.info["fallback_reason"] and "big.npz" in ds.info["fallback_reason"]
+    assert load_dataset(spec, quick=True)[0].num_nodes == 20       # the fallback's quick
+
+    def must_not_load(name, params):
+        raise AssertionError("offline runs must not try the download")
+    monkeypatch.setitem(data.LOADERS, "ogb", must_not_load)
+    offline = load_dataset({"name": "ogbn-x", "kind": "ogb", "fallback": fallback}, offline=True)
+    assert offline.info["fallback_reason"] == "offline run"
+
+    def unavailable(name, params):
+        raise DatasetUnavailableError("dataset ogbn-x is not in /nowhere")
+    monkeypatch.setitem(data.LOADERS, "ogb", unavailable)
+    assert "not in /nowhere" in load_dataset({"name": "ogbn-x", "kind": "ogb",
+                                              "fallback": fallback}).info["fallback_reason"]
+    with pytest.raises(DatasetUnavailableError):                    # no fallback: the error
+        load_dataset({"name": "ogbn-x", "kind": "ogb"})
+    with pytest.raises(DatasetUnavailableError):                    # offline, no fallback
+        load_dataset({"name": "ogbn-x", "kind": "ogb"}, offline=True)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"kind": "nope"}, "kind 'nope' is unknown"),
+    ({"kind": "npz", "parms": {}}, "unknown keys"),
+    ({"kind": "npz", "fallback": {"kind": "npz", "name": "x"}}, "fallback must be"),
+    ({"kind": "npz", "fallback": {"kind": "nope"}}, "kind 'nope' is unknown"),
+    ({"name": "x"}, "needs at least 'kind'"),
+])
+def test_check_entry(spec, match):
+    with pytest.raises(ValueError, match=match):
+        check_entry(spec)
+    check_entry({"kind": "npz", "max_batches": 3}, {"max_batches"})

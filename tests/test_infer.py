@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from gt_fused3s.bench import infer
@@ -44,7 +45,28 @@ def test_default_config_quick_via_cli(tmp_path, capsys):
         assert float(by_backend["pyg"]["speedup_vs_pyg"]) == 1.0
         assert float(by_backend["reference"]["max_abs_diff"]) == 0.0
     assert rows[0]["device"] == "cpu" and rows[0]["dtype"] == "fp32"
-    assert table.splitlines()[0].split()[:4] == ["dataset", "backend", "N/fwd", "E/fwd"]
+    assert table.splitlines()[0].split()[:5] == ["dataset", "C", "backend", "N/fwd", "E/fwd"]
+    _check_speedups(rows)
+    assert "synthetic structures: molecules" in table and "real structures: none" in table
+
+
+def _check_speedups(rows):
+    """speedup_vs_b of backend a = ms(b) / ms(a), for every pair of ok rows
+    of one dataset and hidden size; none against a backend that did not run."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["dataset"], r["hidden"]), []).append(r)
+    for group in groups.values():
+        ok = {r["backend"]: r for r in group if r["status"] == "ok"}
+        for a, ra in ok.items():
+            for b in infer.BACKENDS:
+                value = ra[f"speedup_vs_{b}"]
+                if b in ok:
+                    assert float(value) == pytest.approx(
+                        float(ok[b]["ms_median"]) / float(ra["ms_median"]), rel=1e-9)
+                    assert float(value) * float(ok[b][f"speedup_vs_{a}"]) == pytest.approx(1.0)
+                else:
+                    assert value == ""
 
 
 def test_overrides_skips_and_missing_data(tmp_path, capsys):
@@ -80,6 +102,8 @@ def test_overrides_skips_and_missing_data(tmp_path, capsys):
     ({"datasets": [{"kind": "molecules", "parms": {}}]}, "unknown keys"),
     ({"datasets": []}, "no datasets"),
     ({"datasets": [{"kind": "molecules"}], "dtype": "fp8"}, "dtype"),
+    ({"datasets": [{"kind": "molecules"}], "model": {"hidden": [64, 0]}}, "model.hidden"),
+    ({"datasets": [{"kind": "molecules", "fallback": {"kind": "nope"}}]}, "unknown"),
 ])
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -112,3 +136,146 @@ def test_script_is_a_thin_cli(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "molecules" in proc.stdout and "pyg" in proc.stdout
+
+
+def _tiny_config(tmp_path, **overrides):
+    cfg = {"warmup": 0, "repeats": 1, "backends": ["fused3s", "pyg", "reference"],
+           "model": {"hidden": 16, "layers": 2, "heads": 2},
+           "datasets": [{"name": "mols", "kind": "molecules",
+                         "params": {"num_graphs": 6, "batch_size": 3}},
+                        {"name": "plaw", "kind": "powerlaw",
+                         "params": {"num_nodes": 200, "avg_degree": 4, "max_degree": 30}}]}
+    cfg.update(overrides)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("failing", ["pyg", "reference"])
+def test_oom_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch, failing):
+    from gt_fused3s import backends
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    monkeypatch.setitem(backends.BACKENDS, failing, out_of_memory)
+    out = tmp_path / "o.csv"
+    assert main(["infer", "--device", "cpu", "--config", str(_tiny_config(tmp_path)),
+                 "--no-progress", "--csv", str(out)]) == 0
+    rows = {(r["dataset"], r["backend"]): r for r in _rows(out)}
+    assert {d for d, _ in rows} == {"mols", "plaw"}                # both datasets ran
+    for dataset in ("mols", "plaw"):
+        assert rows[dataset, failing]["status"] == "oom"
+        assert rows[dataset, failing]["note"] == "out of memory"
+        assert rows[dataset, failing]["ms_median"] == ""
+        ok = [b for b in ("fused3s", "pyg", "reference") if b != failing]
+        for b in ok:
+            assert rows[dataset, b]["status"] == "ok"
+            assert rows[dataset, b][f"speedup_vs_{failing}"] == ""
+        if failing == "reference":                                 # no agreement target
+            assert rows[dataset, "fused3s"]["max_abs_diff"] == ""
+            assert "no reference outputs" in rows[dataset, "fused3s"]["note"]
+        else:
+            assert float(rows[dataset, "fused3s"]["max_abs_diff"]) < 1e-4
+    _check_speedups(_rows(out))
+
+
+def test_hidden_list_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "o.csv", tmp_path / "fig" / "speedups.png"
+    path = _tiny_config(tmp_path, model={"hidden": [8, 16], "layers": 1, "heads": 1})
+    assert main(["infer", "--device", "cpu", "--config", str(path), "--no-progress",
+                 "--csv", str(out), "--plot", str(png), "--no-prefetch"]) == 0
+    rows = _rows(out)
+    assert sorted({(r["dataset"], r["hidden"]) for r in rows}) == [
+        ("mols", "16"), ("mols", "8"), ("plaw", "16"), ("plaw", "8")]
+    assert all(r["prefetch"] == "False" for r in rows)
+    _check_speedups(rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = capsys.readouterr().out
+    assert "fused3s speedup, geometric mean over all datasets x hidden: vs pyg" in summary
+    # the chart again, from the CSV; its groups: each (dataset, hidden), values or labels
+    png2 = tmp_path / "again.png"
+    assert main(["plot", str(out), str(png2)]) == 0 and png2.stat().st_size > 1000
+    from gt_fused3s.bench.plot import speedup_groups
+    for r in rows:                                  # as if pyg had run out of memory on one
+        if (r["dataset"], r["hidden"]) == ("mols", "8"):
+            r.update({"status": "oom"} if r["backend"] == "pyg" else {"speedup_vs_pyg": ""})
+    labels, others, values = speedup_groups(rows)
+    assert labels == ["mols\nC=8", "mols\nC=16", "plaw\nC=8", "plaw\nC=16"]
+    assert others == ["pyg", "reference"]
+    assert values[0]["pyg"] == "OOM" and isinstance(values[1]["pyg"], float)
+
+
+def test_streamed_and_single_rows(tmp_path):
+    out = tmp_path / "o.csv"
+    assert main(["infer", "--device", "cpu", "--config", str(_tiny_config(tmp_path)),
+                 "--no-progress", "--csv", str(out), "--backends", "fused3s"]) == 0
+    mols, plaw = _rows(out)
+    # a collection: 2 batches streamed, throughput; a single graph: no throughput
+    assert mols["level"] == "graph" and mols["batches"] == "2" and float(mols["graphs_per_s"]) > 0
+    assert plaw["level"] == "node" and plaw["batches"] == "1" and plaw["graphs_per_s"] == ""
+    assert float(mols["format_ms"]) > 0 and float(plaw["format_ms"]) > 0
+    assert mols["structure"] == plaw["structure"] == "synthetic"
+
+
+# ------------------------------------------------------- the paper's study
+PAPER_BATCHED = ["Peptides-func", "Peptides-struct", "PascalVOC-SP", "COCO-SP", "ogbg-molhiv",
+                 "ogbg-molpcba", "ogbg-ppa", "ogbg-code2", "ZINC"]
+PAPER_SINGLE = ["Cora", "Citeseer", "Pubmed", "GitHub", "ogbn-arxiv", "ogbn-products", "Reddit",
+                "Yelp", "AmazonProducts"]
+
+
+def _needs_shared_data():
+    from gt_fused3s.data import data_dirs
+    names = ("zinc", "molhiv", "peptides", "cora", "citeseer", "pubmed", "github")
+    if not all(any((d / f"{n}.npz").is_file() for d in data_dirs()) for n in names):
+        pytest.skip("the npz files of shared/data are not in $GT_FUSED3S_DATA, "
+                    "../shared/data or .data")
+
+
+def test_offline_study_config_resolves():
+    from gt_fused3s.bench.kernel import POWERLAW
+    from gt_fused3s.data import load_dataset
+    _needs_shared_data()
+    cfg = infer.load_config("configs/study.yaml")
+    assert cfg["model"]["hidden"] == [64, 128] and cfg["model"]["layers"] == 10
+    assert cfg["model"]["heads"] == 1 and cfg["dtype"] == "fp16"
+    assert cfg["backends"] == ["fused3s", "pyg", "reference", "dense", "flex"]
+    names = [d["name"] for d in cfg["datasets"]]
+    assert names == ["zinc", "molhiv", "peptides", "cora", "pubmed", "github", "powerlaw-200k",
+                     "powerlaw-1m"]
+    for spec in cfg["datasets"]:
+        ds = load_dataset(spec)                     # lazy: reads npz files, generates nothing
+        if spec["kind"] == "npz":
+            assert not ds.info.get("synthetic")
+            if ds.level == "graph":
+                assert spec["params"]["batch_size"] == 1024 and spec["max_batches"] <= 8
+        else:
+            assert ds.info["synthetic"] and ds.level == "node"
+            p = spec["params"]
+            assert {k: p[k] for k in ("alpha", "max_degree", "avg_degree")} == {
+                k: POWERLAW[k] for k in ("alpha", "max_degree", "avg_degree")}
+        small = load_dataset(spec, quick=True)[0]
+        assert small.num_nodes > 0 and small.edge_index.size(1) > 0
+    assert {d["params"]["num_nodes"] for d in cfg["datasets"] if d["kind"] == "powerlaw"} == {
+        200_000, 1_000_000}
+
+
+@pytest.mark.parametrize("config, names", [("configs/study-batched.yaml", PAPER_BATCHED),
+                                           ("configs/study-single.yaml", PAPER_SINGLE)])
+def test_online_study_configs_fall_back_offline(config, names):
+    from gt_fused3s.data import load_dataset
+    _needs_shared_data()
+    cfg = infer.load_config(config)
+    assert [d["name"] for d in cfg["datasets"]] == names
+    assert cfg["model"]["hidden"] == [64, 128, 256] and cfg["model"]["layers"] == 10
+    for spec in cfg["datasets"]:
+        assert spec["kind"] in ("ogb", "lrgb", "pyg") and "fallback" in spec
+        if config.endswith("batched.yaml"):
+            assert spec["params"]["batch_size"] == 1024
+        ds = load_dataset(spec, quick=True, offline=True)
+        assert ds.info["fallback_reason"] == "offline run" and ds.name == spec["name"]
+        assert ds.level == ("graph" if config.endswith("batched.yaml") else "node")
+        b = ds[0]
+        assert b.num_nodes > 0 and b.x.size(1) == ds.num_features

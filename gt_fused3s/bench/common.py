@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark harnesses (kernel and end-to-end)."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -40,3 +41,9 @@ def free_cuda_memory(device: torch.device | str = "cuda") -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def geomean(values) -> float:
+    """Geometric mean of positive numbers."""
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values))

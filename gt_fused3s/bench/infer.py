@@ -1,18 +1,38 @@
 """Graph Transformer inference, backend against backend, on the datasets of
 a YAML config: the work behind ``gt-fused3s infer`` and ``scripts/infer.py``.
 
-For every dataset: load it (its first ``max_batches`` batches, moved to the
-device once), build one model (seeded: the same weights for every backend),
-compute the agreement target with the ``reference`` backend, then for each
-backend: warm up, time ``repeats`` forwards (batch ``r % B`` for forward
-``r``; CUDA events on a GPU, ``perf_counter`` on a CPU; no per-layer
-synchronisation), then one profiled pass over the batches that times the
-attention calls and the graph-format build apart and collects the outputs.
+For every dataset, load it once; for every hidden size, build one model
+(seeded: the same weights for every backend) and measure every backend,
+the ``reference`` backend first (its outputs are the agreement target), in
+eval mode under ``torch.inference_mode`` (fp16 or bf16 autocast on a GPU):
 
-A forward includes building the graph's format (every batch is a new graph
-to the model), so ``ms/fwd`` is end to end. A backend that cannot run
-(flex on a CPU, dense above its node limit, out of memory, an error) gets a
-row with a note instead of a time; the run goes on.
+* **Single graph** (``level: node``): the graph lives on the device and its
+  format is built once; ``fmt ms`` is that build (a second, warm build,
+  synchronised and timed apart), *not* part of ``ms/fwd``. Then ``warmup``
+  forwards and ``repeats`` timed forwards (CUDA events around each; no
+  synchronisation between them).
+* **Collection** (``level: graph``): streamed. Its first ``max_batches``
+  batches are made once on the host (pinned memory); a forward copies its
+  batch to the device and builds its format (a new batch is a new graph),
+  so ``ms/fwd`` *includes* the build (``fmt ms`` says how much). With
+  ``prefetch`` the next batch is copied and built on a side CUDA stream while
+  the current one computes (:mod:`gt_fused3s.bench.stream`). The timed run
+  streams ``max(repeats, batches)`` forwards (batch ``r % batches`` for forward
+  ``r``); a forward's time is the interval between the ends of consecutive
+  forwards (CUDA events), so a wait for the next batch counts.
+  ``graphs_per_s`` is the throughput of that run.
+
+Then a separate profiled pass (every batch once, synchronised around each
+forward, built inline) times the attention calls and the format builds
+apart (:meth:`GraphTransformer.attention_timer`): ``attn ms``, ``attn %`` of
+that pass, and the outputs, compared with the target (``max|diff|``). Peak
+memory is ``torch.cuda.max_memory_allocated`` over the backend's runs (reset
+before each backend). ``speedup_vs_<b>`` of a row is ``ms/fwd`` of backend
+``b`` over this row's, same dataset and hidden size.
+
+A backend that cannot run (flex on a CPU or on a collection of many batches
+- FlexAttention compiles once per graph shape -, above its ``max_nodes``, out of
+memory, an error) gets a row with a note instead of a time; the run goes on.
 
 Config schema (YAML; defaults in :data:`DEFAULTS`)::
 
@@ -20,25 +40,29 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     dtype: auto           # auto (fp32 on cpu, fp16 on cuda) | fp32 | fp16 | bf16 (autocast)
     seed: 0               # weights and generated data
     warmup: 2             # untimed forwards per backend
-    repeats: 5            # timed forwards per backend
+    repeats: 5            # timed forwards per backend (collections: at least one per batch)
+    prefetch: true        # collections: build the next batch's format on a side stream
     backends: [fused3s, pyg, reference, dense, flex]
     reference: reference  # backend the 'max diff' column compares with
     max_nodes: {dense: 4096, flex: 65536}   # skip a backend above N nodes per forward
     model: {hidden: 64, layers: 10, heads: 1, norm: layer, dropout: 0.0,
-            out_channels: null, self_loops: false}
+            out_channels: null, self_loops: false}   # hidden: a size or a list of sizes
     datasets:             # each: see gt_fused3s.data.load_dataset
       - name: molecules
-        kind: molecules   # molecules | powerlaw | npz | ogb | lrgb | pyg
+        kind: molecules   # molecules | random_graphs | powerlaw | npz | ogb | lrgb | pyg
         params: {...}     # arguments of the kind's loader
         quick: {...}      # params overrides under --quick
+        fallback: {kind: npz, params: {...}}   # used when the data is unavailable / --offline
         max_batches: 4    # use the first batches only (default: all)
         readout: graph    # default: graph for collections, node for one graph
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import csv
+import gc
 import math
 import platform
 import statistics
@@ -53,10 +77,11 @@ import yaml
 from tqdm import tqdm
 
 from ..backends import BACKENDS
-from ..data import load_dataset
+from ..data import check_entry, load_dataset
 from ..data.base import REPO_ROOT
 from ..models import GraphTransformer
-from .common import free_cuda_memory, git_sha, short_error
+from .common import free_cuda_memory, geomean, git_sha, short_error
+from .stream import Staged, num_graphs, pin, stage, stream_batches
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 
@@ -66,6 +91,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "warmup": 2,
     "repeats": 5,
+    "prefetch": True,
     "backends": ["fused3s", "pyg", "reference", "dense", "flex"],
     "reference": "reference",
     "max_nodes": {"dense": 4096, "flex": 65536},
@@ -73,15 +99,16 @@ DEFAULTS: dict[str, Any] = {
               "out_channels": None, "self_loops": False},
     "datasets": [],
 }
-_DATASET_KEYS = {"name", "kind", "params", "quick", "max_batches", "readout"}
+_HARNESS_KEYS = {"max_batches", "readout"}     # dataset keys besides the loader's
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 #: columns of the CSV, in order
-COLUMNS = ["dataset", "backend", "status", "note", "level", "batches", "graphs_per_fwd",
-           "nodes_per_fwd", "edges_per_fwd", "ms_median", "ms_mean", "ms_std", "ms_min",
-           "ms_max", "attn_ms", "attn_share", "format_ms", "speedup_vs_pyg", "max_abs_diff",
-           "reference", "device", "device_name", "dtype", "hidden", "layers", "heads",
-           "torch", "git_sha", "config"]
+COLUMNS = ["dataset", "hidden", "backend", "status", "note", "level", "structure", "source",
+           "batches", "graphs_per_fwd", "nodes_per_fwd", "edges_per_fwd", "ms_median", "ms_mean",
+           "ms_std", "ms_min", "ms_max", "graphs_per_s", "attn_ms", "attn_share", "format_ms",
+           "peak_mem_mb", *(f"speedup_vs_{b}" for b in BACKENDS), "max_abs_diff", "reference",
+           "prefetch", "device", "device_name", "dtype", "layers", "heads", "torch", "git_sha",
+           "config"]
 
 
 # ------------------------------------------------------------------ config
@@ -129,16 +156,19 @@ def validate_config(raw: dict) -> dict:
         raise ValueError(f"unknown backends {bad}; choose from {sorted(BACKENDS)}")
     if cfg["dtype"] != "auto" and cfg["dtype"] not in _DTYPES:
         raise ValueError(f"dtype must be auto, fp32, fp16 or bf16 (got {cfg['dtype']!r})")
+    hidden = _as_list(cfg["model"]["hidden"])
+    if not hidden or not all(isinstance(h, int) and h > 0 for h in hidden):
+        raise ValueError(f"model.hidden must be a positive int or a list of them "
+                         f"(got {cfg['model']['hidden']!r})")
     if not cfg["datasets"]:
         raise ValueError("the config lists no datasets")
     for spec in cfg["datasets"]:
-        if not isinstance(spec, dict) or "kind" not in spec:
-            raise ValueError(f"each dataset needs a 'kind' (got {spec!r})")
-        extra = set(spec) - _DATASET_KEYS
-        if extra:
-            raise ValueError(f"dataset {spec.get('name', spec['kind'])!r}: unknown keys "
-                             f"{sorted(extra)}; known: {sorted(_DATASET_KEYS)}")
+        check_entry(spec, _HARNESS_KEYS)
     return cfg
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 # ------------------------------------------------------------------ helpers
@@ -172,40 +202,62 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def _skip_reason(backend: str, device: torch.device, nodes: int, max_nodes: dict) -> str | None:
+def _skip_reason(backend: str, device: torch.device, nodes: int, max_nodes: dict,
+                 streamed_batches: int) -> str | None:
     if backend == "flex" and device.type != "cuda":
         return "skipped: flex runs on CUDA only"
+    if backend == "flex" and streamed_batches > 1:
+        # dynamic=False: a compile per graph shape, and every batch has its own
+        return "skipped: flex compiles per graph shape (run it on single graphs)"
     limit = max_nodes.get(backend)
     if limit is not None and nodes > limit:
         return f"skipped: {nodes} nodes per forward > max_nodes.{backend}={limit}"
     return None
 
 
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+class _Clock:
+    """Marks on the device's timeline: CUDA events on a GPU (read after one
+    synchronisation), ``perf_counter`` on a CPU (where every op is synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
 def time_forwards(forward: Callable[[int], Any], count: int, device: torch.device,
                   on_step: Callable[[], None] | None = None) -> list[float]:
-    """Milliseconds of ``forward(r)`` for r = 0 .. count-1: CUDA events around
-    each call on a GPU (one synchronisation at the end), ``perf_counter``
-    on a CPU (where every op is synchronous)."""
-    if device.type == "cuda":
-        events = []
-        for r in range(count):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            forward(r)
-            end.record()
-            events.append((start, end))
-            if on_step:
-                on_step()
-        torch.cuda.synchronize(device)
-        return [s.elapsed_time(e) for s, e in events]
-    times = []
+    """Milliseconds of ``forward(r)`` for r = 0 .. count-1: a mark before and
+    after each call (:class:`_Clock`), no synchronisation in between."""
+    clocks = []
     for r in range(count):
-        t0 = time.perf_counter()
+        clock = _Clock(device)
+        clock.mark()
         forward(r)
-        times.append((time.perf_counter() - t0) * 1e3)
+        clock.mark()
+        clocks.append(clock)
         if on_step:
             on_step()
-    return times
+    return [c.intervals_ms()[0] for c in clocks]
 
 
 # --------------------------------------------------------------------- run
@@ -218,15 +270,18 @@ class _Settings:
     warmup: int
     repeats: int
     quick: bool
+    offline: bool
     progress: bool
     log: Callable[[str], None]
     common: dict               # columns that are the same in every row
 
 
-def run(cfg: dict, *, quick: bool = False, progress: bool = True,
+def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool = True,
         log: Callable[[str], None] | None = None) -> list[dict]:
     """Run the benchmark of a validated config; returns one row per
-    (dataset, backend), with the keys of :data:`COLUMNS`."""
+    (dataset, hidden size, backend), with the keys of :data:`COLUMNS`.
+    ``offline``: datasets with a ``fallback`` use it without trying their
+    own loader."""
     log = log or (lambda msg: tqdm.write(msg, file=sys.stderr))
     device = _device(cfg["device"])
     dtype = _dtype(cfg["dtype"], device)
@@ -235,157 +290,329 @@ def run(cfg: dict, *, quick: bool = False, progress: bool = True,
         warmup, repeats = min(warmup, 1), min(repeats, 2)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
                 else contextlib.nullcontext())
-    common = {"reference": cfg["reference"], "device": str(device),
-              "device_name": device_name(device), "dtype": _dtype_name(dtype),
-              "hidden": cfg["model"]["hidden"], "layers": cfg["model"]["layers"],
+    if "flex" in cfg["backends"]:   # one FlexAttention compile per graph shape and head dim
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    common = {"reference": cfg["reference"], "prefetch": bool(cfg["prefetch"]),
+              "device": str(device), "device_name": device_name(device),
+              "dtype": _dtype_name(dtype), "layers": cfg["model"]["layers"],
               "heads": cfg["model"]["heads"], "torch": torch.__version__, "git_sha": git_sha(),
               "config": cfg.get("config", "")}
     log(f"gt-fused3s infer: device {common['device_name']} ({device}), {common['dtype']}, "
         f"torch {torch.__version__}, git {common['git_sha']}")
-    settings = _Settings(cfg, device, autocast, warmup, repeats, quick, progress, log, common)
+    settings = _Settings(cfg, device, autocast, warmup, repeats, quick, offline, progress, log,
+                         common)
     rows: list[dict] = []
     for spec in cfg["datasets"]:
         rows += _run_dataset(spec, settings)
-        free_cuda_memory(device)          # the dataset's batches and model are gone now
+        free_cuda_memory(device)          # the dataset's batches are gone now
     return rows
 
 
-def _run_dataset(spec: dict, settings: _Settings) -> list[dict]:
-    cfg, device, log = settings.cfg, settings.device, settings.log
+def _run_dataset(spec: dict, s: _Settings) -> list[dict]:
+    cfg, device = s.cfg, s.device
     name = spec.get("name", spec["kind"])
-    base = {**settings.common, "dataset": name}
+    base = {**s.common, "dataset": name}
     try:
-        ds = load_dataset(spec, device=device, seed=cfg["seed"], quick=settings.quick)
-        limit = 1 if settings.quick else spec.get("max_batches")
-        n_batches = len(ds) if limit is None else min(len(ds), int(limit))
-        batches = [ds[i] for i in tqdm(range(n_batches), desc=f"{name}: load", leave=False,
-                                       disable=not settings.progress, file=sys.stderr)]
+        ds = load_dataset(spec, device=device, seed=cfg["seed"], quick=s.quick, offline=s.offline)
+        streamed = ds.level == "graph"
+        if streamed:     # host batches, pinned, made once: the stream copies them
+            limit = 1 if s.quick else spec.get("max_batches")
+            count = len(ds) if limit is None else min(len(ds), int(limit))
+            batches = [pin(ds.get(i, "cpu")) for i in tqdm(
+                range(count), desc=f"{name}: load", leave=False, disable=not s.progress,
+                file=sys.stderr)]
+        else:            # one graph, on the device
+            batches = [ds.get(0, device)]
     except Exception as err:   # missing file, offline, bad params: note it, go on
-        log(f"{name}: dataset not loaded: {type(err).__name__}: {err}")
+        s.log(f"{name}: dataset not loaded: {short_error(err)}")
         return [{**base, "backend": "-", "status": "error", "note": f"dataset: {short_error(err)}"}]
 
-    readout = spec.get("readout") or ds.level
-    nodes = [d.num_nodes for d in batches]
-    sizes = {"level": ds.level, "batches": n_batches,
-             "graphs_per_fwd": round(statistics.mean(
-                 d.ptr.numel() - 1 if "ptr" in d else 1 for d in batches), 1),
-             "nodes_per_fwd": round(statistics.mean(nodes)),
+    source = str(ds.info.get("source", spec["kind"]))
+    if "fallback_reason" in ds.info:
+        source += f" (fallback: {ds.info['fallback_reason']})"
+    sizes = {"level": ds.level, "structure": "synthetic" if ds.info.get("synthetic") else "real",
+             "source": source, "batches": len(batches),
+             "graphs_per_fwd": round(statistics.mean(map(num_graphs, batches)), 1),
+             "nodes_per_fwd": round(statistics.mean(d.num_nodes for d in batches)),
              "edges_per_fwd": round(statistics.mean(d.edge_index.size(1) for d in batches))}
-    mcfg = cfg["model"]
-    torch.manual_seed(cfg["seed"])
-    model = GraphTransformer(ds.num_features, mcfg["hidden"],
-                             mcfg["out_channels"] or ds.num_classes or 1,
-                             num_layers=mcfg["layers"], heads=mcfg["heads"],
-                             backend=cfg["reference"], norm=mcfg["norm"], readout=readout,
-                             dropout=mcfg["dropout"], self_loops=mcfg["self_loops"])
-    model = model.to(device).eval()
-
-    def forward(d):
-        with torch.inference_mode(), settings.autocast:
-            return model(d.x, d.edge_index, d.batch if readout == "graph" else None)
-
-    # The agreement target: the reference backend on every batch.
-    target, target_note = None, ""
-    skip = _skip_reason(cfg["reference"], device, max(nodes), cfg["max_nodes"])
-    if skip:
-        target_note = f"no reference outputs ({cfg['reference']} {skip})"
-    else:
-        try:
-            model.backend = cfg["reference"]
-            target = [forward(d).float() for d in batches]
-        except Exception as err:
-            target_note = f"no reference outputs ({cfg['reference']}: {short_error(err)})"
-            free_cuda_memory(device)
-    if target_note:
-        log(f"{name}: {target_note}")
-
+    s.log(f"{name}: {sizes['structure']} structure from {source}; {len(batches)} "
+          f"{'batches' if streamed else 'graph'}, {sizes['nodes_per_fwd']} nodes and "
+          f"{sizes['edges_per_fwd']} edges per forward")
+    work = _Work(batches, streamed, spec.get("readout") or ds.level, s)
     rows = []
-    for backend in cfg["backends"]:
-        row = {**base, **sizes, "backend": backend}
-        skip = _skip_reason(backend, device, max(nodes), cfg["max_nodes"])
-        if skip:
-            rows.append({**row, "status": "skipped", "note": skip})
-            continue
-        model.backend = backend
-        bar = tqdm(total=settings.warmup + settings.repeats + n_batches,
-                   desc=f"{name}: {backend}", leave=False, disable=not settings.progress,
-                   file=sys.stderr)
-        try:
-            row.update(_measure(forward, batches, device, settings.warmup, settings.repeats,
-                                model, target, bar.update))
-            row.update(status="ok", note=target_note if target is None else "")
-        except Exception as err:
-            oom = isinstance(err, torch.cuda.OutOfMemoryError)
-            row.update(status="oom" if oom else "error", note="out of memory" if oom
-                       else short_error(err))
-            log(f"{name}: {backend} failed: {row['note']}")
-            free_cuda_memory(device)
-        finally:
-            bar.close()
-        rows.append(row)
-
-    pyg = next((r for r in rows if r["backend"] == "pyg" and r["status"] == "ok"), None)
-    for r in rows:
-        if pyg and r["status"] == "ok":
-            r["speedup_vs_pyg"] = pyg["ms_median"] / r["ms_median"]
+    for hidden in _as_list(cfg["model"]["hidden"]):
+        rows += _run_model(work, ds, hidden, {**base, **sizes, "hidden": hidden}, s)
+        free_cuda_memory(device)
     return rows
 
 
-def _measure(forward, batches, device, warmup, repeats, model, target, step) -> dict:
-    B = len(batches)
-    for r in range(warmup):
-        forward(batches[r % B])
-        step()
-    _sync(device)
-    times = time_forwards(lambda r: forward(batches[r % B]), repeats, device, step)
+def _run_model(work: "_Work", ds, hidden: int, base: dict, s: _Settings) -> list[dict]:
+    cfg, device, mcfg = s.cfg, s.device, s.cfg["model"]
+    ref = cfg["reference"]
+    torch.manual_seed(cfg["seed"])
+    model = GraphTransformer(ds.num_features, hidden, mcfg["out_channels"] or ds.num_classes or 1,
+                             num_layers=mcfg["layers"], heads=mcfg["heads"], backend=ref,
+                             norm=mcfg["norm"], readout=work.readout, dropout=mcfg["dropout"],
+                             self_loops=mcfg["self_loops"])
+    model = model.to(device).eval()
+    max_nodes = max(d.num_nodes for d in work.batches)
+    skip = {b: _skip_reason(b, device, max_nodes, cfg["max_nodes"],
+                            len(work.batches) if work.streamed else 0)
+            for b in {*cfg["backends"], ref}}
 
-    # Profiled pass: every batch once, attention and format timed apart.
-    outs, total = [], 0.0
-    with model.attention_timer() as timer:
-        for d in batches:
-            _sync(device)
-            t0 = time.perf_counter()
-            outs.append(forward(d))
-            _sync(device)
-            total += time.perf_counter() - t0
-            step()
-        attn, fmt = timer.ms("attention"), timer.ms("format")
-    diff = None
-    if target is not None:
-        diff = max(float((o.float() - t).abs().max()) if o.numel() else 0.0
-                   for o, t in zip(outs, target))
-        if not math.isfinite(diff):
-            diff = float("inf")
-    return {"ms_median": statistics.median(times), "ms_mean": statistics.mean(times),
-            "ms_std": statistics.pstdev(times), "ms_min": min(times), "ms_max": max(times),
-            "attn_ms": attn / B, "attn_share": attn / (total * 1e3) if total else None,
-            "format_ms": fmt / B, "max_abs_diff": diff}
+    # The agreement target: the reference backend's outputs, from its own run
+    # when it is benchmarked (first), else from one pass of its own.
+    target, target_note = None, ""
+    if ref not in cfg["backends"] and skip[ref]:
+        target_note = f"no reference outputs ({ref} {skip[ref]})"
+    elif ref not in cfg["backends"]:
+        model.backend = ref
+        target, error = _guarded(lambda: work.measure(model, timed=False)["outputs"], device)
+        target_note = f"no reference outputs ({ref}: {error})" if error else ""
+
+    rows = {}
+    for backend in sorted(cfg["backends"], key=lambda b: b != ref):
+        row = rows[backend] = dict(base, backend=backend)
+        outputs = None
+        if skip[backend]:
+            row.update(status="skipped", note=skip[backend])
+        else:
+            model.backend = backend
+            outputs, error = _measure_row(work, model, row, s)
+            if error:
+                s.log(f"{base['dataset']} C={hidden}: {backend} failed: {error}")
+        if backend == ref:
+            target = outputs
+            target_note = ("" if outputs is not None
+                           else f"no reference outputs ({ref}: {row['note']})")
+        if outputs is not None:
+            if target is None:
+                row["note"] = target_note
+            else:
+                row["max_abs_diff"] = _max_abs_diff(outputs, target)
+    rows = [rows[b] for b in cfg["backends"]]
+    add_speedups(rows)
+    return rows
+
+
+def _guarded(fn: Callable[[], Any], device: torch.device) -> tuple[Any, str | None]:
+    """``(fn(), None)``, or ``(None, note)`` if it raised: "out of memory" or the
+    error in one line. Frees the device's cached memory afterwards."""
+    result, note = None, None
+    try:
+        result = fn()
+    except Exception as err:
+        note = "out of memory" if _is_oom(err) else short_error(err)
+    if note:
+        gc.collect()            # the error's frames are gone: free the tensors they held
+    free_cuda_memory(device)    # and what the caching allocator keeps, for the next backend
+    return result, note
+
+
+def _measure_row(work: "_Work", model, row: dict, s: _Settings) -> tuple[list | None, str | None]:
+    """Measure ``model`` with its current backend into ``row`` (status ok,
+    oom or error); returns its outputs (None if it failed) and the error."""
+    device = s.device
+    bar = tqdm(total=work.progress_total(), unit="graph" if work.streamed else "fwd",
+               desc=f"{row['dataset']} C={row['hidden']}: {row['backend']}", leave=False,
+               disable=not s.progress, file=sys.stderr)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with bar:
+        result, error = _guarded(lambda: work.measure(model, bar.update), device)
+    if error:
+        row.update(status="oom" if error == "out of memory" else "error", note=error)
+        return None, error
+    row.update(result, status="ok", note="")
+    if device.type == "cuda":
+        row["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return row.pop("outputs"), None
+
+
+def _max_abs_diff(outputs: list, target: list) -> float:
+    diff = max((float((o.float() - t.float()).abs().max()) if o.numel() else 0.0
+                for o, t in zip(outputs, target)), default=0.0)
+    return diff if math.isfinite(diff) else float("inf")
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Set ``speedup_vs_<b>`` = ms of backend b / ms of the row's backend on
+    the ok rows of one (dataset, hidden size)."""
+    ok = {r["backend"]: r for r in rows if r.get("status") == "ok"}
+    for r in ok.values():
+        for b, other in ok.items():
+            r[f"speedup_vs_{b}"] = other["ms_median"] / r["ms_median"]
+
+
+class _Work:
+    """The batches of one dataset, and how a model is measured on them."""
+
+    def __init__(self, batches: list, streamed: bool, readout: str, s: _Settings):
+        self.batches, self.streamed, self.readout, self.s = batches, streamed, readout, s
+
+    def forward(self, model, data, graph=None):
+        """``model`` on a batch on the device; ``graph`` None: the forward builds it."""
+        with torch.inference_mode(), self.s.autocast:
+            return model(data.x, data.edge_index, data.batch if self.readout == "graph" else None,
+                         graph=graph, num_graphs=num_graphs(data))
+
+    def _timed_count(self) -> int:
+        return max(self.s.repeats, len(self.batches)) if self.streamed else self.s.repeats
+
+    def progress_total(self) -> int:
+        """Steps of :meth:`measure`: graphs (collections) or forwards (single graph)."""
+        if not self.streamed:
+            return self.s.warmup + self.s.repeats + 1
+        graphs = [num_graphs(d) for d in self.batches]
+        B = len(graphs)
+        return sum(graphs[r % B] for r in range(self.s.warmup + self._timed_count())) + sum(graphs)
+
+    def measure(self, model, step: Callable[[int], Any] = lambda n: None, *,
+                timed: bool = True) -> dict:
+        """The row's measurements (see the module docstring) and ``outputs``
+        (one per batch); ``timed=False``: the profiled pass only."""
+        out: dict[str, Any] = {}
+        times, staged = None, None
+        if self.streamed:
+            if timed:
+                times, graphs = self._time_stream(model, step)
+                out["graphs_per_s"] = graphs / (sum(times) / 1e3)
+        else:
+            out["format_ms"], staged = self._build_single(model)
+            if timed:
+                times = self._time_single(model, staged, step)
+        if times:
+            out.update(ms_median=statistics.median(times), ms_mean=statistics.mean(times),
+                       ms_std=statistics.pstdev(times), ms_min=min(times), ms_max=max(times))
+        return {**out, **self._profile(model, staged, step)}
+
+    def _build_single(self, model) -> tuple[float, Staged]:
+        """The single graph's format, built once more after a warm-up build
+        (extension load, first-call costs) and timed: it makes host syncs,
+        so a synchronised wall clock. Returns (ms, the staged graph)."""
+        device, data = self.s.device, self.batches[0]
+        stage(data, model, device)              # dropped at once
+        _sync(device)
+        t0 = time.perf_counter()
+        staged = stage(data, model, device)
+        _sync(device)
+        return (time.perf_counter() - t0) * 1e3, staged
+
+    def _time_single(self, model, staged: Staged, step) -> list[float]:
+        device = self.s.device
+        for _ in range(self.s.warmup):
+            self.forward(model, staged.data, staged.graph)
+            step(1)
+        _sync(device)
+        return time_forwards(lambda r: self.forward(model, staged.data, staged.graph),
+                             self.s.repeats, device, lambda: step(1))
+
+    def _time_stream(self, model, step) -> tuple[list[float], int]:
+        device, B = self.s.device, len(self.batches)
+        prefetch = bool(self.s.cfg["prefetch"])
+        for st in stream_batches(self.batches, model, device,
+                                 [r % B for r in range(self.s.warmup)], prefetch=prefetch):
+            self.forward(model, st.data, st.graph)
+            step(num_graphs(st.data))
+        _sync(device)
+        clock, graphs = _Clock(device), 0
+        clock.mark()
+        for st in stream_batches(self.batches, model, device,
+                                 [r % B for r in range(self._timed_count())], prefetch=prefetch):
+            self.forward(model, st.data, st.graph)
+            clock.mark()
+            graphs += num_graphs(st.data)
+            step(num_graphs(st.data))
+        return clock.intervals_ms(), graphs
+
+    def _profile(self, model, staged: Staged | None, step) -> dict:
+        """One synchronised pass over the batches with the attention timer:
+        attention ms per forward and its share of the pass, the format ms of
+        collections (built inside each forward, in the timer), the outputs."""
+        device, total, outputs = self.s.device, 0.0, []
+        with model.attention_timer() as timer:
+            for data in self.batches:
+                if self.streamed:
+                    with torch.inference_mode():
+                        data, graph = data.to(device, non_blocking=True), None
+                else:                    # built once, apart (timed by _build_single)
+                    data, graph = staged.data, staged.graph
+                _sync(device)
+                t0 = time.perf_counter()
+                outputs.append(self.forward(model, data, graph))
+                _sync(device)
+                total += time.perf_counter() - t0
+                step(num_graphs(data) if self.streamed else 1)
+            attn, fmt = timer.ms("attention"), timer.ms("format")
+        B = len(self.batches)
+        out = {"attn_ms": attn / B, "attn_share": attn / (total * 1e3) if total else None,
+               "outputs": outputs}
+        if self.streamed:
+            out["format_ms"] = fmt / B
+        return out
 
 
 # ------------------------------------------------------------------ output
 _TABLE = [  # header, key, format
-    ("dataset", "dataset", "{}"), ("backend", "backend", "{}"),
+    ("dataset", "dataset", "{}"), ("C", "hidden", "{}"), ("backend", "backend", "{}"),
     ("N/fwd", "nodes_per_fwd", "{:d}"), ("E/fwd", "edges_per_fwd", "{:d}"),
     ("ms/fwd", "ms_median", "{:.2f}"), ("±ms", "ms_std", "{:.2f}"),
     ("attn ms", "attn_ms", "{:.2f}"), ("attn %", "attn_share", "{:.0%}"),
-    ("fmt ms", "format_ms", "{:.2f}"), ("vs pyg", "speedup_vs_pyg", "{:.2f}x"),
+    ("fmt ms", "format_ms", "{:.2f}"), ("peak MB", "peak_mem_mb", "{:.0f}"),
+    ("vs pyg", "speedup_vs_pyg", "{:.2f}x"), ("vs ref", "speedup_vs_reference", "{:.2f}x"),
     ("max|diff|", "max_abs_diff", "{:.1e}"), ("note", "note", "{}"),
 ]
+_LEFT = ("dataset", "backend", "note")
 
 
 def format_table(rows: list[dict]) -> str:
-    """The rows as a fixed-width text table (one line per dataset and backend)."""
+    """The rows as a fixed-width text table (one line per dataset, hidden
+    size and backend), with a legend."""
     cells = [[h for h, _, _ in _TABLE]]
     for r in rows:
         cells.append([fmt.format(r[k]) if r.get(k) not in (None, "")
                       else ("" if k == "note" else "-") for _, k, fmt in _TABLE])
     widths = [max(len(c[i]) for c in cells) for i in range(len(_TABLE))]
-    right = {i for i, (_, k, _) in enumerate(_TABLE) if k not in ("dataset", "backend", "note")}
+    right = {i for i, (_, k, _) in enumerate(_TABLE) if k not in _LEFT}
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
                        for i, (c, w) in enumerate(zip(line, widths))).rstrip()
              for line in cells]
     lines.insert(1, "-" * len(lines[0]))
+    lines.append("ms/fwd: median per forward; fmt ms: the graph format's build, included in "
+                 "ms/fwd for batched graphs (a new batch is a new graph), apart for single "
+                 "graphs; vs X: ms/fwd of X over this row's.")
     return "\n".join(lines)
+
+
+def format_summary(rows: list[dict], backend: str = "fused3s") -> list[str]:
+    """Lines for the end of a run: the geometric-mean speedup of ``backend``
+    over each other backend (all datasets, then synthetic structures only),
+    and which datasets ran on real structures and which on synthetic ones."""
+    lines = []
+    mine = [r for r in rows if r.get("backend") == backend and r.get("status") == "ok"]
+    for label, subset in (("all", mine),
+                          ("synthetic", [r for r in mine if r.get("structure") == "synthetic"])):
+        parts = []
+        for b in BACKENDS:
+            vals = [r[f"speedup_vs_{b}"] for r in subset if b != backend
+                    and r.get(f"speedup_vs_{b}") is not None]
+            if vals:
+                parts.append(f"vs {b} {geomean(vals):.2f}x (n={len(vals)})")
+        if parts:
+            lines.append(f"{backend} speedup, geometric mean over {label} datasets x hidden: "
+                         + ", ".join(parts))
+    by_kind: dict[str, list[str]] = {"real": [], "synthetic": []}
+    seen = set()
+    for r in rows:
+        if r.get("structure") and r["dataset"] not in seen:
+            seen.add(r["dataset"])
+            by_kind[r["structure"]].append(f"{r['dataset']} [{r['source']}]")
+    lines.append("real structures: " + ("; ".join(by_kind["real"]) or "none"))
+    lines.append("synthetic structures: " + ("; ".join(by_kind["synthetic"]) or "none"))
+    failed = sorted({r["dataset"] for r in rows if r.get("backend") == "-"})
+    if failed:
+        lines.append("not loaded: " + ", ".join(failed))
+    return lines
 
 
 def write_csv(rows: list[dict], path: str | Path) -> None:
@@ -406,11 +633,22 @@ def add_arguments(parser) -> None:
                         help="backends to run, overriding the config (space or comma separated)")
     parser.add_argument("--datasets", nargs="+", default=None,
                         help="only these dataset names of the config")
+    parser.add_argument("--hidden", nargs="+", type=int, default=None,
+                        help="hidden sizes, overriding the config's model.hidden")
     parser.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default=None, choices=["auto", *_DTYPES])
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
+                        help="batched graphs: build the next batch's format on a side CUDA "
+                             "stream while the current one computes (--no-prefetch: inline)")
+    parser.add_argument("--offline", action="store_true",
+                        help="use each dataset's fallback (local npz or synthetic stand-in) "
+                             "without trying its download")
     parser.add_argument("--csv", default=None, help="also write the rows to this CSV file")
+    parser.add_argument("--plot", default=None,
+                        help="also draw the speedups of fused3s over the other backends to "
+                             "this PNG (needs matplotlib)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: each dataset's 'quick' params, one batch, "
                              "1 warmup and 2 timed forwards")
@@ -424,9 +662,11 @@ def _split(values: list[str] | None) -> list[str] | None:
 def main(args) -> int:
     """Run ``gt-fused3s infer`` with parsed ``args``; prints the table."""
     cfg = load_config(args.config)
-    for key in ("device", "dtype", "warmup", "repeats"):
+    for key in ("device", "dtype", "warmup", "repeats", "prefetch"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
+    if args.hidden:
+        cfg["model"]["hidden"] = args.hidden
     backends = _split(args.backends)
     if backends:
         cfg["backends"] = backends
@@ -439,9 +679,18 @@ def main(args) -> int:
     path = cfg.pop("config")
     cfg = validate_config(cfg) | {"config": path}
 
-    rows = run(cfg, quick=args.quick, progress=not args.no_progress)
+    rows = run(cfg, quick=args.quick, offline=args.offline, progress=not args.no_progress)
     print(format_table(rows))
+    print("\n".join(format_summary(rows)))
     if args.csv:
         write_csv(rows, args.csv)
         print(f"wrote {args.csv}", file=sys.stderr)
+    if args.plot:
+        try:
+            from .plot import plot_speedups
+            plot_speedups(rows, args.plot)
+            print(f"wrote {args.plot}", file=sys.stderr)
+        except ImportError as err:   # no matplotlib here: the CSV can be plotted elsewhere
+            print(f"no plot ({err}); draw it from the CSV where matplotlib is installed: "
+                  f"gt-fused3s plot CSV {args.plot}", file=sys.stderr)
     return 0 if any(r["status"] == "ok" for r in rows) else 1

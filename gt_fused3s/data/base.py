@@ -27,7 +27,7 @@ class DatasetUnavailableError(RuntimeError):
 
 @dataclass(eq=False)
 class GraphDataset:
-    """Batches of graphs, made on demand by ``make_batch(i)``.
+    """Batches of graphs, made on demand by ``make_batch(i, device)``.
 
     Every batch is a PyG :class:`~torch_geometric.data.Data` with
 
@@ -44,34 +44,45 @@ class GraphDataset:
             (a collection batched ``batch_size`` graphs at a time, pooled readout).
         num_features: F.
         num_batches: number of batches.
-        make_batch: ``i -> Data`` for ``0 <= i < num_batches``.
+        make_batch: ``(i, device) -> Data`` for ``0 <= i < num_batches``.
         num_classes: output width suggested by the labels, if known.
-        info: free-form facts for reports (source, graph count, sizes).
+        info: free-form facts for reports (source, graph count, sizes;
+            ``synthetic``: a generated structure; ``fallback_reason``: why
+            the entry's fallback was loaded instead, see :func:`load_dataset`).
+        device: where ``ds[i]`` makes batches; :meth:`get` takes another.
+            Generators draw on that device (CPU and CUDA generators give
+            different graphs for one seed).
     """
 
     name: str
     level: str
     num_features: int
     num_batches: int
-    make_batch: Callable[[int], Data] = field(repr=False)
+    make_batch: Callable[[int, torch.device], Data] = field(repr=False)
     num_classes: int | None = None
     info: dict = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")
 
     def __post_init__(self):
         if self.level not in ("node", "graph"):
             raise ValueError(f"level must be 'node' or 'graph' (got {self.level!r})")
+        self.device = torch.device(self.device)
 
     def __len__(self) -> int:
         return self.num_batches
 
-    def __getitem__(self, i: int) -> Data:
+    def get(self, i: int, device: torch.device | str | None = None) -> Data:
+        """Batch ``i``, made on ``device`` (default :attr:`device`)."""
         if not 0 <= i < self.num_batches:
             raise IndexError(f"{self.name}: batch {i} outside [0, {self.num_batches})")
-        return self.make_batch(i)
+        return self.make_batch(i, torch.device(device) if device is not None else self.device)
+
+    def __getitem__(self, i: int) -> Data:
+        return self.get(i)
 
     def __iter__(self) -> Iterator[Data]:
         for i in range(self.num_batches):
-            yield self.make_batch(i)
+            yield self.get(i)
 
 
 def make_data(x: Tensor, edge_index: Tensor, num_nodes: int, ptr: Tensor | None = None,

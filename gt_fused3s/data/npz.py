@@ -32,7 +32,7 @@ def load_npz(structure: str | os.PathLike, *, name: str | None = None, num_featu
         start, max_graphs: use graphs ``start .. start + max_graphs - 1`` of a
             collection (default: from ``start`` to the end).
         seed: feature seed.
-        device: where batches are made.
+        device: where batches are made by default (:class:`GraphDataset`).
 
     A single graph is one batch of level ``"node"``; a collection is batched
     in contiguous slices of ``batch_size`` graphs, level ``"graph"``.
@@ -41,8 +41,6 @@ def load_npz(structure: str | os.PathLike, *, name: str | None = None, num_featu
     name = name or path.stem
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
-    device = torch.device(device)
-
     if "indptr" in arrays:
         indptr = torch.from_numpy(arrays["indptr"].astype(np.int64))
         indices = torch.from_numpy(arrays["indices"].astype(np.int64))
@@ -52,7 +50,7 @@ def load_npz(structure: str | os.PathLike, *, name: str | None = None, num_featu
                              f"{int(indptr[-1])}, expected {n + 1} entries ending at "
                              f"len(indices)={indices.numel()}")
 
-        def make_single(i: int):
+        def make_single(i: int, device: torch.device):
             dst = torch.repeat_interleave(torch.arange(n), indptr[1:] - indptr[:-1],
                                           output_size=indices.numel())
             ei = torch.stack([indices, dst]).to(device)
@@ -60,7 +58,7 @@ def load_npz(structure: str | os.PathLike, *, name: str | None = None, num_featu
 
         return GraphDataset(name, "node", num_features, 1, make_single,
                             info={"source": str(path), "num_graphs": 1, "num_nodes": n,
-                                  "num_edges": indices.numel()})
+                                  "num_edges": indices.numel()}, device=device)
 
     missing = {"graph_ptr", "edge_ptr", "src", "dst"} - arrays.keys()
     if missing:
@@ -76,7 +74,7 @@ def load_npz(structure: str | os.PathLike, *, name: str | None = None, num_featu
     count = total - start if max_graphs is None else min(int(max_graphs), total - start)
     num_batches = math.ceil(count / batch_size)
 
-    def make_batch(i: int):
+    def make_batch(i: int, device: torch.device):
         a = start + i * batch_size
         b = min(a + batch_size, start + count)
         n0, e0, e1 = int(gp[a]), int(ep[a]), int(ep[b])
@@ -89,4 +87,4 @@ def load_npz(structure: str | os.PathLike, *, name: str | None = None, num_featu
     return GraphDataset(name, "graph", num_features, num_batches, make_batch,
                         info={"source": str(path), "num_graphs": count, "batch_size": batch_size,
                               "num_nodes": int(gp[start + count] - gp[start]),
-                              "num_edges": int(ep[start + count] - ep[start])})
+                              "num_edges": int(ep[start + count] - ep[start])}, device=device)

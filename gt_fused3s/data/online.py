@@ -55,7 +55,6 @@ def from_pyg(dataset, name: str, *, batch_size: int = 1024, max_graphs: int | No
     only when the data has no ``x``."""
     from torch_geometric.data import Batch
 
-    device = torch.device(device)
     first = dataset[0]
     if getattr(first, "x", None) is not None:
         num_features = 1 if first.x.dim() == 1 else first.x.size(-1)
@@ -63,15 +62,15 @@ def from_pyg(dataset, name: str, *, batch_size: int = 1024, max_graphs: int | No
     count = len(dataset) if max_graphs is None else min(int(max_graphs), len(dataset))
 
     if len(dataset) == 1:
-        def make_single(i: int):
+        def make_single(i: int, device: torch.device):
             x = _node_features(first, num_features, seed, 0, device)
             return make_data(x, first.edge_index.to(device), int(first.num_nodes),
                              y=None if first.y is None else first.y.to(device))
         return GraphDataset(name, "node", num_features, 1, make_single, num_classes,
                             info={**info, "num_graphs": 1, "num_nodes": int(first.num_nodes),
-                                  "num_edges": int(first.edge_index.size(1))})
+                                  "num_edges": int(first.edge_index.size(1))}, device=device)
 
-    def make_batch(i: int):
+    def make_batch(i: int, device: torch.device):
         graphs = [dataset[j] for j in range(i * batch_size, min((i + 1) * batch_size, count))]
         b = Batch.from_data_list(graphs)
         x = _node_features(b, num_features, seed, i, device)
@@ -79,7 +78,8 @@ def from_pyg(dataset, name: str, *, batch_size: int = 1024, max_graphs: int | No
                          y=None if getattr(b, "y", None) is None else b.y.to(device))
 
     return GraphDataset(name, "graph", num_features, math.ceil(count / batch_size), make_batch,
-                        num_classes, info={**info, "num_graphs": count, "batch_size": batch_size})
+                        num_classes, info={**info, "num_graphs": count, "batch_size": batch_size},
+                        device=device)
 
 
 def load_ogb(name: str, *, root: str | Path | None = None, split: str | None = None,

@@ -1,5 +1,6 @@
-"""Synthetic graphs that need no download: molecule-like batches and
-power-law graphs. Vectorised torch on the requested device, seeded.
+"""Synthetic graphs that need no download: molecule-like batches, batches of
+random graphs and power-law graphs. Vectorised torch on the requested
+device, seeded; the stand-ins of datasets whose structure is not at hand.
 
 Both return symmetric, deduplicated edge sets with no self loops, sorted by
 (destination, source).
@@ -75,6 +76,41 @@ def molecule_batch(num_graphs: int, *, min_nodes: int = 10, max_nodes: int = 40,
     return symmetric_coalesce(src, dst, N), ptr
 
 
+def random_graph_batch(num_graphs: int, *, min_nodes: int = 100, max_nodes: int = 500,
+                       avg_degree: float = 6.0, seed: int = 0, stream: int = 0,
+                       device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """``num_graphs`` random graphs as one block-diagonal graph.
+
+    Graph ``g`` has ``n_g`` nodes, uniform in [min_nodes, max_nodes]; every
+    node draws ``avg_degree / 2`` partners (rounded up or down at random, so
+    the mean is exact) uniformly from its own graph; both directions of
+    every pair are kept, duplicates and self draws dropped, so the mean
+    degree is ``avg_degree`` less a little. No locality inside a graph: a
+    stand-in for collections whose structure is not shipped (superpixel and
+    protein-association graphs), not a model of them.
+
+    Returns:
+        edge_index int64 [2, E] with global ids, ptr int64 [num_graphs + 1].
+    """
+    if num_graphs < 1 or not 2 <= min_nodes <= max_nodes or avg_degree < 0:
+        raise ValueError(f"need num_graphs >= 1, 2 <= min_nodes <= max_nodes and avg_degree >= 0 "
+                         f"(got {num_graphs}, {min_nodes}, {max_nodes}, {avg_degree})")
+    device = torch.device(device)
+    g = seeded_generator(seed, device, stream)
+    G = num_graphs
+    sizes = torch.randint(min_nodes, max_nodes + 1, (G,), generator=g, device=device)
+    ptr = torch.zeros(G + 1, dtype=torch.long, device=device)
+    torch.cumsum(sizes, 0, out=ptr[1:])
+    N = int(ptr[-1])
+    half = avg_degree / 2
+    draws = math.floor(half) + (torch.rand(N, generator=g, device=device) < half % 1).long()
+    M = int(draws.sum())
+    src = torch.repeat_interleave(torch.arange(N, device=device), draws, output_size=M)
+    graph = torch.repeat_interleave(torch.arange(G, device=device), sizes, output_size=N)[src]
+    dst = ptr[graph] + (torch.rand(M, generator=g, device=device) * sizes[graph]).long()
+    return symmetric_coalesce(src, dst, N), ptr
+
+
 def zipf_weights(num_nodes: int, alpha: float, max_degree: int, *, generator: torch.Generator,
                  device: torch.device | str = "cpu") -> Tensor:
     """float64 [num_nodes] samples of a power law ``P(w >= k) ~ k^-(alpha - 1)``
@@ -144,20 +180,41 @@ def molecules_dataset(name: str = "molecules", *, num_graphs: int = 1024, batch_
     """``num_graphs`` molecule-like graphs (:func:`molecule_batch`) in batches
     of ``batch_size``, random normal features. Batch ``i`` is generated from
     ``(seed, i)`` when asked for."""
-    num_batches = math.ceil(num_graphs / batch_size)
+    def batch(count, stream, device):
+        return molecule_batch(count, min_nodes=min_nodes, max_nodes=max_nodes,
+                              max_rings=max_rings, isolated_prob=isolated_prob, seed=seed,
+                              stream=stream, device=device)
 
-    def make(i: int):
-        count = min(batch_size, num_graphs - i * batch_size)
-        ei, ptr = molecule_batch(count, min_nodes=min_nodes, max_nodes=max_nodes,
-                                 max_rings=max_rings, isolated_prob=isolated_prob,
-                                 seed=seed, stream=i, device=device)
+    return _collection(name, "synthetic molecules", batch, num_graphs, batch_size, num_features,
+                       seed, device)
+
+
+def random_graphs_dataset(name: str = "random_graphs", *, num_graphs: int = 1024,
+                          batch_size: int = 1024, num_features: int = 16, min_nodes: int = 100,
+                          max_nodes: int = 500, avg_degree: float = 6.0, seed: int = 0,
+                          device: torch.device | str = "cpu") -> GraphDataset:
+    """``num_graphs`` :func:`random_graph_batch` graphs in batches of
+    ``batch_size``, random normal features."""
+    def batch(count, stream, device):
+        return random_graph_batch(count, min_nodes=min_nodes, max_nodes=max_nodes,
+                                  avg_degree=avg_degree, seed=seed, stream=stream, device=device)
+
+    return _collection(name, "synthetic random graphs", batch, num_graphs, batch_size,
+                       num_features, seed, device)
+
+
+def _collection(name, source, batch, num_graphs, batch_size, num_features, seed, device):
+    """A collection whose batch ``i`` is ``batch(count, i, device)`` -> (edge_index,
+    ptr), generated from ``(seed, i)`` when asked for."""
+    def make(i: int, device: torch.device):
+        ei, ptr = batch(min(batch_size, num_graphs - i * batch_size), i, device)
         n = int(ptr[-1])
         x = random_features(n, num_features, seed=seed, stream=i, device=device)
         return make_data(x, ei, n, ptr=ptr)
 
-    return GraphDataset(name, "graph", num_features, num_batches, make,
-                        info={"source": "synthetic molecules", "num_graphs": num_graphs,
-                              "batch_size": batch_size})
+    return GraphDataset(name, "graph", num_features, math.ceil(num_graphs / batch_size), make,
+                        info={"source": source, "synthetic": True, "num_graphs": num_graphs,
+                              "batch_size": batch_size}, device=device)
 
 
 def power_law_dataset(name: str = "powerlaw", *, num_nodes: int = 10_000,
@@ -166,7 +223,7 @@ def power_law_dataset(name: str = "powerlaw", *, num_nodes: int = 10_000,
                       self_loops: bool = False, seed: int = 0,
                       device: torch.device | str = "cpu") -> GraphDataset:
     """One :func:`power_law_graph` with random normal features."""
-    def make(i: int):
+    def make(i: int, device: torch.device):
         ei = power_law_graph(num_nodes, avg_degree=avg_degree, alpha=alpha,
                              max_degree=max_degree, self_loops=self_loops, seed=seed,
                              device=device)
@@ -174,5 +231,6 @@ def power_law_dataset(name: str = "powerlaw", *, num_nodes: int = 10_000,
                          ei, num_nodes)
 
     return GraphDataset(name, "node", num_features, 1, make,
-                        info={"source": "synthetic power law", "num_graphs": 1,
-                              "alpha": alpha, "max_degree": max_degree})
+                        info={"source": "synthetic power law", "synthetic": True, "num_graphs": 1,
+                              "num_nodes": num_nodes, "alpha": alpha, "max_degree": max_degree},
+                        device=device)

@@ -1,0 +1,119 @@
+"""Bar chart of the speedups of one backend over the others, per dataset
+(and hidden size), like Figure 8 of the Fused3S paper: grouped bars, log-scale
+y, a line at 1x, and a geometric-mean group at the end. Backends that ran out
+of memory or were skipped get a label instead of a bar.
+
+    gt-fused3s plot results/study.csv results/study.png
+
+Needs matplotlib (``pip install "gt-fused3s[plot]"``), imported on use; draws
+with the Agg canvas, so no display is needed.
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from ..backends import BACKENDS
+from .common import geomean
+
+_LABELS = {"oom": "OOM", "skipped": "skip", "error": "err"}
+
+
+def _num(value) -> float | None:
+    """A float from a row value (rows read back from a CSV hold strings)."""
+    if value in (None, ""):
+        return None
+    return float(value)
+
+
+def speedup_groups(rows: list[dict], backend: str = "fused3s"):
+    """``(labels, others, values)``: one group per (dataset, hidden size) where
+    ``backend`` ran; ``values[g][b]`` is its speedup over ``others[b]``, or a
+    string (the other backend's status) where there is none."""
+    keys = list(dict.fromkeys((r["dataset"], str(r.get("hidden", ""))) for r in rows
+                              if r.get("backend") == backend and r.get("status") == "ok"))
+    others = [b for b in BACKENDS if b != backend
+              and any(r.get("backend") == b for r in rows)]
+    by_key = {(r["dataset"], str(r.get("hidden", "")), r.get("backend")): r for r in rows}
+    hiddens = {h for _, h in keys}
+    labels, values = [], []
+    for dataset, hidden in keys:
+        mine = by_key[dataset, hidden, backend]
+        labels.append(f"{dataset}\nC={hidden}" if len(hiddens) > 1 else dataset)
+        group = {}
+        for b in others:
+            speedup = _num(mine.get(f"speedup_vs_{b}"))
+            if speedup is None:                     # say why: OOM, skip, err
+                other = by_key.get((dataset, hidden, b)) or {}
+                speedup = _LABELS.get(other.get("status"), "")
+            group[b] = speedup
+        values.append(group)
+    return labels, others, values
+
+
+def plot_speedups(rows: list[dict], path: str | Path, backend: str = "fused3s",
+                  title: str | None = None) -> Path:
+    """Draw the speedups of ``backend`` over every other backend in ``rows``
+    (the rows of :func:`gt_fused3s.bench.infer.run`, or read from its CSV)
+    to the PNG ``path``."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    labels, others, values = speedup_groups(rows, backend)
+    if not labels:
+        raise ValueError(f"no successful {backend} rows to plot")
+    geo = {}
+    for b in others:
+        vals = [g[b] for g in values if isinstance(g[b], float)]
+        geo[b] = geomean(vals) if vals else ""
+    labels, values = labels + ["geo-mean"], values + [geo]
+
+    fig = Figure(figsize=(max(6.0, 0.8 * len(labels) + 2), 4.2), dpi=150)
+    ax = fig.subplots()
+    width = 0.8 / max(len(others), 1)
+    heights_all = [v for g in values for v in g.values() if isinstance(v, float)]
+    floor, top = min(heights_all + [1.0]) / 1.5, max(heights_all + [1.0]) * 4
+    for j, b in enumerate(others):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(labels))]
+        heights = [g[b] if isinstance(g[b], float) else 0.0 for g in values]
+        ax.bar(xs, heights, width, label=f"vs {b}")
+        for x, g in zip(xs, values):
+            if isinstance(g[b], float):
+                ax.text(x, g[b], f"{g[b]:.1f}", ha="center", va="bottom", fontsize=5, rotation=90)
+            elif g[b]:
+                ax.text(x, floor * 1.05, g[b], ha="center", va="bottom", fontsize=5,
+                        rotation=90, color="0.3")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_ylim(floor, top)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel(f"speedup of {backend} (log scale)")
+    ax.set_title(title or f"Graph Transformer inference: {backend} speedup over other backends",
+                 fontsize=9)
+    ax.legend(loc="upper left", fontsize=7, ncol=len(others))
+    ax.grid(axis="y", which="both", linewidth=0.3, alpha=0.5)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("csv", help="rows written by gt-fused3s infer --csv")
+    parser.add_argument("png", help="the chart to write")
+    parser.add_argument("--backend", default="fused3s", help="whose speedups (default fused3s)")
+
+
+def main(args) -> int:
+    plot_speedups(read_csv(args.csv), args.png, args.backend)
+    print(f"wrote {args.png}")
+    return 0
