@@ -69,7 +69,7 @@ def test_readout_shapes():
 
 def test_constructor_options():
     model = _model(num_layers=3, heads=4, hidden_channels=30)   # 30 // 4 = 7 per head
-    assert len(model.blocks) == 3 and model.blocks[0].q.out_features == 28
+    assert len(model.blocks) == 3 and model.blocks[0].qkv.out_features == 3 * 28
     assert isinstance(_model(norm="batch").blocks[0].norm1, torch.nn.BatchNorm1d)
     assert len(_model().blocks) == 10
     x, ei, _ = _molecules()

@@ -10,7 +10,12 @@ eval mode under ``torch.inference_mode`` (fp16 or bf16 autocast on a GPU):
   format is built once; ``fmt ms`` is that build (a second, warm build,
   synchronised and timed apart), *not* part of ``ms/fwd``. Then ``warmup``
   forwards and ``repeats`` timed forwards (CUDA events around each; no
-  synchronisation between them).
+  synchronisation between them). On a GPU with ``cuda_graphs`` (default)
+  the timed forwards are replays of a CUDA graph of the forward, for every
+  backend alike (``timing`` column): eager PyTorch launches each of the
+  model's ~200 kernels from the host, and on a slow host that launch time,
+  not the GPU, sets the pace of a small graph. A backend whose forward cannot
+  be captured is timed eagerly, with a note.
 * **Collection** (``level: graph``): streamed. Its first ``max_batches``
   batches are made once on the host (pinned memory); a forward copies its
   batch to the device and builds its format (a new batch is a new graph),
@@ -41,7 +46,8 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     seed: 0               # weights and generated data
     warmup: 2             # untimed forwards per backend
     repeats: 5            # timed forwards per backend (collections: at least one per batch)
-    prefetch: true        # collections: build the next batch's format on a side stream
+    prefetch: false       # collections: build the next batch's format on a side stream
+    cuda_graphs: true     # single graphs on a GPU: time CUDA-graph replays of the forward
     backends: [fused3s, pyg, reference, dense, flex]
     reference: reference  # backend the 'max diff' column compares with
     max_nodes: {dense: 4096, flex: 65536}   # skip a backend above N nodes per forward
@@ -91,7 +97,8 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "warmup": 2,
     "repeats": 5,
-    "prefetch": True,
+    "prefetch": False,
+    "cuda_graphs": True,
     "backends": ["fused3s", "pyg", "reference", "dense", "flex"],
     "reference": "reference",
     "max_nodes": {"dense": 4096, "flex": 65536},
@@ -107,7 +114,7 @@ COLUMNS = ["dataset", "hidden", "backend", "status", "note", "level", "structure
            "batches", "graphs_per_fwd", "nodes_per_fwd", "edges_per_fwd", "ms_median", "ms_mean",
            "ms_std", "ms_min", "ms_max", "graphs_per_s", "attn_ms", "attn_share", "format_ms",
            "peak_mem_mb", *(f"speedup_vs_{b}" for b in BACKENDS), "max_abs_diff", "reference",
-           "prefetch", "device", "device_name", "dtype", "layers", "heads", "torch", "git_sha",
+           "timing", "prefetch", "device", "device_name", "dtype", "layers", "heads", "torch", "git_sha",
            "config"]
 
 
@@ -288,8 +295,9 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     warmup, repeats = int(cfg["warmup"]), int(cfg["repeats"])
     if quick:
         warmup, repeats = min(warmup, 1), min(repeats, 2)
-    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
-                else contextlib.nullcontext())
+    # no autocast cache: a CUDA graph must not capture casts cached outside it
+    autocast = (torch.autocast(device.type, dtype=dtype, cache_enabled=False)
+                if dtype != torch.float32 else contextlib.nullcontext())
     if "flex" in cfg["backends"]:   # one FlexAttention compile per graph shape and head dim
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     common = {"reference": cfg["reference"], "prefetch": bool(cfg["prefetch"]),
@@ -477,10 +485,11 @@ class _Work:
             if timed:
                 times, graphs = self._time_stream(model, step)
                 out["graphs_per_s"] = graphs / (sum(times) / 1e3)
+                out["timing"] = "eager"       # every batch is a new graph
         else:
             out["format_ms"], staged = self._build_single(model)
             if timed:
-                times = self._time_single(model, staged, step)
+                times, out["timing"] = self._time_single(model, staged, step)
         if times:
             out.update(ms_median=statistics.median(times), ms_mean=statistics.mean(times),
                        ms_std=statistics.pstdev(times), ms_min=min(times), ms_max=max(times))
@@ -498,14 +507,40 @@ class _Work:
         _sync(device)
         return (time.perf_counter() - t0) * 1e3, staged
 
-    def _time_single(self, model, staged: Staged, step) -> list[float]:
+    def _time_single(self, model, staged: Staged, step) -> tuple[list[float], str]:
+        """Forward times on one graph, and how they were taken: by replaying a
+        CUDA graph of the whole forward (``cuda_graphs``, on a GPU: what a
+        server does for a fixed graph; it takes the host's launch overhead,
+        the same for every backend, out of the times) or eagerly."""
         device = self.s.device
         for _ in range(self.s.warmup):
             self.forward(model, staged.data, staged.graph)
             step(1)
         _sync(device)
-        return time_forwards(lambda r: self.forward(model, staged.data, staged.graph),
-                             self.s.repeats, device, lambda: step(1))
+        forward, timing = (lambda r: self.forward(model, staged.data, staged.graph)), "eager"
+        if device.type == "cuda" and self.s.cfg["cuda_graphs"]:
+            try:
+                graph = self._capture(model, staged)
+                forward, timing = (lambda r: graph.replay()), "cuda-graph"
+            except Exception as err:      # a backend that syncs or cannot be captured
+                _sync(device)
+                timing = f"eager (capture failed: {short_error(err, 80)})"
+        return time_forwards(forward, self.s.repeats, device, lambda: step(1)), timing
+
+    def _capture(self, model, staged: Staged) -> "torch.cuda.CUDAGraph":
+        """A CUDA graph of one forward on the staged graph (warmed up on a side
+        stream first, as capture requires)."""
+        device = self.s.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward(model, staged.data, staged.graph)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.forward(model, staged.data, staged.graph)
+        return graph
 
     def _time_stream(self, model, step) -> tuple[list[float], int]:
         device, B = self.s.device, len(self.batches)
@@ -560,9 +595,9 @@ _TABLE = [  # header, key, format
     ("attn ms", "attn_ms", "{:.2f}"), ("attn %", "attn_share", "{:.0%}"),
     ("fmt ms", "format_ms", "{:.2f}"), ("peak MB", "peak_mem_mb", "{:.0f}"),
     ("vs pyg", "speedup_vs_pyg", "{:.2f}x"), ("vs ref", "speedup_vs_reference", "{:.2f}x"),
-    ("max|diff|", "max_abs_diff", "{:.1e}"), ("note", "note", "{}"),
+    ("max|diff|", "max_abs_diff", "{:.1e}"), ("timing", "timing", "{}"), ("note", "note", "{}"),
 ]
-_LEFT = ("dataset", "backend", "note")
+_LEFT = ("dataset", "backend", "timing", "note")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -642,6 +677,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                         help="batched graphs: build the next batch's format on a side CUDA "
                              "stream while the current one computes (--no-prefetch: inline)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="single graphs on a GPU: time replays of a CUDA graph of the "
+                             "forward (default) or eager forwards (--no-cuda-graphs)")
     parser.add_argument("--offline", action="store_true",
                         help="use each dataset's fallback (local npz or synthetic stand-in) "
                              "without trying its download")
@@ -662,7 +700,7 @@ def _split(values: list[str] | None) -> list[str] | None:
 def main(args) -> int:
     """Run ``gt-fused3s infer`` with parsed ``args``; prints the table."""
     cfg = load_config(args.config)
-    for key in ("device", "dtype", "warmup", "repeats", "prefetch"):
+    for key in ("device", "dtype", "warmup", "repeats", "prefetch", "cuda_graphs"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if args.hidden:

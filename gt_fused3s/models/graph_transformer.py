@@ -82,7 +82,7 @@ def _make_norm(norm: str, channels: int) -> nn.Module:
 
 
 class GraphTransformerBlock(nn.Module):
-    """Q/K/V projections, sparse attention, output projection, residual +
+    """Q/K/V projections (one GEMM), sparse attention, output projection, residual +
     norm, FFN, residual + norm. The attention itself is passed in by the
     model (one backend for all blocks)."""
 
@@ -93,9 +93,7 @@ class GraphTransformerBlock(nn.Module):
         self.heads = heads
         self.head_dim = channels // heads
         inner = heads * self.head_dim
-        self.q = nn.Linear(channels, inner)
-        self.k = nn.Linear(channels, inner)
-        self.v = nn.Linear(channels, inner)
+        self.qkv = nn.Linear(channels, 3 * inner)   # one GEMM for the three projections
         self.o = nn.Linear(inner, channels)
         self.norm1 = _make_norm(norm, channels)
         self.ffn = nn.Sequential(nn.Linear(channels, 2 * channels), nn.ReLU(), nn.Dropout(dropout),
@@ -105,8 +103,8 @@ class GraphTransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, attend) -> Tensor:
         N = x.size(0)
-        shape = (N, self.heads, self.head_dim)
-        q, k, v = self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape)
+        # [N, 3, H, D] -> three strided [N, H, D] views (the kernel takes row strides)
+        q, k, v = self.qkv(x).view(N, 3, self.heads, self.head_dim).unbind(1)
         a = attend(q, k, v, 1.0 / math.sqrt(self.head_dim)).reshape(N, -1)
         x = self.norm1(x + self.dropout(self.o(a)))
         return self.norm2(x + self.dropout(self.ffn(x)))
