@@ -13,17 +13,10 @@ pytestmark = [
 
 
 @pytest.fixture
-def kernel_calls(monkeypatch):
+def kernel_calls(count_calls):
     from gt_fused3s._build import load_extension
     load_extension()
-    calls = []
-    orig = ops_mod._kernel_forward
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return orig(*args, **kwargs)
-    monkeypatch.setattr(ops_mod, "_kernel_forward", counting)
-    return calls
+    return count_calls(ops_mod, "_kernel_forward")
 
 
 def _graph(n, e, seed):

@@ -85,15 +85,8 @@ def test_constructor_options():
     assert model.backend == "fused3s"
 
 
-def test_bsb_built_once_per_forward(monkeypatch):
-    calls = []
-    build = BSBGraph._build.__func__
-
-    def counting_build(cls, *args):
-        calls.append(1)
-        return build(cls, *args)
-
-    monkeypatch.setattr(BSBGraph, "_build", classmethod(counting_build))
+def test_bsb_built_once_per_forward(count_calls):
+    calls = count_calls(BSBGraph, "_build")
     x, ei, _ = _molecules()
     model = _model()                               # 10 blocks, backend fused3s
     with torch.no_grad():

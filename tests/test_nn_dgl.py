@@ -29,27 +29,13 @@ F_IN, D = 19, 24
 
 
 @pytest.fixture
-def fused_calls(monkeypatch):
-    calls = []
-    orig = dgl_mod.fused3s_attention
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return orig(*args, **kwargs)
-    monkeypatch.setattr(dgl_mod, "fused3s_attention", counting)
-    return calls
+def fused_calls(count_calls):
+    return count_calls(dgl_mod, "fused3s_attention")
 
 
 @pytest.fixture
-def bsb_builds(monkeypatch):
-    calls = []
-    orig = BSBGraph._build.__func__
-
-    def counting(cls, *args, **kwargs):
-        calls.append(1)
-        return orig(cls, *args, **kwargs)
-    monkeypatch.setattr(BSBGraph, "_build", classmethod(counting))
-    return calls
+def bsb_builds(count_calls):
+    return count_calls(BSBGraph, "_build")
 
 
 def dgl_unfused(conv, g, feat):

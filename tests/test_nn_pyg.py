@@ -29,30 +29,15 @@ F_IN, D = 19, 24          # odd sizes on purpose
 
 
 @pytest.fixture
-def fused_calls(monkeypatch):
-    """Counts calls of the fused attention from the layer (0 = the layer
-    took TransformerConv's unfused path)."""
-    calls = []
-    orig = pyg_mod.fused3s_attention
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return orig(*args, **kwargs)
-    monkeypatch.setattr(pyg_mod, "fused3s_attention", counting)
-    return calls
+def fused_calls(count_calls):
+    """Calls of the fused attention from the layer (0 = the layer took
+    TransformerConv's unfused path)."""
+    return count_calls(pyg_mod, "fused3s_attention")
 
 
 @pytest.fixture
-def bsb_builds(monkeypatch):
-    """Counts BSB builds."""
-    calls = []
-    orig = BSBGraph._build.__func__
-
-    def counting(cls, *args, **kwargs):
-        calls.append(1)
-        return orig(cls, *args, **kwargs)
-    monkeypatch.setattr(BSBGraph, "_build", classmethod(counting))
-    return calls
+def bsb_builds(count_calls):
+    return count_calls(BSBGraph, "_build")
 
 
 def make_pair(in_channels=F_IN, out_channels=D, seed=0, **kwargs):
