@@ -33,7 +33,8 @@ class AttentionGraph:
         if edge_index.size(0) != 2:
             raise ValueError(f"edge_index must have shape [2, E] (got {tuple(edge_index.shape)})")
         self.num_nodes = _check_num_nodes(num_nodes)
-        _check_range("edge_index", edge_index, 0, self.num_nodes)
+        # Index ranges are checked where each format is built (the BSB builder
+        # checks them inside its one host sync), so no extra sync here.
         self.raw_edge_index = edge_index
         self._formats: dict[str, object] = {}
 
@@ -73,6 +74,7 @@ class AttentionGraph:
     def edge_index(self) -> Tensor:
         """Deduplicated [2, E] int64 (the binary mask of every backend)."""
         def dedup():
+            _check_range("edge_index", self.raw_edge_index, 0, self.num_nodes)
             ei = self.raw_edge_index.long()
             key = torch.unique(ei[1] * self.num_nodes + ei[0])
             return torch.stack([key % max(self.num_nodes, 1), key // max(self.num_nodes, 1)])

@@ -65,8 +65,10 @@ def test_backend_registry_errors():
     assert set(BACKENDS) == {"fused3s", "pyg", "reference", "dense", "flex"}
     with pytest.raises(ValueError, match="unknown attention backend 'cusparse'"):
         get_backend("cusparse")
-    with pytest.raises(ValueError, match="out of range"):
-        AttentionGraph(torch.tensor([[0], [9]]), 3)
+    bad = AttentionGraph(torch.tensor([[0], [9]]), 3)   # checked where a format is built
+    for fmt in ("bsb", "edge_index", "dense_mask"):
+        with pytest.raises(ValueError, match="index 9 out of range for num_nodes=3"):
+            getattr(bad, fmt)
 
 
 def test_import_never_builds_or_touches_the_gpu():
