@@ -22,7 +22,7 @@ python3 -c "import torch, torch_geometric; print('torch', torch.__version__, 'py
 python3 -c "from gt_fused3s._build import load_extension; load_extension(); print('extension built')" || exit 1
 
 if [ "$what" != bench ]; then
-  python3 -m pytest -q -rfE 2>&1 | tee "$OUT/tests.txt" | tail -3 || status=1
+  python3 -m pytest -q -rfEs 2>&1 | tee "$OUT/tests.txt" | tail -3 || status=1
   S='from gt_fused3s.bench.kernel import sanitize_case; sanitize_case()'
   for tool in memcheck racecheck; do
     echo "compute-sanitizer --tool $tool (sanitize_case)"
