@@ -247,11 +247,6 @@ class BSBGraph:
                         self.bitmap.to(device), self.window_order.to(device),
                         self.edge_index.to(device), self.num_duplicates, self.max_window_tcbs)
 
-    def nbytes(self) -> int:
-        """Device memory held by the format arrays (``edge_index`` included)."""
-        return sum(t.numel() * t.element_size() for t in
-                   (self.rw_offset, self.cols, self.bitmap, self.window_order, self.edge_index))
-
     # ------------------------------------------------------------ statistics
     def tcb_nnz(self) -> Tensor:
         """int64 [T]: number of edges in each TCB."""

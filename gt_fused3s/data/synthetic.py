@@ -53,13 +53,10 @@ def molecule_batch(num_graphs: int, *, min_nodes: int = 10, max_nodes: int = 40,
     n_iso = (torch.rand(G, generator=g, device=device) < isolated_prob).long() \
         * torch.randint(1, 3, (G,), generator=g, device=device)
     n_core = torch.maximum(sizes - n_iso, torch.full_like(sizes, 2))  # bonded atoms
-    ptr = torch.zeros(G + 1, dtype=torch.long, device=device)
-    torch.cumsum(sizes, 0, out=ptr[1:])
-    N = int(ptr[-1])
+    ptr, N, graph = _batch_layout(sizes)
 
     # Tree bonds: every non-first bonded atom to an earlier one.
     node = torch.arange(N, device=device)
-    graph = torch.repeat_interleave(torch.arange(G, device=device), sizes, output_size=N)
     local = node - ptr[graph]
     child = (local >= 1) & (local < n_core[graph])
     back = torch.where(torch.rand(N, generator=g, device=device) < 0.8, 1,
@@ -74,6 +71,17 @@ def molecule_batch(num_graphs: int, *, min_nodes: int = 10, max_nodes: int = 40,
     src = torch.cat([node[child], a])
     dst = torch.cat([parent[child], a + 5])
     return symmetric_coalesce(src, dst, N), ptr
+
+
+def _batch_layout(sizes: Tensor) -> tuple[Tensor, int, Tensor]:
+    """Node offsets ``ptr`` [G + 1], the node count N and the graph of each
+    node [N] of a batch of graphs with ``sizes`` nodes."""
+    ptr = torch.zeros(sizes.numel() + 1, dtype=torch.long, device=sizes.device)
+    torch.cumsum(sizes, 0, out=ptr[1:])
+    N = int(ptr[-1])
+    graph = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes,
+                                    output_size=N)
+    return ptr, N, graph
 
 
 def random_graph_batch(num_graphs: int, *, min_nodes: int = 100, max_nodes: int = 500,
@@ -99,14 +107,12 @@ def random_graph_batch(num_graphs: int, *, min_nodes: int = 100, max_nodes: int 
     g = seeded_generator(seed, device, stream)
     G = num_graphs
     sizes = torch.randint(min_nodes, max_nodes + 1, (G,), generator=g, device=device)
-    ptr = torch.zeros(G + 1, dtype=torch.long, device=device)
-    torch.cumsum(sizes, 0, out=ptr[1:])
-    N = int(ptr[-1])
+    ptr, N, graph_of_node = _batch_layout(sizes)
     half = avg_degree / 2
     draws = math.floor(half) + (torch.rand(N, generator=g, device=device) < half % 1).long()
     M = int(draws.sum())
     src = torch.repeat_interleave(torch.arange(N, device=device), draws, output_size=M)
-    graph = torch.repeat_interleave(torch.arange(G, device=device), sizes, output_size=N)[src]
+    graph = graph_of_node[src]
     dst = ptr[graph] + (torch.rand(M, generator=g, device=device) * sizes[graph]).long()
     return symmetric_coalesce(src, dst, N), ptr
 
