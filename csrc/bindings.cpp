@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/bsb_build.h"
+#include "kernels/fused3s_bwd_params.h"
 #include "kernels/fused3s_params.h"
 
 namespace gt_fused3s {
@@ -183,6 +184,150 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
     return {out, lse};
 }
 
+// ---- Backward ------------------------------------------------------------------
+
+template <typename T>
+cudaError_t launch_bwd_for_head_dim(int64_t d, const Fused3SBwdParams& dq, const Fused3SBwdParams& dkv,
+                                    cudaStream_t stream) {
+    switch (d) {
+        case 16: return run_fused3s_bwd<T, 16>(dq, dkv, stream);
+        case 32: return run_fused3s_bwd<T, 32>(dq, dkv, stream);
+        case 64: return run_fused3s_bwd<T, 64>(dq, dkv, stream);
+        case 128: return run_fused3s_bwd<T, 128>(dq, dkv, stream);
+        case 256: return run_fused3s_bwd<T, 256>(dq, dkv, stream);
+        default: TORCH_CHECK(false, "head dim ", num(d), " is not compiled (16, 32, 64, 128, 256)");
+    }
+    return cudaSuccess;   // not reached
+}
+
+Fused3SOperand operand(const at::Tensor& t) { return {t.data_ptr(), t.stride(0), t.stride(1)}; }
+
+// BSB + schedule arguments of one pass, checked against the node count.
+void check_pass(const char* which, const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& items,
+                const at::Tensor& slots, const at::Tensor& q) {
+    const std::string pre = std::string(which) + " ";
+    check_index(cols, (pre + "cols").c_str(), at::kInt, q);
+    check_index(bitmap, (pre + "bitmap").c_str(), at::kLong, q);
+    check_index(items, (pre + "items").c_str(), at::kInt, q);
+    check_index(slots, (pre + "slots").c_str(), at::kInt, q);
+    TORCH_CHECK(bitmap.dim() == 2 && bitmap.size(1) == 2, pre, "bitmap must have shape [T, 2] (got ",
+                shape(bitmap.sizes()), ")");
+    TORCH_CHECK(cols.dim() == 1 && cols.numel() == 8 * bitmap.size(0), pre, "cols must have 8 * T = ",
+                num(8 * bitmap.size(0)), " entries (got ", num(cols.numel()), ")");
+    TORCH_CHECK(bitmap.size(0) < (int64_t(1) << 28), pre, "BSB has too many TCBs (", num(bitmap.size(0)), ")");
+    TORCH_CHECK(items.dim() == 2 && items.size(1) == 4, pre, "items must have shape [I, 4] (got ",
+                shape(items.sizes()), ")");
+    TORCH_CHECK(slots.dim() == 2 && slots.size(1) == 4, pre, "slots must have shape [S, 4] (got ",
+                shape(slots.sizes()), ")");
+    const int64_t R = (q.size(0) + 15) / 16, H = q.size(1);
+    TORCH_CHECK(items.size(0) >= R, pre, "items has ", num(items.size(0)), " rows, fewer than the ", num(R),
+                " row windows; the schedule was built for another graph");
+    TORCH_CHECK(items.size(0) * H < (int64_t(1) << 31) - (int64_t(1) << 24), pre, "too many work items");
+    TORCH_CHECK(slots.size(0) * H * 16 * q.size(2) < (int64_t(1) << 40), pre, "partial workspace too large");
+}
+
+// Gradients of fwd with respect to q, k, v. `cols`, `bitmap`, `items`, `slots`
+// are the graph's BSB and schedule (dQ pass), `t_*` those of the transposed
+// graph (dKV pass). out and lse are the forward's outputs (out in q's dtype or
+// fp32). The gradients are in q's dtype, or fp32 if grad_fp32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& items,
+    const at::Tensor& slots, const at::Tensor& t_cols, const at::Tensor& t_bitmap, const at::Tensor& t_items,
+    const at::Tensor& t_slots, double scale, bool grad_fp32) {
+    TORCH_CHECK(q.defined(), "q must be a tensor (got an undefined tensor)");
+    TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor (got device ", q.device().str(), ")");
+    check_qkv(q, "q", q);
+    check_qkv(k, "k", q);
+    check_qkv(v, "v", q);
+    check_qkv(dout, "grad_out", q);
+    const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+    TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256,
+                "head dim D must be 16, 32, 64, 128 or 256 (got ", num(D), "); pad other multiples of 8");
+    TORCH_CHECK(N < (int64_t(1) << 31), "q has ", num(N), " nodes, more than the int32 format allows");
+    TORCH_CHECK(out.defined() && out.device() == q.device(), "out must be on the device of q");
+    TORCH_CHECK(out.scalar_type() == q.scalar_type() || out.scalar_type() == at::kFloat,
+                "out must have the dtype of q or float32 (got ", dtype_name(out.scalar_type()), ")");
+    TORCH_CHECK(out.sizes() == q.sizes(), "out must have the shape of q ", shape(q.sizes()), " (got ",
+                shape(out.sizes()), ")");
+    TORCH_CHECK(out.stride(2) == 1 && out.stride(0) % 8 == 0 && out.stride(1) % 8 == 0 &&
+                    reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+                "out must be contiguous in its last dim with row and head strides that are multiples of 8 "
+                "elements and a 16-byte aligned start (got strides ", shape(out.strides()), ")");
+    TORCH_CHECK(lse.defined() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
+                    lse.dim() == 2 && lse.size(0) == N && lse.size(1) == H && lse.is_contiguous(),
+                "lse must be a contiguous float32 [N, H] = ", shape({N, H}), " tensor on the device of q (got ",
+                dtype_name(lse.scalar_type()), " ", shape(lse.sizes()), ")");
+    check_pass("graph", cols, bitmap, items, slots, q);
+    check_pass("transposed graph", t_cols, t_bitmap, t_items, t_slots, q);
+    TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
+
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    const auto grad_opts = q.options().dtype(grad_fp32 ? at::kFloat : q.scalar_type());
+    auto dq = at::empty({N, H, D}, grad_opts);
+    auto dk = at::empty({N, H, D}, grad_opts);
+    auto dv = at::empty({N, H, D}, grad_opts);
+    if (N == 0) return {dq, dk, dv};
+    const auto f32 = q.options().dtype(at::kFloat);
+    auto stats = at::empty({N, H, 2}, f32);   // (lse log2e, delta) per row, from the dQ pass
+    const int64_t S = slots.size(0), St = t_slots.size(0);
+    auto part_q = at::empty({S, H, 16, D}, f32);
+    auto part_k = at::empty({St, H, 16, D}, f32);
+    auto part_v = at::empty({St, H, 16, D}, f32);
+    auto counters = at::empty({(S + St) * H}, q.options().dtype(at::kInt));
+
+    Fused3SBwdParams common{};
+    common.d_out = operand(dout);
+    common.out = operand(out);
+    common.o_fp32 = out.scalar_type() == at::kFloat;
+    common.lse_ptr = lse.data_ptr<float>();
+    common.stats_ptr = reinterpret_cast<float2*>(stats.data_ptr<float>());
+    common.grad_fp32 = grad_fp32;
+    common.num_nodes = static_cast<int32_t>(N);
+    common.num_heads = static_cast<int32_t>(H);
+    common.scale = static_cast<float>(scale);
+    common.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+
+    Fused3SBwdParams dq_pass = common;
+    dq_pass.a1 = operand(q);
+    dq_pass.a2 = operand(dout);
+    dq_pass.g1 = operand(k);
+    dq_pass.g2 = operand(v);
+    dq_pass.out1_ptr = dq.data_ptr();
+    dq_pass.cols_ptr = cols.data_ptr<int32_t>();
+    dq_pass.bitmap_ptr = reinterpret_cast<const uint64_t*>(bitmap.data_ptr<int64_t>());
+    dq_pass.items_ptr = reinterpret_cast<const Fused3SItem*>(items.data_ptr<int32_t>());
+    dq_pass.num_items = static_cast<int32_t>(items.size(0));
+    dq_pass.slots_ptr = reinterpret_cast<const Fused3SSlot*>(slots.data_ptr<int32_t>());
+    dq_pass.num_slots = static_cast<int32_t>(S);
+    dq_pass.counters_ptr = counters.data_ptr<int32_t>();
+    dq_pass.part1_ptr = S > 0 ? part_q.data_ptr<float>() : nullptr;
+
+    Fused3SBwdParams dkv_pass = common;
+    dkv_pass.a1 = operand(k);
+    dkv_pass.a2 = operand(v);
+    dkv_pass.g1 = operand(q);
+    dkv_pass.g2 = operand(dout);
+    dkv_pass.out1_ptr = dk.data_ptr();
+    dkv_pass.out2_ptr = dv.data_ptr();
+    dkv_pass.cols_ptr = t_cols.data_ptr<int32_t>();
+    dkv_pass.bitmap_ptr = reinterpret_cast<const uint64_t*>(t_bitmap.data_ptr<int64_t>());
+    dkv_pass.items_ptr = reinterpret_cast<const Fused3SItem*>(t_items.data_ptr<int32_t>());
+    dkv_pass.num_items = static_cast<int32_t>(t_items.size(0));
+    dkv_pass.slots_ptr = reinterpret_cast<const Fused3SSlot*>(t_slots.data_ptr<int32_t>());
+    dkv_pass.num_slots = static_cast<int32_t>(St);
+    dkv_pass.counters_ptr = counters.data_ptr<int32_t>() + S * H;
+    dkv_pass.part1_ptr = St > 0 ? part_k.data_ptr<float>() : nullptr;
+    dkv_pass.part2_ptr = St > 0 ? part_v.data_ptr<float>() : nullptr;
+
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    const cudaError_t err = q.scalar_type() == at::kHalf
+                                ? launch_bwd_for_head_dim<__half>(D, dq_pass, dkv_pass, stream)
+                                : launch_bwd_for_head_dim<__nv_bfloat16>(D, dq_pass, dkv_pass, stream);
+    C10_CUDA_CHECK(err);
+    return {dq, dk, dv};
+}
+
 // ---- BSB builder -------------------------------------------------------------
 // Builds the BSB format of gt_fused3s/graph.py on the GPU. One host
 // synchronisation: the copy of the counters (T, E_u, index range) that sizes
@@ -255,10 +400,15 @@ TORCH_LIBRARY(gt_fused3s, m) {
         "fwd(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
         "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32) "
         "-> (Tensor out, Tensor lse)");
+    m.def(
+        "bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cols, Tensor bitmap, "
+        "Tensor items, Tensor slots, Tensor t_cols, Tensor t_bitmap, Tensor t_items, Tensor t_slots, float scale, "
+        "bool grad_fp32) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
     m.def("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
 }
 
 TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("fwd", &gt_fused3s::fwd_cuda);
+    m.impl("bwd", &gt_fused3s::bwd_cuda);
     m.impl("bsb_build", &gt_fused3s::bsb_build_cuda);
 }

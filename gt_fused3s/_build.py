@@ -132,6 +132,12 @@ def _register_fakes(torch) -> None:
         lse = q.new_empty((N, H), dtype=torch.float32)
         return out, lse
 
+    @torch.library.register_fake("gt_fused3s::bwd")
+    def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items, t_slots,
+                  scale, grad_fp32):
+        dtype = torch.float32 if grad_fp32 else q.dtype
+        return tuple(q.new_empty(q.shape, dtype=dtype) for _ in range(3))
+
     _FAKES_REGISTERED = True
 
 

@@ -1,0 +1,425 @@
+// Fused 3S backward: one kernel, two passes (fused3s_bwd_params.h), on tensor
+// cores, with nothing of size [E, H] in memory.
+//
+// Work decomposition as in the forward: a block is a warp-team (one warp, two
+// for D = 256, each owning half of the head dim) running one (chunk of a row
+// window, head) work item from the same heaviest-first schedule; chunks of a
+// split window add their fp32 partials and the last one to finish writes.
+//
+// Per TCB pair (a, b), with the window's 16 rows as the mma M dimension:
+//   S  [16, 16] = A1 G1^T        scores, recomputed
+//   dP [16, 16] = A2 G2^T
+//   P  = exp2(S * scale log2e - lse log2e)   (bitmap mask -> 0)
+//   dS = P * (dP - delta)
+//   out1 [16, D] += dS G1        (dQ pass: dQ; dKV pass: dK)
+//   out2 [16, D] += P  G2        (dKV pass: dV)
+// G1 and G2 serve both as B^T (scores) and as B (accumulation), so their
+// gathered rows go through shared memory (cp.async, double buffered: the next
+// pair's rows load while this pair computes) and are read by ldmatrix in both
+// shapes. lse and delta belong to the destination i: per window row in the dQ
+// pass, per gathered column in the dKV pass.
+#pragma once
+
+#include <cstdint>
+#include <cmath>
+#include <cuda_runtime.h>
+
+#include "fused3s_bwd_params.h"
+#include "mma_utils.cuh"
+#include "smem_tile.cuh"
+#include "tcb_pair.cuh"
+
+#ifndef GT_FUSED3S_BWD_SLICE
+#define GT_FUSED3S_BWD_SLICE 128
+#endif
+
+namespace gt_fused3s {
+
+template <int kHeadDim, bool kDKV>
+struct BwdConfig {
+    static_assert(kHeadDim == 16 || kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                  "head dim must be 16, 32, 64, 128 or 256");
+    // Head-dim slice per warp: at most kMaxSlice, so that a warp's accumulators
+    // (one [16, kDW] fp32 tile in the dQ pass, two in the dKV pass) leave room
+    // for enough resident warps to hide the gather latency; wider head dims
+    // split over a team of warps that add up their partial scores.
+    static constexpr int kMaxSlice = GT_FUSED3S_BWD_SLICE;
+    static constexpr int kDW = kHeadDim < kMaxSlice ? kHeadDim : kMaxSlice;
+    static constexpr int kSplit = kHeadDim / kDW;                        // warps per team
+    static constexpr int kThreads = kSplit * 32;
+    static constexpr int kNT = kDW / 8;        // n-tiles of the accumulators
+    static constexpr int kSteps = kDW / 16;    // k-steps of the score mmas
+    using Tile = RowTile<kDW>;
+    // Per warp: A1, A2 and two stages of (G1, G2).
+    static constexpr int kWarpSmem = 6 * Tile::kBytes;
+    static constexpr int kSmemBytes = kSplit * kWarpSmem;
+    // Resident warps per SM the registers allow (occupancy hint).
+    static constexpr int kWarpsPerSM = kDW <= 32 ? 16 : (kDW == 64 ? 12 : 8);
+    static constexpr int kMinBlocks = kWarpsPerSM / kSplit > 0 ? kWarpsPerSM / kSplit : 1;
+};
+
+// Stores two consecutive values (fp32 in) as T or fp32.
+template <typename T>
+__device__ __forceinline__ void store_pair(void* base, int64_t off, bool as_fp32, float x, float y) {
+    if (as_fp32) {
+        *reinterpret_cast<float2*>(reinterpret_cast<float*>(base) + off) = make_float2(x, y);
+    } else {
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(base) + off) = TypeTraits<T>::pack(x, y);
+    }
+}
+
+// delta = rowsum(dO * O) of one row, full head dim, summed over the 4 threads
+// t of the row (each takes 8 consecutive elements of every 32).
+template <typename T, int kHeadDim>
+__device__ __forceinline__ float row_delta(const Fused3SBwdParams& p, int row, int head, int t) {
+    float acc = 0.f;
+    if (row < p.num_nodes) {
+        const uint16_t* dout = reinterpret_cast<const uint16_t*>(p.d_out.ptr) + row * p.d_out.row_stride +
+                               head * p.d_out.head_stride;
+        const int64_t o_off = row * p.out.row_stride + head * p.out.head_stride;
+#pragma unroll
+        for (int d = 8 * t; d < kHeadDim; d += 32) {
+            const uint4 g = __ldg(reinterpret_cast<const uint4*>(dout + d));
+            const uint32_t gw[4] = {g.x, g.y, g.z, g.w};
+            float o[8];
+            if (p.o_fp32) {
+                const float4* src = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(p.out.ptr) + o_off + d);
+                const float4 x = __ldg(src), y = __ldg(src + 1);
+                o[0] = x.x; o[1] = x.y; o[2] = x.z; o[3] = x.w; o[4] = y.x; o[5] = y.y; o[6] = y.z; o[7] = y.w;
+            } else {
+                const uint4 x = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p.out.ptr) + o_off + d));
+                const uint32_t xw[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float2 f = TypeTraits<T>::unpack(xw[i]);
+                    o[2 * i] = f.x; o[2 * i + 1] = f.y;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 f = TypeTraits<T>::unpack(gw[i]);
+                acc += f.x * o[2 * i] + f.y * o[2 * i + 1];
+            }
+        }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    return acc;
+}
+
+template <typename T, int kHeadDim, bool kDKV>
+__global__ void __launch_bounds__(BwdConfig<kHeadDim, kDKV>::kThreads, BwdConfig<kHeadDim, kDKV>::kMinBlocks)
+fused3s_bwd_kernel(const Fused3SBwdParams p) {
+    using Cfg = BwdConfig<kHeadDim, kDKV>;
+    using Tile = typename Cfg::Tile;
+    constexpr int kDW = Cfg::kDW;
+    constexpr int kNT = Cfg::kNT;
+    constexpr int kSplit = Cfg::kSplit;
+    constexpr float kLog2e = 1.4426950408889634f;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    // D = 256: partial S and dP of the team's warps, [double buffer][part][16][32].
+    __shared__ float s_xchg[kSplit > 1 ? 2 * kSplit * 16 * 32 : 1];
+    __shared__ int s_bcast;
+
+    const int lane = threadIdx.x & 31;
+    const int part = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const bool leader = lane == 0 && part == 0;
+    auto team_sync = [&]() {
+        if constexpr (kSplit > 1) __syncthreads();
+        else __syncwarp();
+    };
+    auto broadcast = [&](int x) -> int {
+        if constexpr (kSplit == 1) {
+            return __shfl_sync(0xffffffffu, x, 0);
+        } else {
+            if (leader) s_bcast = x;
+            __syncthreads();
+            return s_bcast;
+        }
+    };
+
+    const uint32_t warp_smem = smem_addr(smem) + part * Cfg::kWarpSmem;
+    const uint32_t tile_a1 = warp_smem, tile_a2 = warp_smem + Tile::kBytes;
+    auto tile_g = [&](int stage, int which) { return warp_smem + (2 + 2 * stage + which) * Tile::kBytes; };
+
+    const int w = blockIdx.x;   // work index = item * H + head, heaviest items first
+    const int item_idx = w / p.num_heads;
+    const int head = w - item_idx * p.num_heads;
+    const int4 it = __ldg(reinterpret_cast<const int4*>(p.items_ptr) + item_idx);
+    const int window = it.x, tcb_begin = it.y, tcb_end = it.z, slot = it.w;
+    const int row0 = window * 16 + g, row1 = row0 + 8;
+    const int64_t H = p.num_heads;
+
+    auto slice = [&](const Fused3SOperand& op) {
+        return reinterpret_cast<const uint16_t*>(op.ptr) + head * op.head_stride + part * kDW;
+    };
+    const uint16_t* g1 = slice(p.g1);
+    const uint16_t* g2 = slice(p.g2);
+
+    // dQ pass: lse (log2 units) and delta of the rows g, g+8 (computed once the
+    // first copies are in flight).
+    float row_lse2[2] = {0.f, 0.f}, row_dl[2] = {0.f, 0.f};
+    auto load_row_stats = [&]() {
+        if constexpr (!kDKV) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = r ? row1 : row0;
+                row_dl[r] = row_delta<T, kHeadDim>(p, row, head, t);
+                if (row < p.num_nodes) row_lse2[r] = __ldg(p.lse_ptr + row * H + head) * kLog2e;
+            }
+        }
+    };
+    // dKV pass: (lse log2e, delta) of the columns 2t, 2t+1 of TCB a, b of a pair.
+    auto load_col_stats = [&](const PairMeta& m, float2 (&st)[4]) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int c = m.colv[i];
+            st[i] = c >= 0 ? __ldg(p.stats_ptr + c * H + head) : make_float2(0.f, 0.f);
+        }
+    };
+
+    // The dQ pass keeps its window operands (Q, dO) in registers; the dKV
+    // pass, with two accumulators, reads K and V from shared memory per pair.
+    constexpr bool kARegs = !kDKV;
+    uint32_t a1f[kARegs ? Cfg::kSteps : 1][4], a2f[kARegs ? Cfg::kSteps : 1][4];
+    float acc1[kNT][4];
+    float acc2[kDKV ? kNT : 1][4];
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) acc1[j][0] = acc1[j][1] = acc1[j][2] = acc1[j][3] = 0.f;
+#pragma unroll
+    for (int j = 0; j < (kDKV ? kNT : 1); ++j) acc2[j][0] = acc2[j][1] = acc2[j][2] = acc2[j][3] = 0.f;
+
+    if (tcb_begin == tcb_end) load_row_stats();   // rows without in-neighbours: delta = 0, lse = -inf
+    if (tcb_begin < tcb_end) {
+        const uint4* bitmap = reinterpret_cast<const uint4*>(p.bitmap_ptr);
+        const int wrow = window * 16 + (lane & 15);
+        Tile::load_async(tile_a1, slice(p.a1), p.a1.row_stride, tile_a2, slice(p.a2), p.a2.row_stride,
+                         wrow < p.num_nodes ? wrow : -1, lane);
+        cp_async_commit();
+
+        PairRaw raw;
+        load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin, tcb_end, lane);
+        PairMeta cur = decode_pair(raw, lane);
+        Tile::load_async(tile_g(0, 0), g1, p.g1.row_stride, tile_g(0, 1), g2, p.g2.row_stride, raw.c, lane);
+        cp_async_commit();
+        load_row_stats();
+        if constexpr (kARegs) {
+            cp_async_wait<1>();   // the window tiles (not yet the first pair's rows)
+            __syncwarp();
+#pragma unroll
+            for (int step = 0; step < Cfg::kSteps; ++step) {
+                Tile::a_frag(a1f[step], tile_a1, step, lane);
+                Tile::a_frag(a2f[step], tile_a2, step, lane);
+            }
+        }
+        float2 cur_st[4];
+        if constexpr (kDKV) load_col_stats(cur, cur_st);
+        if (tcb_begin + 2 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin + 2, tcb_end, lane);
+
+        int stage = 0, buf = 0;
+        for (int base = tcb_begin;; base += 2) {
+            const bool has_next = base + 2 < tcb_end;
+            PairMeta nxt;
+            float2 nxt_st[4];
+            if (has_next) {   // rows of the next pair fly while this one computes
+                nxt = decode_pair(raw, lane);
+                Tile::load_async(tile_g(stage ^ 1, 0), g1, p.g1.row_stride, tile_g(stage ^ 1, 1), g2,
+                                 p.g2.row_stride, raw.c, lane);
+                if constexpr (kDKV) load_col_stats(nxt, nxt_st);
+                if (base + 4 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, base + 4, tcb_end, lane);
+            }
+            cp_async_commit();
+            cp_async_wait<1>();   // this pair's rows (and the window tiles) have landed
+            __syncwarp();
+
+            // Scores and dP for TCBs a (x = 0) and b (x = 1).
+            float s[2][4] = {}, dp[2][4] = {};
+#pragma unroll
+            for (int step = 0; step < Cfg::kSteps; ++step) {
+                uint32_t a[4], b[4];
+                if constexpr (kARegs) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) a[i] = a1f[step][i];
+                } else {
+                    Tile::a_frag(a, tile_a1, step, lane);
+                }
+                Tile::bt_frags(b, tile_g(stage, 0), step, lane);
+                mma_16816<T>(s[0], a, b[0], b[1]);
+                mma_16816<T>(s[1], a, b[2], b[3]);
+                if constexpr (kARegs) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) a[i] = a2f[step][i];
+                } else {
+                    Tile::a_frag(a, tile_a2, step, lane);
+                }
+                Tile::bt_frags(b, tile_g(stage, 1), step, lane);
+                mma_16816<T>(dp[0], a, b[0], b[1]);
+                mma_16816<T>(dp[1], a, b[2], b[3]);
+            }
+            if constexpr (kSplit > 1) {
+                // Sum the team's partial dot products (same order in every warp).
+                float* x = s_xchg + buf * kSplit * 16 * 32;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    x[(part * 16 + i) * 32 + lane] = s[i >> 2][i & 3];
+                    x[(part * 16 + 8 + i) * 32 + lane] = dp[i >> 2][i & 3];
+                }
+                __syncthreads();
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    float sa = 0.f, da = 0.f;
+#pragma unroll
+                    for (int q2 = 0; q2 < kSplit; ++q2) {
+                        sa += x[(q2 * 16 + i) * 32 + lane];
+                        da += x[(q2 * 16 + 8 + i) * 32 + lane];
+                    }
+                    s[i >> 2][i & 3] = sa;
+                    dp[i >> 2][i & 3] = da;
+                }
+                buf ^= 1;
+            }
+
+            // P and dS in the mma C layout: i = 0, 1 row g, i = 2, 3 row g+8;
+            // column 2t + (i & 1) of TCB x.
+            float pv[2][4], ds[2][4];
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const bool on = (cur.mask >> (4 * x + i)) & 1u;
+                    const float lse2 = kDKV ? cur_st[2 * x + (i & 1)].x : row_lse2[i >> 1];
+                    const float dl = kDKV ? cur_st[2 * x + (i & 1)].y : row_dl[i >> 1];
+                    pv[x][i] = on ? fast_exp2(s[x][i] * p.scale_log2 - lse2) : 0.f;
+                    ds[x][i] = pv[x][i] * (dp[x][i] - dl);
+                }
+            }
+            // As A operands [16, 16]: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
+            const uint32_t dsa[4] = {TypeTraits<T>::pack(ds[0][0], ds[0][1]), TypeTraits<T>::pack(ds[0][2], ds[0][3]),
+                                     TypeTraits<T>::pack(ds[1][0], ds[1][1]), TypeTraits<T>::pack(ds[1][2], ds[1][3])};
+#pragma unroll
+            for (int jj = 0; jj < kNT / 2; ++jj) {
+                uint32_t b[4];
+                Tile::b_frags(b, tile_g(stage, 0), jj, lane);
+                mma_16816<T>(acc1[2 * jj], dsa, b[0], b[1]);
+                mma_16816<T>(acc1[2 * jj + 1], dsa, b[2], b[3]);
+            }
+            if constexpr (kDKV) {
+                const uint32_t pa[4] = {TypeTraits<T>::pack(pv[0][0], pv[0][1]), TypeTraits<T>::pack(pv[0][2], pv[0][3]),
+                                        TypeTraits<T>::pack(pv[1][0], pv[1][1]), TypeTraits<T>::pack(pv[1][2], pv[1][3])};
+#pragma unroll
+                for (int jj = 0; jj < kNT / 2; ++jj) {
+                    uint32_t b[4];
+                    Tile::b_frags(b, tile_g(stage, 1), jj, lane);
+                    mma_16816<T>(acc2[2 * jj], pa, b[0], b[1]);
+                    mma_16816<T>(acc2[2 * jj + 1], pa, b[2], b[3]);
+                }
+            }
+            if (!has_next) break;
+            __syncwarp();   // every lane is done with this stage before it is refilled
+            cur = nxt;
+            if constexpr (kDKV) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) cur_st[i] = nxt_st[i];
+            }
+            stage ^= 1;
+        }
+    }
+
+    // Accumulator layout: acc[j][0, 1] = row g, d = 8j + 2t, +1; [2, 3] = row g+8.
+    const int col0 = part * kDW + 2 * t;
+    bool write_out = slot < 0;
+    if (!write_out) {
+        const int64_t prow = (static_cast<int64_t>(slot) * H + head) * 16;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int64_t off = (prow + g + 8 * r) * kHeadDim + col0;
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+                store_pair<T>(p.part1_ptr, off + 8 * j, true, acc1[j][2 * r], acc1[j][2 * r + 1]);
+                if constexpr (kDKV) store_pair<T>(p.part2_ptr, off + 8 * j, true, acc2[j][2 * r], acc2[j][2 * r + 1]);
+            }
+        }
+        __threadfence();   // partial visible GPU-wide before the arrival is counted
+        team_sync();
+        const int4 si = __ldg(reinterpret_cast<const int4*>(p.slots_ptr) + slot);
+        const int s0 = si.y, s1 = si.z;
+        const int prev = leader ? atomicAdd(p.counters_ptr + static_cast<int64_t>(s0) * H + head, 1) : 0;
+        write_out = broadcast(prev) == s1 - s0 - 1;   // this team completed the window
+        if (write_out) {
+            __threadfence();
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+                acc1[j][0] = acc1[j][1] = acc1[j][2] = acc1[j][3] = 0.f;
+                if constexpr (kDKV) acc2[j][0] = acc2[j][1] = acc2[j][2] = acc2[j][3] = 0.f;
+            }
+            for (int sl = s0; sl < s1; ++sl) {
+                const int64_t srow = (static_cast<int64_t>(sl) * H + head) * 16;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int64_t off = (srow + g + 8 * r) * kHeadDim + col0;
+#pragma unroll
+                    for (int j = 0; j < kNT; ++j) {
+                        const float2 x = __ldcg(reinterpret_cast<const float2*>(p.part1_ptr + off + 8 * j));
+                        acc1[j][2 * r] += x.x;
+                        acc1[j][2 * r + 1] += x.y;
+                        if constexpr (kDKV) {
+                            const float2 y = __ldcg(reinterpret_cast<const float2*>(p.part2_ptr + off + 8 * j));
+                            acc2[j][2 * r] += y.x;
+                            acc2[j][2 * r + 1] += y.y;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if (write_out) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = r ? row1 : row0;
+            if (row >= p.num_nodes) continue;
+            const int64_t off = (row * H + head) * kHeadDim + col0;
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+                store_pair<T>(p.out1_ptr, off + 8 * j, p.grad_fp32, acc1[j][2 * r] * p.scale,
+                              acc1[j][2 * r + 1] * p.scale);
+                if constexpr (kDKV) {
+                    store_pair<T>(p.out2_ptr, off + 8 * j, p.grad_fp32, acc2[j][2 * r], acc2[j][2 * r + 1]);
+                }
+            }
+            if constexpr (!kDKV) {
+                if (t == 0 && part == 0) p.stats_ptr[row * H + head] = make_float2(row_lse2[r], row_dl[r]);
+            }
+        }
+    }
+}
+
+template <typename T, int kHeadDim, bool kDKV>
+cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t stream) {
+    using Cfg = BwdConfig<kHeadDim, kDKV>;
+    const int64_t work = static_cast<int64_t>(params.num_items) * params.num_heads;
+    if (work <= 0) return cudaSuccess;
+    if (params.num_slots > 0) {
+        const size_t bytes = sizeof(int32_t) * static_cast<size_t>(params.num_slots) * params.num_heads;
+        const cudaError_t err = cudaMemsetAsync(params.counters_ptr, 0, bytes, stream);
+        if (err != cudaSuccess) return err;
+    }
+    auto kernel = fused3s_bwd_kernel<T, kHeadDim, kDKV>;
+    if (Cfg::kSmemBytes > 48 * 1024) {
+        const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+        if (err != cudaSuccess) return err;
+    }
+    kernel<<<static_cast<unsigned>(work), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
+    return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim>
+cudaError_t run_fused3s_bwd(const Fused3SBwdParams& dq_pass, const Fused3SBwdParams& dkv_pass, cudaStream_t stream) {
+    // The dQ pass writes delta, which the dKV pass reads: same stream, in order.
+    const cudaError_t err = launch_fused3s_bwd_pass<T, kHeadDim, false>(dq_pass, stream);
+    if (err != cudaSuccess) return err;
+    return launch_fused3s_bwd_pass<T, kHeadDim, true>(dkv_pass, stream);
+}
+
+}  // namespace gt_fused3s
