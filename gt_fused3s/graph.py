@@ -247,6 +247,16 @@ class BSBGraph:
                         self.bitmap.to(device), self.window_order.to(device),
                         self.edge_index.to(device), self.num_duplicates, self.max_window_tcbs)
 
+    def transposed(self) -> "BSBGraph":
+        """The BSB of the reversed graph (every edge j -> i becomes i -> j),
+        built once and cached in ``extras``: its row windows are the source
+        nodes, which the backward pass needs to sum dK and dV per source."""
+        t = self.extras.get("transposed")
+        if t is None:
+            t = BSBGraph.from_edge_index(self.edge_index.flip(0), self.num_nodes)
+            self.extras["transposed"] = t
+        return t
+
     # ------------------------------------------------------------ statistics
     def tcb_nnz(self) -> Tensor:
         """int64 [T]: number of edges in each TCB."""

@@ -45,9 +45,11 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: BSBGraph | Tensor,
             ``torch.float16`` (default) or ``torch.bfloat16``.
 
     Returns:
-        [N, H, D]; rows without in-neighbours are 0. Differentiable (until
-        the fused backward lands, gradients of the kernel path are computed
-        by the reference path from the saved inputs).
+        [N, H, D]; rows without in-neighbours are 0. Differentiable once
+        (double backward raises): the kernel path's gradients come from the
+        fused backward kernels, which recompute the scores from q, k and the
+        forward's per-row log-sum-exp over the graph's BSB and its transpose
+        (:meth:`BSBGraph.transposed`, built once per graph).
     """
     N, H, D = _check_qkv(q, k, v)
     if v.shape != q.shape:
@@ -69,8 +71,8 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: BSBGraph | Tensor,
         return attention_reference(q, k, v, graph.edge_index, scale, out_dtype=out_dtype)
     _check_kernel_inputs(q, k, v)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _KernelWithReferenceGrad.apply(q, k, v, graph, scale, out_dtype, compute_dtype)
-    return _kernel_forward(q, k, v, graph, scale, out_dtype, compute_dtype)
+        return _differentiable_kernel(q, k, v, graph, scale, out_dtype, compute_dtype)
+    return _kernel_forward(q, k, v, _forward_arrays(graph, q), scale, out_dtype, compute_dtype)[0]
 
 
 def _use_kernel(q: Tensor) -> bool:
@@ -109,9 +111,40 @@ def _check_kernel_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
 
 
-def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, bsb: BSBGraph, scale: float,
-                    out_dtype: torch.dtype, compute_dtype: torch.dtype | None) -> Tensor:
-    """Run the CUDA kernel on validated inputs.
+def _compute_dtype(q: Tensor, compute_dtype: torch.dtype | None) -> torch.dtype:
+    return q.dtype if q.dtype in _KERNEL_DTYPES else (compute_dtype or torch.float16)
+
+
+def _kernel_operand(t: Tensor, cdt: torch.dtype, Dp: int) -> Tensor:
+    """``t`` as the kernels take it: dtype ``cdt``, head dim zero-padded to
+    ``Dp``, 16-byte aligned rows and heads (copied only if needed)."""
+    t = t.to(cdt)
+    D = t.size(-1)
+    if Dp != D:
+        return torch.nn.functional.pad(t, (0, Dp - D))
+    if t.stride(-1) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
+        return t.contiguous()
+    return t
+
+
+def _forward_arrays(bsb: BSBGraph, q: Tensor) -> list[Tensor]:
+    """The forward kernel's graph arguments: BSB and work schedule."""
+    items, slots = work_schedule(bsb, q.size(1), padded_head_dim(q.size(-1)))
+    return [bsb.rw_offset, bsb.cols, bsb.bitmap, bsb.window_order, items, slots]
+
+
+def _backward_arrays(bsb: BSBGraph, q: Tensor) -> list[Tensor]:
+    """The backward kernels' extra graph arguments: the transposed BSB and
+    its schedule (the dK / dV pass sums over each source's out-edges)."""
+    t = bsb.transposed()
+    items, slots = work_schedule(t, q.size(1), padded_head_dim(q.size(-1)))
+    return [t.cols, t.bitmap, items, slots]
+
+
+def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_graph: list[Tensor], scale: float,
+                    out_dtype: torch.dtype, compute_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """Run the forward kernel on validated inputs: (out [N, H, D] in
+    ``out_dtype``, lse [N, H] fp32).
 
     fp32 inputs are cast to ``compute_dtype`` (default fp16); head dims other
     than 16/32/64/128/256 are zero-padded up to the next one (the scale is the
@@ -119,47 +152,79 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, bsb: BSBGraph, scale: float
     """
     from ._build import load_extension
     ops = load_extension()
-    cdt = q.dtype if q.dtype in _KERNEL_DTYPES else (compute_dtype or torch.float16)
-    N, H, D = q.shape
+    cdt = _compute_dtype(q, compute_dtype)
+    D = q.size(-1)
     Dp = padded_head_dim(D)
-
-    def prep(t: Tensor) -> Tensor:
-        t = t.to(cdt)
-        if Dp != D:
-            return torch.nn.functional.pad(t, (0, Dp - D))
-        if (t.stride(-1) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16):
-            return t.contiguous()
-        return t
-
-    q, k, v = prep(q), prep(k), prep(v)
-
-    items, slots = work_schedule(bsb, H, Dp)
-
+    q, k, v = (_kernel_operand(t, cdt, Dp) for t in (q, k, v))
     out_fp32 = out_dtype != cdt
-    out, _lse = ops.fwd(q, k, v, bsb.rw_offset, bsb.cols, bsb.bitmap, bsb.window_order,
-                        items, slots, float(scale), out_fp32)
+    out, lse = ops.fwd(q, k, v, *fwd_graph, float(scale), out_fp32)
     if Dp != D:
         out = out[..., :D].contiguous()
-    return out.to(out_dtype)
+    return out.to(out_dtype), lse
 
 
-class _KernelWithReferenceGrad(torch.autograd.Function):
-    """Kernel forward; backward by differentiating the reference on the saved
-    inputs. Costs O(E * H * D) memory in the backward only."""
+def _kernel_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                     fwd_graph: list[Tensor], bwd_graph: list[Tensor], scale: float,
+                     compute_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_kernel_forward` with respect to q, k, v, in their
+    dtype (fp32 inputs get fp32 gradients straight from the fp32 accumulators)."""
+    from ._build import load_extension
+    ops = load_extension()
+    cdt = _compute_dtype(q, compute_dtype)
+    D = q.size(-1)
+    Dp = padded_head_dim(D)
+    grad_out, q_, k_, v_ = (_kernel_operand(t, cdt, Dp) for t in (grad_out, q, k, v))
+    # O enters only delta = rowsum(dO * O): in the compute dtype or fp32
+    out = _kernel_operand(out, out.dtype if out.dtype in (cdt, torch.float32) else torch.float32, Dp)
+    _, cols, bitmap, _, items, slots = fwd_graph
+    grads = ops.bwd(grad_out, q_, k_, v_, out, lse, cols, bitmap, items, slots, *bwd_graph,
+                    float(scale), q.dtype not in _KERNEL_DTYPES)
+    return tuple((g[..., :D] if Dp != D else g).to(q.dtype) for g in grads)
 
-    @staticmethod
-    def forward(ctx, q, k, v, bsb, scale, out_dtype, compute_dtype):
-        ctx.save_for_backward(q, k, v)
-        ctx.bsb, ctx.scale = bsb, scale
-        return _kernel_forward(q, k, v, bsb, scale, out_dtype, compute_dtype)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
-            raise RuntimeError("gt_fused3s: double backward through fused3s_attention is not supported")
-        q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
-        with torch.enable_grad():
-            out = attention_reference(q, k, v, ctx.bsb.edge_index, ctx.scale, out_dtype=torch.float32)
-            inputs = [t for t in (q, k, v) if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, inputs, grad_out.float()))
-        return tuple(next(grads) if t.requires_grad else None for t in (q, k, v)) + (None,) * 4
+# The differentiable kernel path as a torch.library custom op: autograd (and
+# torch.compile, through the fake below) see one opaque op whose backward is
+# the fused backward kernels.
+@torch.library.custom_op("gt_fused3s::attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, fwd_graph: list[Tensor], bwd_graph: list[Tensor],
+                  scale: float, out_dtype: torch.dtype,
+                  compute_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    return _kernel_forward(q, k, v, fwd_graph, scale, out_dtype, compute_dtype)
+
+
+@_attention_op.register_fake
+def _(q, k, v, fwd_graph, bwd_graph, scale, out_dtype, compute_dtype):
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, fwd_graph, bwd_graph, scale, _out_dtype, compute_dtype = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, *fwd_graph, *bwd_graph)
+    ctx.num_fwd_graph = len(fwd_graph)
+    ctx.scale, ctx.compute_dtype = scale, compute_dtype
+
+
+def _attention_backward(ctx, grad_out, _grad_lse):
+    if torch.is_grad_enabled():
+        raise RuntimeError("gt_fused3s: double backward through fused3s_attention is not supported "
+                           "(the fused backward kernels are not differentiable)")
+    q, k, v, out, lse, *graph = ctx.saved_tensors
+    fwd_graph, bwd_graph = graph[:ctx.num_fwd_graph], graph[ctx.num_fwd_graph:]
+    dq, dk, dv = _kernel_backward(grad_out, q, k, v, out, lse, fwd_graph, bwd_graph, ctx.scale,
+                                  ctx.compute_dtype)
+    needs = ctx.needs_input_grad
+    # one entry per input, a list of them for each list input (the graph arrays)
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+            [None] * len(fwd_graph), [None] * len(bwd_graph), None, None, None)
+
+
+_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+
+
+def _differentiable_kernel(q: Tensor, k: Tensor, v: Tensor, bsb: BSBGraph, scale: float,
+                           out_dtype: torch.dtype, compute_dtype: torch.dtype | None) -> Tensor:
+    out, _lse = _attention_op(q, k, v, _forward_arrays(bsb, q), _backward_arrays(bsb, q), scale,
+                              out_dtype, compute_dtype)
+    return out

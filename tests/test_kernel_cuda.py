@@ -192,9 +192,9 @@ def test_lse_and_determinism(ops):
     bsb = _hub_graph(n=5000, hub=77, degree=3000)      # includes a split window
     n, h, d = bsb.num_nodes, 2, 64
     q, k, v = _qkv(n, h, d, torch.float16, seed=3)
-    from gt_fused3s.ops import _kernel_forward
+    from gt_fused3s.ops import _forward_arrays
     scale = 1 / math.sqrt(d)
-    _kernel_forward(q, k, v, bsb, scale, torch.float16, None)     # builds the schedule
+    _forward_arrays(bsb, q)     # builds the schedule
     items, slots = next(val for key, val in bsb.extras.items() if key.startswith("fused3s_fwd"))
     assert slots.size(0) > 0, "the hub window should be split"
     args = (q, k, v, bsb.rw_offset, bsb.cols, bsb.bitmap, bsb.window_order, items, slots, scale, False)
@@ -256,8 +256,8 @@ def test_gpu_bsb_build_equals_cpu_build():
 def _op_args(n=40, h=2, d=32, dtype=torch.float16):
     bsb = _random_graph(n, 4 * n, seed=0)
     q, k, v = _qkv(n, h, d, dtype)
-    from gt_fused3s.ops import _kernel_forward
-    _kernel_forward(q, k, v, bsb, 0.1, dtype, None)
+    from gt_fused3s.ops import _forward_arrays
+    _forward_arrays(bsb, q)
     items, slots = next(val for key, val in bsb.extras.items() if key.startswith("fused3s_fwd"))
     return [q, k, v, bsb.rw_offset, bsb.cols, bsb.bitmap, bsb.window_order, items, slots, 0.1, False]
 
