@@ -29,6 +29,8 @@ def main(argv=None) -> int:
                    help="skip FlexAttention above this N (its block mask is built from a dense N x N mask)")
     p.add_argument("--flex-settings", nargs="+", default=["d128h1fp16"], choices=list(kernel.SETTINGS),
                    help="settings in which FlexAttention runs (each graph and setting is a torch.compile)")
+    p.add_argument("--no-backward", action="store_true",
+                   help="forward only (default: also time the backward and forward + backward)")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed call")
     a = p.parse_args(argv)
     import torch
@@ -36,7 +38,8 @@ def main(argv=None) -> int:
         print("bench_kernel: needs a CUDA GPU", file=sys.stderr)
         return 2
     kernel.run(a.graphs, a.settings, a.backends, quick=a.quick, out=a.out,
-               flex_max_nodes=a.flex_max_nodes, flex_settings=a.flex_settings, flush=not a.no_flush)
+               flex_max_nodes=a.flex_max_nodes, flex_settings=a.flex_settings, flush=not a.no_flush,
+               backward=not a.no_backward)
     return 0
 
 

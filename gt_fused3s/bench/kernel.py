@@ -198,13 +198,74 @@ def env_info() -> dict:
 
 
 # --------------------------------------------------------------------- run
+def _measure_backward(row: dict, q, k, v, bsb, graph, scale: float, backends, reps: dict, ops) -> None:
+    """Forward + backward timings of one graph and setting, into ``row``.
+
+    ``fused3s_bwd_ms``: the backward op alone (dQ pass + dK/dV pass) on the
+    saved out and lse; ``fused3s_fb_ms``: forward op + backward op;
+    ``fused3s_fb_api_ms``: ``fused3s_attention`` + ``torch.autograd.grad``
+    (Python and autograd included); ``{pyg,reference}_fb_ms``: their forward +
+    ``torch.autograd.grad``. Peak memory above the inputs in ``*_fb_peak_mb``.
+    """
+    from .. import fused3s_attention
+    from ..backends import get_backend
+    from ..ops import _backward_arrays, _forward_arrays
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+    fwd = _forward_arrays(bsb, q)
+    t0 = time.perf_counter()
+    bwd_graph = _backward_arrays(bsb, q)        # transposed BSB + its schedule, once per graph
+    torch.cuda.synchronize()
+    row["transpose_first_call_ms"] = (time.perf_counter() - t0) * 1e3
+    _, cols, bitmap, _, items, slots = fwd
+    out, lse = ops.fwd(q, k, v, *fwd, scale, False)
+
+    def backward(o, lse_):
+        return ops.bwd(dout, q, k, v, o, lse_, cols, bitmap, items, slots, *bwd_graph, scale, False)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    fns = {"fused3s_bwd": lambda: backward(out, lse),
+           "fused3s_fb": lambda: backward(*ops.fwd(q, k, v, *fwd, scale, False)),
+           "fused3s_fb_api": lambda: torch.autograd.grad(fused3s_attention(*leaves, bsb, scale), leaves, dout)}
+    for be in backends:
+        if be in ("pyg", "reference"):
+            fns[f"{be}_fb"] = (lambda f: lambda: torch.autograd.grad(f(*leaves, graph, scale), leaves, dout))(
+                get_backend(be))
+    grads = {}
+    for name, fn in fns.items():
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            res = fn()
+            torch.cuda.synchronize()
+            row[f"{name}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            if name in ("fused3s_fb_api", "reference_fb"):
+                grads[name] = [g.float() for g in res]
+            del res
+            row[f"{name}_ms"] = time_cuda(fn, **reps)["median"]
+        except torch.cuda.OutOfMemoryError:
+            row["notes"] = (row.get("notes", "") + f"; {name}: out of memory").lstrip("; ")
+        except Exception as e:   # a missing/broken baseline must not stop the run
+            row["notes"] = (row.get("notes", "") + f"; {name}: {short_error(e)}").lstrip("; ")
+        finally:
+            free_cuda_memory()
+    if len(grads) == 2:
+        row["max_grad_err_vs_reference"] = max((a - b).abs().max().item()
+                                              for a, b in zip(grads["fused3s_fb_api"], grads["reference_fb"]))
+    if row.get("fused3s_bwd_ms") and row.get("fused3s_ms"):
+        row["bwd_over_fwd"] = row["fused3s_bwd_ms"] / row["fused3s_ms"]
+    for be in ("pyg", "reference"):
+        if row.get(f"{be}_fb_ms") and row.get("fused3s_fb_ms"):
+            row[f"fb_speedup_vs_{be}"] = row[f"{be}_fb_ms"] / row["fused3s_fb_ms"]
+
+
 def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, out: str | None = None,
         flex_max_nodes: int = 65_536, flex_settings=("d128h1fp16",), flush: bool = True,
-        log=print) -> list[dict]:
+        backward: bool = True, log=print) -> list[dict]:
     from .. import BSBGraph, fused3s_attention
     from .._build import load_extension
     from ..backends import AttentionGraph, get_backend
-    from ..ops import _kernel_forward
+    from ..ops import _forward_arrays, _kernel_forward
     from ..reference import default_scale
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -251,7 +312,7 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
                    "D": D, "H": H, "dtype": str(dtype).replace("torch.", ""), "bsb_build_ms": tb["median"]}
             # Schedule (once per graph and setting), then the op alone.
             t0 = time.perf_counter()
-            _kernel_forward(q, k, v, bsb, scale, dtype, None)
+            _kernel_forward(q, k, v, _forward_arrays(bsb, q), scale, dtype, None)
             torch.cuda.synchronize()
             row["schedule_first_call_ms"] = (time.perf_counter() - t0) * 1e3
             items, slots = next(val for key, val in bsb.extras.items()
@@ -306,6 +367,8 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
                     free_cuda_memory()
                 if note:
                     row["notes"] = (row.get("notes", "") + "; " + note).lstrip("; ")
+            if backward:
+                _measure_backward(row, q, k, v, bsb, graph, scale, backends, reps, ops)
             f_ms = row.get("fused3s_ms")
             if f_ms:
                 row["gbps_min"] = bytes_min / f_ms / 1e6
@@ -343,6 +406,10 @@ def format_row(r: dict) -> str:
             f"ref {f('reference_ms')} pyg {f('pyg_ms')} flex {f('flex_ms')} "
             f"x{r.get('speedup_vs_pyg', float('nan')):.1f} vs pyg; items {r.get('work_items')} "
             f"split {r.get('split_windows')} err {r.get('max_err_vs_reference', float('nan')):.2e}"
+            + (f" | bwd {f('fused3s_bwd_ms')} ms ({r.get('bwd_over_fwd', float('nan')):.2f}x fwd), fwd+bwd "
+               f"{f('fused3s_fb_ms')} (api {f('fused3s_fb_api_ms')}) pyg {f('pyg_fb_ms')} "
+               f"x{r.get('fb_speedup_vs_pyg', float('nan')):.1f}, grad err "
+               f"{r.get('max_grad_err_vs_reference', float('nan')):.2e}" if "fused3s_bwd_ms" in r else "")
             + (f" | {r['notes']}" if r.get("notes") else ""))
 
 
@@ -365,6 +432,36 @@ def format_table(rows: list[dict]) -> str:
     for s, v in geo.items():
         lines.append(f"geomean speedup over pyg, {s}: {math.exp(sum(map(math.log, v)) / len(v)):.2f}x "
                      f"over {len(v)} graphs")
+    if any("fused3s_bwd_ms" in r for r in rows):
+        lines += ["", format_training_table(rows)]
+    return "\n".join(lines)
+
+
+def format_training_table(rows: list[dict]) -> str:
+    """Forward + backward: the fused ops against PyG's unfused autograd."""
+    head = ("graph", "setting", "fwd ms", "bwd ms", "bwd/fwd", "fwd+bwd ms", "api fwd+bwd", "pyg fwd+bwd",
+            "x pyg", "fused peak MB", "pyg peak MB", "grad err")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    geo, ratios = {}, {}
+    for r in rows:
+        ms = lambda k: f"{r[k]:.4f}" if isinstance(r.get(k), float) else "-"   # noqa: E731
+        mb = lambda k: f"{r[k]:.0f}" if isinstance(r.get(k), float) else "-"   # noqa: E731
+        sp, ratio = r.get("fb_speedup_vs_pyg"), r.get("bwd_over_fwd")
+        if sp:
+            geo.setdefault(r["setting"], []).append(sp)
+        if ratio:
+            ratios.setdefault(r["setting"], []).append(ratio)
+        err = r.get("max_grad_err_vs_reference")
+        lines.append("| " + " | ".join([
+            r["graph"], r["setting"], ms("fused3s_ms"), ms("fused3s_bwd_ms"), f"{ratio:.2f}" if ratio else "-",
+            ms("fused3s_fb_ms"), ms("fused3s_fb_api_ms"), ms("pyg_fb_ms"), f"{sp:.1f}" if sp else "-",
+            mb("fused3s_fb_peak_mb"), mb("pyg_fb_peak_mb"), f"{err:.1e}" if err is not None else "-"]) + " |")
+    for s, v in geo.items():
+        lines.append(f"geomean fwd+bwd speedup over pyg, {s}: {math.exp(sum(map(math.log, v)) / len(v)):.2f}x "
+                     f"over {len(v)} graphs")
+    for s, v in ratios.items():
+        lines.append(f"backward / forward, {s}: geomean {math.exp(sum(map(math.log, v)) / len(v)):.2f}, "
+                     f"max {max(v):.2f}")
     return "\n".join(lines)
 
 
@@ -390,8 +487,9 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 
 def sanitize_case() -> None:
-    """A small run of every kernel path (split + merge, D = 256 team exchange,
-    empty rows, N not a multiple of 16, fp16 and bf16) for compute-sanitizer:
+    """A small run of every kernel path, forward and backward (split + merge
+    in both backward passes, D = 256 team exchange, empty rows, N not a
+    multiple of 16, fp16 and bf16) for compute-sanitizer:
 
         compute-sanitizer --tool memcheck python -c \\
             "from gt_fused3s.bench.kernel import sanitize_case; sanitize_case()"
@@ -403,13 +501,21 @@ def sanitize_case() -> None:
     src = torch.randint(0, n, (3 * n,), generator=gen, device="cuda")
     dst = torch.randint(0, n - 40, (3 * n,), generator=gen, device="cuda")     # empty trailing rows
     hub = torch.arange(0, n, 2, device="cuda")
-    bsb = BSBGraph.from_edge_index(torch.stack([torch.cat([src, hub]), torch.cat([dst, hub * 0 + 17])]), n)
-    worst = 0.0
+    # node 17 has ~500 in-neighbours, node 23 ~500 out-neighbours: split windows in every pass
+    src = torch.cat([src, hub, hub * 0 + 23])
+    dst = torch.cat([dst, hub * 0 + 17, hub])
+    bsb = BSBGraph.from_edge_index(torch.stack([src, dst]), n)
+    worst, worst_grad = 0.0, 0.0
     for dtype in (torch.float16, torch.bfloat16):
         for h, d in ((2, 16), (2, 64), (1, 128), (2, 256), (1, 40)):
-            q, k, v = (torch.randn(n, h, d, generator=gen, device="cuda").to(dtype) for _ in range(3))
-            out = fused3s_attention(q, k, v, bsb)
-            ref = attention_reference(q, k, v, bsb.edge_index, out_dtype=torch.float32)
+            q, k, v, do = (torch.randn(n, h, d, generator=gen, device="cuda").to(dtype) for _ in range(4))
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = fused3s_attention(*leaves, bsb)
+            grads = torch.autograd.grad(out, leaves, do)
+            refs = [t.float().requires_grad_() for t in (q, k, v)]
+            ref = attention_reference(*refs, bsb.edge_index, out_dtype=torch.float32)
+            ref_grads = torch.autograd.grad(ref, refs, do.float())
             worst = max(worst, (out.float() - ref).abs().max().item())
+            worst_grad = max(worst_grad, *((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads)))
     torch.cuda.synchronize()
-    print(f"sanitize_case: ok, max abs err {worst:.3e}")
+    print(f"sanitize_case: ok, max abs err {worst:.3e}, gradients {worst_grad:.3e}")
