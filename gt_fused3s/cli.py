@@ -3,6 +3,8 @@
 
     gt-fused3s infer --config configs/default.yaml [--backends fused3s pyg]
                      [--device cuda] [--csv out.csv] [--plot out.png] [--quick]
+    gt-fused3s train --config configs/train.yaml [--backends fused3s pyg]
+                     [--steps 60] [--csv losses.csv] [--plot losses.png] [--quick]
     gt-fused3s plot out.csv out.png
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import infer, plot
+    from .bench import infer, plot, train
 
     parser = argparse.ArgumentParser(prog="gt-fused3s", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -20,6 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description=infer.__doc__.split("\n\n")[0])
     infer.add_arguments(p)
     p.set_defaults(run=infer.main)
+    p = sub.add_parser("train", help="Graph Transformer training: loss, time and memory "
+                                     "per step of each backend",
+                       description=train.__doc__.split("\n\n")[0])
+    train.add_arguments(p)
+    p.set_defaults(run=train.main)
     p = sub.add_parser("plot", help="bar chart of speedups from the CSV of infer --csv",
                        description=plot.__doc__.split("\n\n")[0])
     plot.add_arguments(p)

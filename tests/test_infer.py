@@ -111,7 +111,9 @@ def test_config_validation(bad, match):
 
 
 def test_every_shipped_config_is_valid():
-    configs = sorted((REPO / "configs").glob("*.yaml"))
+    # configs/train*.yaml are gt-fused3s train's (checked in test_train.py)
+    configs = sorted(p for p in (REPO / "configs").glob("*.yaml")
+                     if not p.name.startswith("train"))
     assert (REPO / "configs/default.yaml") in configs
     for path in configs:
         cfg = infer.load_config(path)

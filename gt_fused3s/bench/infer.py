@@ -65,28 +65,52 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
-import csv
-import gc
 import math
-import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import yaml
-from tqdm import tqdm
 
 from ..backends import BACKENDS
 from ..data import check_entry, load_dataset
-from ..data.base import REPO_ROOT
 from ..models import GraphTransformer
-from .common import free_cuda_memory, geomean, git_sha, short_error
+from .common import (
+    REPO_ROOT,
+    add_run_arguments,
+    apply_run_arguments,
+    autocast,
+    check_backends,
+    check_dtype,
+    describe_dataset,
+    free_cuda_memory,
+    geomean,
+    guarded,
+    load_batches,
+    log_stderr,
+    merge_config,
+    peak_memory_mb,
+    progress_bar,
+    read_config,
+    reset_peak_memory,
+    resolve_device,
+    resolve_dtype,
+    revalidate,
+    run_header,
+    run_info,
+    save_plot,
+    short_error,
+    split_args,
+    status_of,
+    sync,
+    text_table,
+)
+from .common import resolve_config_path as _resolve_config_path
+from .common import write_csv as _write_csv
 from .stream import Staged, num_graphs, pin, stage, stream_batches
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
@@ -107,7 +131,6 @@ DEFAULTS: dict[str, Any] = {
     "datasets": [],
 }
 _HARNESS_KEYS = {"max_batches", "readout"}     # dataset keys besides the loader's
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 #: columns of the CSV, in order
 COLUMNS = ["dataset", "hidden", "backend", "status", "note", "level", "structure", "source",
@@ -122,47 +145,19 @@ COLUMNS = ["dataset", "hidden", "backend", "status", "note", "level", "structure
 def resolve_config_path(path: str | Path | None) -> Path:
     """``path`` as given, else relative to the repository root; default
     ``configs/default.yaml``."""
-    if path is None:
-        return DEFAULT_CONFIG
-    p = Path(path).expanduser()
-    for cand in (p, REPO_ROOT / p):
-        if cand.is_file():
-            return cand.resolve()
-    raise FileNotFoundError(f"config {str(path)!r} not found (also tried {REPO_ROOT / p})")
+    return _resolve_config_path(path, DEFAULT_CONFIG)
 
 
 def load_config(path: str | Path | None = None) -> dict:
     """Read a YAML config and fill in :data:`DEFAULTS` (the ``model`` and
     ``max_nodes`` mappings are merged key by key). Unknown keys are errors."""
-    path = resolve_config_path(path)
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
-    cfg = validate_config(raw)
-    cfg["config"] = str(path)
-    return cfg
+    return read_config(path, DEFAULT_CONFIG, validate_config)
 
 
 def validate_config(raw: dict) -> dict:
-    if not isinstance(raw, dict):
-        raise ValueError(f"a config is a mapping (got {type(raw).__name__})")
-    unknown = set(raw) - set(DEFAULTS) - {"config", "description"}
-    if unknown:
-        raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    cfg = copy.deepcopy(DEFAULTS)
-    for key, value in raw.items():
-        if key in ("model", "max_nodes"):
-            extra = set(value or {}) - set(DEFAULTS[key]) if key == "model" else set()
-            if extra:
-                raise ValueError(f"unknown model keys {sorted(extra)}; "
-                                 f"known: {sorted(DEFAULTS[key])}")
-            cfg[key].update(value or {})
-        else:
-            cfg[key] = value
-    bad = [b for b in cfg["backends"] if b not in BACKENDS]
-    if bad:
-        raise ValueError(f"unknown backends {bad}; choose from {sorted(BACKENDS)}")
-    if cfg["dtype"] != "auto" and cfg["dtype"] not in _DTYPES:
-        raise ValueError(f"dtype must be auto, fp32, fp16 or bf16 (got {cfg['dtype']!r})")
+    cfg = merge_config(raw, DEFAULTS, open_keys=frozenset({"max_nodes"}))
+    check_backends(cfg["backends"])
+    check_dtype(cfg["dtype"])
     hidden = _as_list(cfg["model"]["hidden"])
     if not hidden or not all(isinstance(h, int) and h > 0 for h in hidden):
         raise ValueError(f"model.hidden must be a positive int or a list of them "
@@ -179,36 +174,6 @@ def _as_list(value) -> list:
 
 
 # ------------------------------------------------------------------ helpers
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} asked for, but CUDA is not available here")
-    return device
-
-
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next(k for k, v in _DTYPES.items() if v == dtype)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def _skip_reason(backend: str, device: torch.device, nodes: int, max_nodes: dict,
                  streamed_batches: int) -> str | None:
     if backend == "flex" and device.type != "cuda":
@@ -220,10 +185,6 @@ def _skip_reason(backend: str, device: torch.device, nodes: int, max_nodes: dict
     if limit is not None and nodes > limit:
         return f"skipped: {nodes} nodes per forward > max_nodes.{backend}={limit}"
     return None
-
-
-def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
 class _Clock:
@@ -289,26 +250,21 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     (dataset, hidden size, backend), with the keys of :data:`COLUMNS`.
     ``offline``: datasets with a ``fallback`` use it without trying their
     own loader."""
-    log = log or (lambda msg: tqdm.write(msg, file=sys.stderr))
-    device = _device(cfg["device"])
-    dtype = _dtype(cfg["dtype"], device)
+    log = log or log_stderr
+    device = resolve_device(cfg["device"])
+    dtype = resolve_dtype(cfg["dtype"], device)
     warmup, repeats = int(cfg["warmup"]), int(cfg["repeats"])
     if quick:
         warmup, repeats = min(warmup, 1), min(repeats, 2)
-    # no autocast cache: a CUDA graph must not capture casts cached outside it
-    autocast = (torch.autocast(device.type, dtype=dtype, cache_enabled=False)
-                if dtype != torch.float32 else contextlib.nullcontext())
     if "flex" in cfg["backends"]:   # one FlexAttention compile per graph shape and head dim
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     common = {"reference": cfg["reference"], "prefetch": bool(cfg["prefetch"]),
-              "device": str(device), "device_name": device_name(device),
-              "dtype": _dtype_name(dtype), "layers": cfg["model"]["layers"],
-              "heads": cfg["model"]["heads"], "torch": torch.__version__, "git_sha": git_sha(),
-              "config": cfg.get("config", "")}
-    log(f"gt-fused3s infer: device {common['device_name']} ({device}), {common['dtype']}, "
-        f"torch {torch.__version__}, git {common['git_sha']}")
-    settings = _Settings(cfg, device, autocast, warmup, repeats, quick, offline, progress, log,
-                         common)
+              "layers": cfg["model"]["layers"], "heads": cfg["model"]["heads"],
+              **run_info(device, dtype, cfg.get("config", ""))}
+    log(run_header("infer", common))
+    # no autocast cache: a CUDA graph must not capture casts cached outside it
+    settings = _Settings(cfg, device, autocast(device, dtype, cache=False), warmup, repeats,
+                         quick, offline, progress, log, common)
     rows: list[dict] = []
     for spec in cfg["datasets"]:
         rows += _run_dataset(spec, settings)
@@ -325,27 +281,15 @@ def _run_dataset(spec: dict, s: _Settings) -> list[dict]:
         streamed = ds.level == "graph"
         if streamed:     # host batches, pinned, made once: the stream copies them
             limit = 1 if s.quick else spec.get("max_batches")
-            count = len(ds) if limit is None else min(len(ds), int(limit))
-            batches = [pin(ds.get(i, "cpu")) for i in tqdm(
-                range(count), desc=f"{name}: load", leave=False, disable=not s.progress,
-                file=sys.stderr)]
+            batches = [pin(b) for b in load_batches(ds, limit, "cpu", progress=s.progress)]
         else:            # one graph, on the device
             batches = [ds.get(0, device)]
     except Exception as err:   # missing file, offline, bad params: note it, go on
         s.log(f"{name}: dataset not loaded: {short_error(err)}")
         return [{**base, "backend": "-", "status": "error", "note": f"dataset: {short_error(err)}"}]
 
-    source = str(ds.info.get("source", spec["kind"]))
-    if "fallback_reason" in ds.info:
-        source += f" (fallback: {ds.info['fallback_reason']})"
-    sizes = {"level": ds.level, "structure": "synthetic" if ds.info.get("synthetic") else "real",
-             "source": source, "batches": len(batches),
-             "graphs_per_fwd": round(statistics.mean(map(num_graphs, batches)), 1),
-             "nodes_per_fwd": round(statistics.mean(d.num_nodes for d in batches)),
-             "edges_per_fwd": round(statistics.mean(d.edge_index.size(1) for d in batches))}
-    s.log(f"{name}: {sizes['structure']} structure from {source}; {len(batches)} "
-          f"{'batches' if streamed else 'graph'}, {sizes['nodes_per_fwd']} nodes and "
-          f"{sizes['edges_per_fwd']} edges per forward")
+    sizes, line = describe_dataset(ds, spec["kind"], batches)
+    s.log(line)
     work = _Work(batches, streamed, spec.get("readout") or ds.level, s)
     rows = []
     for hidden in _as_list(cfg["model"]["hidden"]):
@@ -354,7 +298,7 @@ def _run_dataset(spec: dict, s: _Settings) -> list[dict]:
     return rows
 
 
-def _run_model(work: "_Work", ds, hidden: int, base: dict, s: _Settings) -> list[dict]:
+def _run_model(work: _Work, ds, hidden: int, base: dict, s: _Settings) -> list[dict]:
     cfg, device, mcfg = s.cfg, s.device, s.cfg["model"]
     ref = cfg["reference"]
     torch.manual_seed(cfg["seed"])
@@ -375,7 +319,7 @@ def _run_model(work: "_Work", ds, hidden: int, base: dict, s: _Settings) -> list
         target_note = f"no reference outputs ({ref} {skip[ref]})"
     elif ref not in cfg["backends"]:
         model.backend = ref
-        target, error = _guarded(lambda: work.measure(model, timed=False)["outputs"], device)
+        target, error = guarded(lambda: work.measure(model, timed=False)["outputs"], device)
         target_note = f"no reference outputs ({ref}: {error})" if error else ""
 
     rows = {}
@@ -403,37 +347,19 @@ def _run_model(work: "_Work", ds, hidden: int, base: dict, s: _Settings) -> list
     return rows
 
 
-def _guarded(fn: Callable[[], Any], device: torch.device) -> tuple[Any, str | None]:
-    """``(fn(), None)``, or ``(None, note)`` if it raised: "out of memory" or the
-    error in one line. Frees the device's cached memory afterwards."""
-    result, note = None, None
-    try:
-        result = fn()
-    except Exception as err:
-        note = "out of memory" if _is_oom(err) else short_error(err)
-    if note:
-        gc.collect()            # the error's frames are gone: free the tensors they held
-    free_cuda_memory(device)    # and what the caching allocator keeps, for the next backend
-    return result, note
-
-
-def _measure_row(work: "_Work", model, row: dict, s: _Settings) -> tuple[list | None, str | None]:
+def _measure_row(work: _Work, model, row: dict, s: _Settings) -> tuple[list | None, str | None]:
     """Measure ``model`` with its current backend into ``row`` (status ok,
     oom or error); returns its outputs (None if it failed) and the error."""
     device = s.device
-    bar = tqdm(total=work.progress_total(), unit="graph" if work.streamed else "fwd",
-               desc=f"{row['dataset']} C={row['hidden']}: {row['backend']}", leave=False,
-               disable=not s.progress, file=sys.stderr)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    bar = progress_bar(work.progress_total(), f"{row['dataset']} C={row['hidden']}: "
+                       f"{row['backend']}", "graph" if work.streamed else "fwd", s.progress)
+    reset_peak_memory(device)
     with bar:
-        result, error = _guarded(lambda: work.measure(model, bar.update), device)
+        result, error = guarded(lambda: work.measure(model, bar.update), device)
     if error:
-        row.update(status="oom" if error == "out of memory" else "error", note=error)
+        row.update(status=status_of(error), note=error)
         return None, error
-    row.update(result, status="ok", note="")
-    if device.type == "cuda":
-        row["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    row.update(result, status="ok", note="", peak_mem_mb=peak_memory_mb(device))
     return row.pop("outputs"), None
 
 
@@ -501,10 +427,10 @@ class _Work:
         so a synchronised wall clock. Returns (ms, the staged graph)."""
         device, data = self.s.device, self.batches[0]
         stage(data, model, device)              # dropped at once
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         staged = stage(data, model, device)
-        _sync(device)
+        sync(device)
         return (time.perf_counter() - t0) * 1e3, staged
 
     def _time_single(self, model, staged: Staged, step) -> tuple[list[float], str]:
@@ -516,18 +442,18 @@ class _Work:
         for _ in range(self.s.warmup):
             self.forward(model, staged.data, staged.graph)
             step(1)
-        _sync(device)
+        sync(device)
         forward, timing = (lambda r: self.forward(model, staged.data, staged.graph)), "eager"
         if device.type == "cuda" and self.s.cfg["cuda_graphs"]:
             try:
                 graph = self._capture(model, staged)
                 forward, timing = (lambda r: graph.replay()), "cuda-graph"
             except Exception as err:      # a backend that syncs or cannot be captured
-                _sync(device)
+                sync(device)
                 timing = f"eager (capture failed: {short_error(err, 80)})"
         return time_forwards(forward, self.s.repeats, device, lambda: step(1)), timing
 
-    def _capture(self, model, staged: Staged) -> "torch.cuda.CUDAGraph":
+    def _capture(self, model, staged: Staged) -> torch.cuda.CUDAGraph:
         """A CUDA graph of one forward on the staged graph (warmed up on a side
         stream first, as capture requires)."""
         device = self.s.device
@@ -549,7 +475,7 @@ class _Work:
                                  [r % B for r in range(self.s.warmup)], prefetch=prefetch):
             self.forward(model, st.data, st.graph)
             step(num_graphs(st.data))
-        _sync(device)
+        sync(device)
         clock, graphs = _Clock(device), 0
         clock.mark()
         for st in stream_batches(self.batches, model, device,
@@ -572,10 +498,10 @@ class _Work:
                         data, graph = data.to(device, non_blocking=True), None
                 else:                    # built once, apart (timed by _build_single)
                     data, graph = staged.data, staged.graph
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 outputs.append(self.forward(model, data, graph))
-                _sync(device)
+                sync(device)
                 total += time.perf_counter() - t0
                 step(num_graphs(data) if self.streamed else 1)
             attn, fmt = timer.ms("attention"), timer.ms("format")
@@ -603,20 +529,10 @@ _LEFT = ("dataset", "backend", "timing", "note")
 def format_table(rows: list[dict]) -> str:
     """The rows as a fixed-width text table (one line per dataset, hidden
     size and backend), with a legend."""
-    cells = [[h for h, _, _ in _TABLE]]
-    for r in rows:
-        cells.append([fmt.format(r[k]) if r.get(k) not in (None, "")
-                      else ("" if k == "note" else "-") for _, k, fmt in _TABLE])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(_TABLE))]
-    right = {i for i, (_, k, _) in enumerate(_TABLE) if k not in _LEFT}
-    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
-                       for i, (c, w) in enumerate(zip(line, widths))).rstrip()
-             for line in cells]
-    lines.insert(1, "-" * len(lines[0]))
-    lines.append("ms/fwd: median per forward; fmt ms: the graph format's build, included in "
-                 "ms/fwd for batched graphs (a new batch is a new graph), apart for single "
-                 "graphs; vs X: ms/fwd of X over this row's.")
-    return "\n".join(lines)
+    return text_table(rows, _TABLE, _LEFT,
+                      "ms/fwd: median per forward; fmt ms: the graph format's build, included "
+                      "in ms/fwd for batched graphs (a new batch is a new graph), apart for "
+                      "single graphs; vs X: ms/fwd of X over this row's.")
 
 
 def format_summary(rows: list[dict], backend: str = "fused3s") -> list[str]:
@@ -651,28 +567,20 @@ def format_summary(rows: list[dict], backend: str = "fused3s") -> list[str]:
 
 
 def write_csv(rows: list[dict], path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k, "") for k in COLUMNS})
+    _write_csv(rows, COLUMNS, path)
 
 
 # --------------------------------------------------------------------- CLI
 def add_arguments(parser) -> None:
-    parser.add_argument("--config", default=None,
-                        help=f"YAML config (default {DEFAULT_CONFIG.relative_to(REPO_ROOT)})")
-    parser.add_argument("--backends", nargs="+", default=None,
-                        help="backends to run, overriding the config (space or comma separated)")
+    add_run_arguments(parser, DEFAULT_CONFIG, csv_help="also write the rows to this CSV file",
+                      plot_help="also draw the speedups of fused3s over the other backends to "
+                                "this PNG (needs matplotlib)",
+                      quick_help="smoke run: each dataset's 'quick' params, one batch, "
+                                 "1 warmup and 2 timed forwards")
     parser.add_argument("--datasets", nargs="+", default=None,
                         help="only these dataset names of the config")
     parser.add_argument("--hidden", nargs="+", type=int, default=None,
                         help="hidden sizes, overriding the config's model.hidden")
-    parser.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--dtype", default=None, choices=["auto", *_DTYPES])
-    parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                         help="batched graphs: build the next batch's format on a side CUDA "
@@ -680,42 +588,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="single graphs on a GPU: time replays of a CUDA graph of the "
                              "forward (default) or eager forwards (--no-cuda-graphs)")
-    parser.add_argument("--offline", action="store_true",
-                        help="use each dataset's fallback (local npz or synthetic stand-in) "
-                             "without trying its download")
-    parser.add_argument("--csv", default=None, help="also write the rows to this CSV file")
-    parser.add_argument("--plot", default=None,
-                        help="also draw the speedups of fused3s over the other backends to "
-                             "this PNG (needs matplotlib)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: each dataset's 'quick' params, one batch, "
-                             "1 warmup and 2 timed forwards")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def _split(values: list[str] | None) -> list[str] | None:
-    return None if values is None else [v for s in values for v in s.split(",") if v]
 
 
 def main(args) -> int:
     """Run ``gt-fused3s infer`` with parsed ``args``; prints the table."""
     cfg = load_config(args.config)
-    for key in ("device", "dtype", "warmup", "repeats", "prefetch", "cuda_graphs"):
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
+    apply_run_arguments(cfg, args, ("device", "dtype", "warmup", "repeats", "prefetch",
+                                    "cuda_graphs"))
     if args.hidden:
         cfg["model"]["hidden"] = args.hidden
-    backends = _split(args.backends)
-    if backends:
-        cfg["backends"] = backends
-    names = _split(args.datasets)
+    names = split_args(args.datasets)
     if names:
         missing = set(names) - {d.get("name", d["kind"]) for d in cfg["datasets"]}
         if missing:
             raise ValueError(f"datasets {sorted(missing)} are not in {cfg['config']}")
         cfg["datasets"] = [d for d in cfg["datasets"] if d.get("name", d["kind"]) in names]
-    path = cfg.pop("config")
-    cfg = validate_config(cfg) | {"config": path}
+    cfg = revalidate(cfg, validate_config)
 
     rows = run(cfg, quick=args.quick, offline=args.offline, progress=not args.no_progress)
     print(format_table(rows))
@@ -724,11 +612,8 @@ def main(args) -> int:
         write_csv(rows, args.csv)
         print(f"wrote {args.csv}", file=sys.stderr)
     if args.plot:
-        try:
-            from .plot import plot_speedups
-            plot_speedups(rows, args.plot)
-            print(f"wrote {args.plot}", file=sys.stderr)
-        except ImportError as err:   # no matplotlib here: the CSV can be plotted elsewhere
-            print(f"no plot ({err}); draw it from the CSV where matplotlib is installed: "
-                  f"gt-fused3s plot CSV {args.plot}", file=sys.stderr)
+        from .plot import plot_speedups
+        save_plot(lambda: plot_speedups(rows, args.plot), args.plot,
+                  f"draw it from the CSV where matplotlib is installed: "
+                  f"gt-fused3s plot CSV {args.plot}")
     return 0 if any(r["status"] == "ok" for r in rows) else 1

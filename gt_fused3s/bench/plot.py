@@ -5,6 +5,8 @@ of memory or were skipped get a label instead of a bar.
 
     gt-fused3s plot results/study.csv results/study.png
 
+Also the loss curves of ``gt-fused3s train --plot`` (:func:`plot_loss_curves`).
+
 Needs matplotlib (``pip install "gt-fused3s[plot]"``), imported on use; draws
 with the Agg canvas, so no display is needed.
 """
@@ -95,6 +97,33 @@ def plot_speedups(rows: list[dict], path: str | Path, backend: str = "fused3s",
                  fontsize=9)
     ax.legend(loc="upper left", fontsize=7, ncol=len(others))
     ax.grid(axis="y", which="both", linewidth=0.3, alpha=0.5)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def plot_loss_curves(series: dict[str, tuple[list, list]], path: str | Path,
+                     title: str = "training loss") -> Path:
+    """Draw one loss curve per backend (``series[backend] = (steps, losses)``)
+    to the PNG ``path``; log-scale y when every loss is positive (a falling
+    loss spans decades)."""
+    from matplotlib.figure import Figure
+
+    if not series:
+        raise ValueError("no loss curves to plot")
+    fig = Figure(figsize=(6.0, 4.0), dpi=150)
+    ax = fig.subplots()
+    for (backend, (steps, losses)), style in zip(series.items(), ("-", "--", ":", "-.") * 4):
+        ax.plot(steps, losses, style, label=backend, linewidth=1.2)
+    if all(v > 0 for _, losses in series.values() for v in losses):
+        ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(which="both", linewidth=0.3, alpha=0.5)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

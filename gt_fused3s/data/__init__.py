@@ -26,6 +26,9 @@ An entry may carry a ``fallback``: another entry (``kind``, ``params``,
 not downloaded, ``ogb`` not installed, file missing), or at once with
 ``offline=True``: a local npz structure file or a synthetic stand-in, so
 that one config runs online at a user's and offline on a GPU machine.
+
+Structures without labels get a generated, learnable training task from
+:func:`targets.structural_task` (features and targets from node degrees).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from .npz import load_npz
 from .online import from_pyg, load_lrgb, load_ogb, load_pyg
 from .synthetic import (molecule_batch, molecules_dataset, power_law_dataset, power_law_graph,
                         random_graph_batch, random_graphs_dataset, symmetric_coalesce)
+from .targets import structural_task
 
 
 def _upstream(fn: Callable, first: str) -> Callable:
@@ -136,4 +140,4 @@ __all__ = ["GraphDataset", "DatasetUnavailableError", "LOADERS", "load_dataset",
            "load_npz", "load_ogb", "load_lrgb", "load_pyg", "from_pyg", "molecules_dataset",
            "random_graphs_dataset", "power_law_dataset", "molecule_batch", "random_graph_batch",
            "power_law_graph", "symmetric_coalesce", "make_data", "random_features",
-           "resolve_path", "data_dirs"]
+           "resolve_path", "data_dirs", "structural_task"]
