@@ -182,9 +182,30 @@ def _kernel_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     return tuple((g[..., :D] if Dp != D else g).to(q.dtype) for g in grads)
 
 
-# The differentiable kernel path as a torch.library custom op: autograd (and
-# torch.compile, through the fake below) see one opaque op whose backward is
-# the fused backward kernels.
+# The differentiable kernel path is registered twice over the same forward,
+# saved state and backward: as a torch.library custom op with autograd (one
+# opaque op for torch.compile, through the fake below) and as a plain
+# autograd.Function, which eager mode takes because its host time is much
+# lower (fused3s_attention forward + backward with stand-in kernels on a
+# 2-core CPU: 115 us through the Function, 275 us through the custom op,
+# which flattens its list inputs through pytrees on every call).
+def _save_for_backward(ctx, q, k, v, fwd_graph, bwd_graph, scale, compute_dtype, out, lse) -> None:
+    ctx.save_for_backward(q, k, v, out, lse, *fwd_graph, *bwd_graph)
+    ctx.num_fwd_graph, ctx.num_bwd_graph = len(fwd_graph), len(bwd_graph)
+    ctx.scale, ctx.compute_dtype = scale, compute_dtype
+
+
+def _grads_from_saved(ctx, grad_out) -> tuple:
+    """(dq, dk, dv), None where not needed, from what the forward saved."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("gt_fused3s: double backward through fused3s_attention is not supported "
+                           "(the fused backward kernels are not differentiable)")
+    q, k, v, out, lse, *graph = ctx.saved_tensors
+    fwd_graph, bwd_graph = graph[:ctx.num_fwd_graph], graph[ctx.num_fwd_graph:]
+    grads = _kernel_backward(grad_out, q, k, v, out, lse, fwd_graph, bwd_graph, ctx.scale, ctx.compute_dtype)
+    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:3]))
+
+
 @torch.library.custom_op("gt_fused3s::attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, fwd_graph: list[Tensor], bwd_graph: list[Tensor],
                   scale: float, out_dtype: torch.dtype,
@@ -199,32 +220,36 @@ def _(q, k, v, fwd_graph, bwd_graph, scale, out_dtype, compute_dtype):
 
 def _attention_setup_context(ctx, inputs, output):
     q, k, v, fwd_graph, bwd_graph, scale, _out_dtype, compute_dtype = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, *fwd_graph, *bwd_graph)
-    ctx.num_fwd_graph = len(fwd_graph)
-    ctx.scale, ctx.compute_dtype = scale, compute_dtype
+    ctx.mark_non_differentiable(output[1])
+    _save_for_backward(ctx, q, k, v, fwd_graph, bwd_graph, scale, compute_dtype, *output)
 
 
 def _attention_backward(ctx, grad_out, _grad_lse):
-    if torch.is_grad_enabled():
-        raise RuntimeError("gt_fused3s: double backward through fused3s_attention is not supported "
-                           "(the fused backward kernels are not differentiable)")
-    q, k, v, out, lse, *graph = ctx.saved_tensors
-    fwd_graph, bwd_graph = graph[:ctx.num_fwd_graph], graph[ctx.num_fwd_graph:]
-    dq, dk, dv = _kernel_backward(grad_out, q, k, v, out, lse, fwd_graph, bwd_graph, ctx.scale,
-                                  ctx.compute_dtype)
-    needs = ctx.needs_input_grad
     # one entry per input, a list of them for each list input (the graph arrays)
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
-            [None] * len(fwd_graph), [None] * len(bwd_graph), None, None, None)
+    return (*_grads_from_saved(ctx, grad_out), [None] * ctx.num_fwd_graph, [None] * ctx.num_bwd_graph,
+            None, None, None)
 
 
 _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
 
 
+class _FusedAttention(torch.autograd.Function):
+    """Eager-mode twin of the ``gt_fused3s::attention`` custom op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fwd_graph, bwd_graph, scale, out_dtype, compute_dtype):
+        out, lse = _kernel_forward(q, k, v, fwd_graph, scale, out_dtype, compute_dtype)
+        _save_for_backward(ctx, q, k, v, fwd_graph, bwd_graph, scale, compute_dtype, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (*_grads_from_saved(ctx, grad_out), None, None, None, None, None)
+
+
 def _differentiable_kernel(q: Tensor, k: Tensor, v: Tensor, bsb: BSBGraph, scale: float,
                            out_dtype: torch.dtype, compute_dtype: torch.dtype | None) -> Tensor:
-    out, _lse = _attention_op(q, k, v, _forward_arrays(bsb, q), _backward_arrays(bsb, q), scale,
-                              out_dtype, compute_dtype)
-    return out
+    args = (q, k, v, _forward_arrays(bsb, q), _backward_arrays(bsb, q), scale, out_dtype, compute_dtype)
+    if torch.compiler.is_compiling():
+        return _attention_op(*args)[0]
+    return _FusedAttention.apply(*args)

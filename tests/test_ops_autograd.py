@@ -158,6 +158,23 @@ def test_transposed_bsb_is_the_reversed_graph():
     assert fwd == rev
 
 
+def test_gradients_through_the_torch_library_op(fake_kernel):
+    """The custom op (the path under torch.compile) has the eager path's gradients."""
+    bsb = _graph()
+    fake_kernel(bsb)
+    q, k, v, do = _inputs(bsb.num_nodes, 2, 24, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    args = (ops_mod._forward_arrays(bsb, q), ops_mod._backward_arrays(bsb, q), 0.3, torch.float32, None)
+    out, lse = torch.ops.gt_fused3s.attention(*leaves, *args)
+    assert not lse.requires_grad
+    grads = torch.autograd.grad(out, leaves, do)
+    eager = torch.autograd.grad(fused3s_attention(*leaves, bsb, 0.3), leaves, do)
+    for a, b in zip(grads, eager):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(torch.ops.gt_fused3s.attention(*leaves, *args)[0], leaves, do, create_graph=True)
+
+
 def test_custom_op_is_registered_with_a_schema():
     schema = str(torch.ops.gt_fused3s.attention.default._schema)
     assert "Tensor[] fwd_graph" in schema and "-> (Tensor, Tensor)" in schema

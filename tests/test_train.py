@@ -204,11 +204,13 @@ def test_single_graph_node_target_quick(tmp_path, capsys):
 
 
 def test_dataset_labels_pick_the_loss(tmp_path):
-    """A dataset with labels trains on them (auto): PyG's FakeDataset, 3 classes."""
+    """A dataset with labels trains on them (auto): PyG's FakeDataset, 3 classes
+    (32 graphs, so that every class occurs whatever torch's random stream:
+    labels of only 0 and 1 would rightly be taken for binary)."""
     path = _config(tmp_path, steps=3, dataset={
         "name": "fake", "kind": "pyg",
-        "params": {"cls": "FakeDataset", "num_graphs": 8, "avg_num_nodes": 12,
-                   "num_channels": 4, "num_classes": 3, "task": "graph", "batch_size": 4}})
+        "params": {"cls": "FakeDataset", "num_graphs": 32, "avg_num_nodes": 12,
+                   "num_channels": 4, "num_classes": 3, "task": "graph", "batch_size": 16}})
     rows, curve, task = train.run(train.load_config(path), progress=False, log=lambda m: None)
     assert task.target == "labels" and task.loss == "ce" and task.out_channels == 3
     assert [r["status"] for r in rows] == ["ok", "ok"] and len(curve) == 6
