@@ -1,6 +1,6 @@
 // The only file that includes torch: input checks (each message names its
 // input), device guard, current stream, params, dispatch on dtype x head dim,
-// op registration (torch.ops.gt_fused3s.*).
+// the CUDA implementations of the ops gt_fused3s/ops.py defines.
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -55,7 +55,20 @@ std::string shape(c10::IntArrayRef s) {
     return out + "]";
 }
 
-void check_qkv(const at::Tensor& t, const char* name, const at::Tensor& q) {
+// t itself if its last dim is contiguous, its row and head strides are
+// multiples of 8 elements and it starts at a 16-byte aligned address (every
+// row and head then starts 16-byte aligned), else a contiguous copy.
+at::Tensor aligned_rows(const at::Tensor& t) {
+    const bool ok = (t.size(2) <= 1 || t.stride(2) == 1) && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
+                    reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+    return ok ? t : t.contiguous();
+}
+
+// q, k, v (and the backward's dO, O) as the kernels take them: the dtype
+// and shape of q, last dim contiguous, rows and heads 16-byte aligned. A
+// tensor that is not (a column slice of a wider projection, say) is copied
+// here, where the check costs nothing next to the Python caller's.
+at::Tensor kernel_input(const at::Tensor& t, const char* name, const at::Tensor& q) {
     TORCH_CHECK(t.defined(), name, " must be a tensor (got an undefined tensor)");
     TORCH_CHECK(t.device() == q.device(), name, " must be on the device of q (", q.device().str(), "), got ",
                 t.device().str());
@@ -65,13 +78,7 @@ void check_qkv(const at::Tensor& t, const char* name, const at::Tensor& q) {
                 dtype_name(q.scalar_type()), "), got ", dtype_name(t.scalar_type()));
     TORCH_CHECK(t.dim() == 3, name, " must have shape [N, H, D] (got ", shape(t.sizes()), ")");
     TORCH_CHECK(t.sizes() == q.sizes(), name, " must have the shape of q ", shape(q.sizes()), " (got ", shape(t.sizes()), ")");
-    TORCH_CHECK(t.size(2) <= 1 || t.stride(2) == 1, name,
-                " must be contiguous in its last dim (got strides ", shape(t.strides()), ")");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
-                " must start at a 16-byte aligned address");
-    TORCH_CHECK(t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0, name,
-                " must have row and head strides that are multiples of 8 elements (16 bytes), got strides ",
-                shape(t.strides()));
+    return aligned_rows(t);
 }
 
 void check_index(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Tensor& q) {
@@ -95,16 +102,15 @@ void launch_for_head_dim(int64_t d, const Fused3SParams& params, cudaStream_t st
     }
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             const at::Tensor& rw_offset, const at::Tensor& cols,
                                             const at::Tensor& bitmap, const at::Tensor& window_order,
                                             const at::Tensor& items, const at::Tensor& slots, double scale,
                                             bool out_fp32) {
-    TORCH_CHECK(q.defined(), "q must be a tensor (got an undefined tensor)");
-    TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor (got device ", q.device().str(), ")");
-    check_qkv(q, "q", q);
-    check_qkv(k, "k", q);
-    check_qkv(v, "v", q);
+    TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
+    TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
+    const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q_in),
+                     v = kernel_input(v_in, "v", q_in);
     const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
     TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256,
                 "head dim D must be 16, 32, 64, 128 or 256 (got ", num(D), "); pad other multiples of 8");
@@ -143,11 +149,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
     auto out = at::empty({N, H, D}, q.options().dtype(out_fp32 ? at::kFloat : q.scalar_type()));
     auto lse = at::empty({N, H}, q.options().dtype(at::kFloat));
     if (N == 0) return {out, lse};
+    // Workspace of split windows only (most batches split none: no allocation).
     const int64_t S = slots.size(0);
-    auto f32 = q.options().dtype(at::kFloat);
-    auto part_o = at::empty({S, H, 16, D}, f32);
-    auto part_ml = at::empty({S, H, 16, 2}, f32);
-    auto counters = at::empty({S * H}, q.options().dtype(at::kInt));
+    const auto f32 = q.options().dtype(at::kFloat);
+    at::Tensor part_o, part_ml, counters;
+    if (S > 0) {
+        part_o = at::empty({S, H, 16, D}, f32);
+        part_ml = at::empty({S, H, 16, 2}, f32);
+        counters = at::empty({S * H}, q.options().dtype(at::kInt));
+    }
 
     Fused3SParams p{};
     p.q_ptr = q.data_ptr();
@@ -167,7 +177,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
     p.num_items = static_cast<int32_t>(items.size(0));
     p.slots_ptr = reinterpret_cast<const Fused3SSlot*>(slots.data_ptr<int32_t>());
     p.num_slots = static_cast<int32_t>(S);
-    p.counters_ptr = counters.data_ptr<int32_t>();
+    p.counters_ptr = S > 0 ? counters.data_ptr<int32_t>() : nullptr;
     p.part_o_ptr = S > 0 ? part_o.data_ptr<float>() : nullptr;
     p.part_ml_ptr = S > 0 ? part_ml.data_ptr<float>() : nullptr;
     p.num_nodes = static_cast<int32_t>(N);
@@ -231,29 +241,25 @@ void check_pass(const char* which, const at::Tensor& cols, const at::Tensor& bit
 // graph (dKV pass). out and lse are the forward's outputs (out in q's dtype or
 // fp32). The gradients are in q's dtype, or fp32 if grad_fp32.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in,
     const at::Tensor& lse, const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& items,
     const at::Tensor& slots, const at::Tensor& t_cols, const at::Tensor& t_bitmap, const at::Tensor& t_items,
     const at::Tensor& t_slots, double scale, bool grad_fp32) {
-    TORCH_CHECK(q.defined(), "q must be a tensor (got an undefined tensor)");
-    TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor (got device ", q.device().str(), ")");
-    check_qkv(q, "q", q);
-    check_qkv(k, "k", q);
-    check_qkv(v, "v", q);
-    check_qkv(dout, "grad_out", q);
+    TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
+    TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
+    const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q_in),
+                     v = kernel_input(v_in, "v", q_in), dout = kernel_input(dout_in, "grad_out", q_in);
     const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
     TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256,
                 "head dim D must be 16, 32, 64, 128 or 256 (got ", num(D), "); pad other multiples of 8");
     TORCH_CHECK(N < (int64_t(1) << 31), "q has ", num(N), " nodes, more than the int32 format allows");
-    TORCH_CHECK(out.defined() && out.device() == q.device(), "out must be on the device of q");
-    TORCH_CHECK(out.scalar_type() == q.scalar_type() || out.scalar_type() == at::kFloat,
-                "out must have the dtype of q or float32 (got ", dtype_name(out.scalar_type()), ")");
-    TORCH_CHECK(out.sizes() == q.sizes(), "out must have the shape of q ", shape(q.sizes()), " (got ",
-                shape(out.sizes()), ")");
-    TORCH_CHECK(out.stride(2) == 1 && out.stride(0) % 8 == 0 && out.stride(1) % 8 == 0 &&
-                    reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
-                "out must be contiguous in its last dim with row and head strides that are multiples of 8 "
-                "elements and a 16-byte aligned start (got strides ", shape(out.strides()), ")");
+    TORCH_CHECK(out_in.defined() && out_in.device() == q.device(), "out must be on the device of q");
+    TORCH_CHECK(out_in.scalar_type() == q.scalar_type() || out_in.scalar_type() == at::kFloat,
+                "out must have the dtype of q or float32 (got ", dtype_name(out_in.scalar_type()), ")");
+    TORCH_CHECK(out_in.dim() == 3 && out_in.sizes() == q.sizes(), "out must have the shape of q ",
+                shape(q.sizes()), " (got ", shape(out_in.sizes()), ")");
+    const at::Tensor out = aligned_rows(out_in);
     TORCH_CHECK(lse.defined() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
                     lse.dim() == 2 && lse.size(0) == N && lse.size(1) == H && lse.is_contiguous(),
                 "lse must be a contiguous float32 [N, H] = ", shape({N, H}), " tensor on the device of q (got ",
@@ -271,10 +277,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const auto f32 = q.options().dtype(at::kFloat);
     auto stats = at::empty({N, H, 2}, f32);   // (lse log2e, delta) per row, from the dQ pass
     const int64_t S = slots.size(0), St = t_slots.size(0);
-    auto part_q = at::empty({S, H, 16, D}, f32);
-    auto part_k = at::empty({St, H, 16, D}, f32);
-    auto part_v = at::empty({St, H, 16, D}, f32);
-    auto counters = at::empty({(S + St) * H}, q.options().dtype(at::kInt));
+    at::Tensor part_q, part_k, part_v, counters;   // split windows only
+    if (S > 0) part_q = at::empty({S, H, 16, D}, f32);
+    if (St > 0) {
+        part_k = at::empty({St, H, 16, D}, f32);
+        part_v = at::empty({St, H, 16, D}, f32);
+    }
+    if (S + St > 0) counters = at::empty({(S + St) * H}, q.options().dtype(at::kInt));
 
     Fused3SBwdParams common{};
     common.d_out = operand(dout);
@@ -300,7 +309,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dq_pass.num_items = static_cast<int32_t>(items.size(0));
     dq_pass.slots_ptr = reinterpret_cast<const Fused3SSlot*>(slots.data_ptr<int32_t>());
     dq_pass.num_slots = static_cast<int32_t>(S);
-    dq_pass.counters_ptr = counters.data_ptr<int32_t>();
+    dq_pass.counters_ptr = S + St > 0 ? counters.data_ptr<int32_t>() : nullptr;
     dq_pass.part1_ptr = S > 0 ? part_q.data_ptr<float>() : nullptr;
 
     Fused3SBwdParams dkv_pass = common;
@@ -316,7 +325,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dkv_pass.num_items = static_cast<int32_t>(t_items.size(0));
     dkv_pass.slots_ptr = reinterpret_cast<const Fused3SSlot*>(t_slots.data_ptr<int32_t>());
     dkv_pass.num_slots = static_cast<int32_t>(St);
-    dkv_pass.counters_ptr = counters.data_ptr<int32_t>() + S * H;
+    dkv_pass.counters_ptr = S + St > 0 ? counters.data_ptr<int32_t>() + S * H : nullptr;
     dkv_pass.part1_ptr = St > 0 ? part_k.data_ptr<float>() : nullptr;
     dkv_pass.part2_ptr = St > 0 ? part_v.data_ptr<float>() : nullptr;
 
@@ -329,10 +338,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 }
 
 // ---- BSB builder -------------------------------------------------------------
-// Builds the BSB format of gt_fused3s/graph.py on the GPU. One host
-// synchronisation: the copy of the counters (T, E_u, index range) that sizes
-// the outputs and validates the indices.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t> bsb_build_cuda(
+// Builds the BSB format of gt_fused3s/graph.py on the GPU, at capacity (cols
+// and bitmap sized for E / 8 + R + 1 TCBs, T in counters[0]) and without a
+// host synchronisation: the caller reads the counters (to check the indices
+// and cut the arrays to T) when and if it may synchronise.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bsb_build_cuda(
     const at::Tensor& edge_index, int64_t num_nodes) {
     TORCH_CHECK_VALUE(edge_index.is_cuda(), "edge_index must be a CUDA tensor (got ", edge_index.device().str(), ")");
     TORCH_CHECK_VALUE(edge_index.scalar_type() == at::kInt || edge_index.scalar_type() == at::kLong,
@@ -343,13 +353,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
                       num(num_nodes), ")");
     const int64_t E = edge_index.size(1);
     // the builder packs two running counts of up to E into one 64-bit scan
-    TORCH_CHECK_VALUE(E < (int64_t(1) << 31), "edge_index has ", num(E), " edges; the builder takes fewer than 2^31");
+    TORCH_CHECK_VALUE(E < (int64_t(1) << 31) - 1, "edge_index has ", num(E),
+                      " edges; the builder takes fewer than 2^31 - 1");
     const c10::cuda::CUDAGuard guard(edge_index.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
 
     const int32_t N = static_cast<int32_t>(num_nodes);
     const int32_t R = (N + 15) / 16;
-    const int64_t max_tcbs = E / 8 + R + 1;
+    const int64_t max_tcbs = E / 8 + R + 1;   // = graph.tcb_capacity(E, N)
     const auto i32 = edge_index.options().dtype(at::kInt);
     const auto i64 = edge_index.options().dtype(at::kLong);
     at::Tensor rw_offset = at::empty({R + 1}, i32);
@@ -377,36 +388,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
     p.edge_src_ptr = edges.data_ptr<int64_t>();
     p.edge_dst_ptr = edges.data_ptr<int64_t>() + E;
     p.counters_ptr = counters.data_ptr<int64_t>();
-    run_bsb_build(p, workspace.data_ptr(), static_cast<size_t>(workspace.numel()), stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-    const at::Tensor host = counters.cpu();   // the one synchronisation
-    const int64_t* c = host.data_ptr<int64_t>();
-    if (E > 0) {
-        TORCH_CHECK_VALUE(c[2] >= 0, "edge_index has negative index ", num(c[2]));
-        TORCH_CHECK_VALUE(c[3] < num_nodes, "edge_index has index ", num(c[3]), " out of range for num_nodes=",
-                          num(num_nodes));
-    }
-    const int64_t T = c[0], num_unique = c[1];
-    return {rw_offset, cols.narrow(0, 0, T * 8), bitmap.narrow(0, 0, T), window_order,
-            edges.narrow(1, 0, num_unique), E - num_unique, c[4]};
+    C10_CUDA_CHECK(run_bsb_build(p, workspace.data_ptr(), static_cast<size_t>(workspace.numel()), stream));
+    return {rw_offset, cols, bitmap, window_order, edges, counters};
 }
 
 }  // namespace
 }  // namespace gt_fused3s
 
-TORCH_LIBRARY(gt_fused3s, m) {
-    m.def(
-        "fwd(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
-        "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32) "
-        "-> (Tensor out, Tensor lse)");
-    m.def(
-        "bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cols, Tensor bitmap, "
-        "Tensor items, Tensor slots, Tensor t_cols, Tensor t_bitmap, Tensor t_items, Tensor t_slots, float scale, "
-        "bool grad_fp32) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
-    m.def("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
-}
-
+// The schemas (and the fake kernels torch.compile traces with) are defined in
+// Python, gt_fused3s/ops.py, at import; this file only implements them.
 TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("fwd", &gt_fused3s::fwd_cuda);
     m.impl("bwd", &gt_fused3s::bwd_cuda);

@@ -27,7 +27,6 @@ from pathlib import Path
 _LOCK = threading.RLock()
 _OPS = None            # torch.ops.gt_fused3s once loaded
 _FAILURE: str | None = None   # reason of the first failed attempt
-_FAKES_REGISTERED = False
 
 _COMPILE_MESSAGE = "gt_fused3s: compiling the CUDA extension (first use, ~1-2 min)..."
 _MIN_CAPABILITY = (8, 0)   # mma.sync m16n8k16 with bf16 needs sm_80
@@ -91,6 +90,7 @@ def _load() -> object:
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("gt_fused3s: ninja is needed to build the CUDA extension (pip install ninja)")
 
+    from . import ops  # noqa: F401  (defines the op schemas the library implements)
     csrc = _csrc_dir()
     sources, deps = _sources(csrc)
     cuda_flags = ["-O3", "--use_fast_math", "-lineinfo"] + _arch_flags(torch)
@@ -115,30 +115,7 @@ def _load() -> object:
                            is_python_module=False, verbose=os.environ.get("GT_FUSED3S_VERBOSE_BUILD") == "1")
     except Exception as e:   # compiler errors come as RuntimeError with the build log
         raise RuntimeError(f"gt_fused3s: building the CUDA extension in {build_dir} failed:\n{e}") from e
-    _register_fakes(torch)
     return torch.ops.gt_fused3s
-
-
-def _register_fakes(torch) -> None:
-    """Shape-only (meta) kernels, so that torch.compile can trace the ops."""
-    global _FAKES_REGISTERED
-    if _FAKES_REGISTERED:
-        return
-
-    @torch.library.register_fake("gt_fused3s::fwd")
-    def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32):
-        N, H, D = q.shape
-        out = q.new_empty((N, H, D), dtype=torch.float32 if out_fp32 else q.dtype)
-        lse = q.new_empty((N, H), dtype=torch.float32)
-        return out, lse
-
-    @torch.library.register_fake("gt_fused3s::bwd")
-    def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items, t_slots,
-                  scale, grad_fp32):
-        dtype = torch.float32 if grad_fp32 else q.dtype
-        return tuple(q.new_empty(q.shape, dtype=dtype) for _ in range(3))
-
-    _FAKES_REGISTERED = True
 
 
 def load_extension():

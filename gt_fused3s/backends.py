@@ -14,9 +14,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .graph import BSBGraph, _check_index_tensor, _check_num_nodes, _check_range
-from .ops import fused3s_attention, kernel_accepts, padded_head_dim
-from .schedule import work_schedule
+from .graph import BSBGraph, _check_edge_index, _check_num_nodes
+from . import ops
+from .ops import fused3s_attention, kernel_accepts
+from .plan import GraphPlan, as_plan
 from .reference import attention_dense, attention_reference
 
 
@@ -24,88 +25,104 @@ class AttentionGraph:
     """One graph (or block-diagonal batch) as the backends see it.
 
     Args:
-        edge_index: [2, E] (source, destination); duplicates count once.
+        edge_index: [2, E] (source, destination); every edge is a term of
+            the attention (a duplicate counts twice), in every backend.
         num_nodes: N.
+        static: how ``fused3s`` builds its plan on CUDA (see
+            :meth:`BSBGraph.from_edge_index`): ``None`` (default) static
+            while a CUDA graph is captured or torch.compile traces, else
+            exact (one host synchronisation, which checks the indices).
     """
 
-    def __init__(self, edge_index: Tensor, num_nodes: int):
-        _check_index_tensor("edge_index", edge_index, 2)
-        if edge_index.size(0) != 2:
-            raise ValueError(f"edge_index must have shape [2, E] (got {tuple(edge_index.shape)})")
+    def __init__(self, edge_index: Tensor, num_nodes: int, *, static: bool | None = None):
+        self.edge_index = _check_edge_index(edge_index)
         self.num_nodes = _check_num_nodes(num_nodes)
-        # Index ranges are checked where each format is built (the BSB builder
-        # checks them inside its one host sync), so no extra sync here.
-        self.raw_edge_index = edge_index
+        self.static = static
         self._formats: dict[str, object] = {}
 
     @classmethod
-    def from_bsb(cls, bsb: BSBGraph) -> "AttentionGraph":
-        g = cls.__new__(cls)
-        g.num_nodes, g.raw_edge_index = bsb.num_nodes, bsb.edge_index
-        g._formats = {"bsb": bsb, "edge_index": bsb.edge_index}
+    def from_plan(cls, plan: GraphPlan | BSBGraph) -> "AttentionGraph":
+        """The graph of a prebuilt plan (or BSB), which ``fused3s`` reads as is."""
+        plan = as_plan(plan)
+        g = cls(plan.edge_index, plan.num_nodes, static=plan.static)
+        g._formats["plan"] = plan
         return g
 
-    def prepare(self, backend: str, heads: int | None = None, head_dim: int | None = None) -> None:
+    from_bsb = from_plan
+
+    def prepare(self, backend: str, heads: int | None = None, head_dim: int | None = None, *,
+                backward: bool = False) -> None:
         """Build what ``backend`` reads, so that it can be timed apart from the
         attention and so that, for ``fused3s`` on CUDA with ``heads`` and
         ``head_dim`` given, a later attention call makes no host
-        synchronisation (the kernel's work schedule is built here too).
-        A no-op for unknown backends and formats already built."""
-        if backend in FORMAT_OF:
-            fmt = getattr(self, FORMAT_OF[backend])
-            if (backend == "fused3s" and fmt.device.type == "cuda" and heads is not None
-                    and head_dim is not None and kernel_accepts(head_dim, torch.float16)):
-                work_schedule(fmt, heads, padded_head_dim(head_dim))
+        synchronisation (the plan's schedules, and with ``backward`` the
+        transposed format, are built here too). A no-op for unknown
+        backends and formats already built."""
+        if backend not in FORMAT_OF:
+            return
+        fmt = getattr(self, FORMAT_OF[backend])
+        if (backend == "fused3s" and isinstance(fmt, GraphPlan) and heads is not None
+                and head_dim is not None and kernel_accepts(head_dim, torch.float16)):
+            fmt.prepare(heads, head_dim, backward=backward)
 
     def _get(self, name: str, build: Callable[[], object]):
-        if name not in self._formats:
-            self._formats[name] = build()
-        return self._formats[name]
+        fmt = self._formats.get(name)
+        if fmt is None:
+            fmt = self._formats[name] = build()
+        return fmt
 
     @property
     def device(self) -> torch.device:
-        return self.raw_edge_index.device
+        return self.edge_index.device
 
     @property
-    def bsb(self) -> BSBGraph:
-        return self._get("bsb", lambda: BSBGraph.from_edge_index(self.raw_edge_index, self.num_nodes))
+    def plan(self) -> GraphPlan:
+        """The fused kernel's plan (built on the graph's device)."""
+        return self._get("plan", lambda: GraphPlan.from_edge_index(self.edge_index, self.num_nodes,
+                                                                    static=self.static))
 
     @property
-    def edge_index(self) -> Tensor:
-        """Deduplicated [2, E] int64 (the binary mask of every backend)."""
-        def dedup():
-            _check_range("edge_index", self.raw_edge_index, 0, self.num_nodes)
-            ei = self.raw_edge_index.long()
-            key = torch.unique(ei[1] * self.num_nodes + ei[0])
-            return torch.stack([key % max(self.num_nodes, 1), key // max(self.num_nodes, 1)])
-        return self._get("edge_index", dedup)
+    def fused3s_format(self) -> GraphPlan | Tensor:
+        """What ``fused3s`` reads: the plan where the kernel runs; elsewhere
+        (a CPU), where it runs the reference, the edges themselves (nothing
+        to build)."""
+        return self.plan if ops.kernel_available(self.device) else self.edge_index
 
     @property
-    def dense_mask(self) -> Tensor:
+    def dense_counts(self) -> Tensor:
+        """int32 [N, N]: entry [i, j] = number of edges j -> i."""
         def build():
-            ei = self.edge_index
-            mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.bool, device=self.device)
-            mask[ei[1], ei[0]] = True
-            return mask
-        return self._get("dense_mask", build)
+            counts = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.int32, device=self.device)
+            ones = torch.ones(self.edge_index.size(1), dtype=torch.int32, device=self.device)
+            return counts.index_put_((self.edge_index[1].long(), self.edge_index[0].long()), ones,
+                                     accumulate=True)
+        return self._get("dense_counts", build)
 
     @property
     def flex_block_mask(self):
-        """FlexAttention ``BlockMask`` of this graph (built from the dense mask:
-        O(N^2) bytes while building, so for graphs that fit)."""
+        """FlexAttention ``(BlockMask, score_mod)`` of this graph, built from
+        the dense counts (O(N^2) bytes while building, so for graphs that
+        fit); ``score_mod`` adds log(count) where an edge repeats, else None."""
         def build():
             from torch.nn.attention.flex_attention import create_block_mask
-            mask = self.dense_mask
+            counts = self.dense_counts
 
             def mask_mod(b, h, q_idx, kv_idx):
-                return mask[q_idx, kv_idx]
-            return create_block_mask(mask_mod, B=None, H=None, Q_LEN=self.num_nodes,
-                                     KV_LEN=self.num_nodes, device=self.device)
+                return counts[q_idx, kv_idx] > 0
+            block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=self.num_nodes,
+                                           KV_LEN=self.num_nodes, device=self.device)
+            score_mod = None
+            if self.num_nodes and bool(counts.max() > 1):   # duplicates weigh m times
+                log_counts = counts.float().log()
+
+                def score_mod(score, b, h, q_idx, kv_idx):
+                    return score + log_counts[q_idx, kv_idx]
+            return block_mask, score_mod
         return self._get("flex_block_mask", build)
 
 
 def _fused3s(q, k, v, graph: AttentionGraph, scale):
-    return fused3s_attention(q, k, v, graph.bsb, scale)
+    return fused3s_attention(q, k, v, graph.fused3s_format, scale)
 
 
 def _reference(q, k, v, graph: AttentionGraph, scale):
@@ -113,7 +130,7 @@ def _reference(q, k, v, graph: AttentionGraph, scale):
 
 
 def _dense(q, k, v, graph: AttentionGraph, scale):
-    return attention_dense(q, k, v, graph.dense_mask, scale)
+    return attention_dense(q, k, v, graph.dense_counts, scale)
 
 
 _pyg_module = None
@@ -157,15 +174,16 @@ def _flex(q, k, v, graph: AttentionGraph, scale):
     if _flex_compiled is None:   # eager FlexAttention is a slow debugging path
         from torch.nn.attention.flex_attention import flex_attention
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask, score_mod = graph.flex_block_mask
     out = _flex_compiled(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                         v.transpose(0, 1).unsqueeze(0), block_mask=graph.flex_block_mask,
+                         v.transpose(0, 1).unsqueeze(0), score_mod=score_mod, block_mask=block_mask,
                          scale=scale)
     return out.squeeze(0).transpose(0, 1)
 
 
 #: the AttentionGraph format (attribute) each backend reads
-FORMAT_OF = {"fused3s": "bsb", "pyg": "edge_index", "reference": "edge_index",
-             "dense": "dense_mask", "flex": "flex_block_mask"}
+FORMAT_OF = {"fused3s": "fused3s_format", "pyg": "edge_index", "reference": "edge_index",
+             "dense": "dense_counts", "flex": "flex_block_mask"}
 
 BACKENDS: dict[str, Callable] = {
     "fused3s": _fused3s,

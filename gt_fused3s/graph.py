@@ -5,15 +5,22 @@ head. Rows are destination nodes, columns are source nodes (PyG convention:
 ``edge_index[0]`` = source ``j``, ``edge_index[1]`` = destination ``i``, the
 edge ``j -> i`` lets ``i`` attend to ``j``).
 
+Every edge is its own term of the attention: an edge that appears ``m``
+times counts ``m`` times, exactly as in PyG's and DGL's message passing. The
+format keeps a duplicate in a column of its own (the same source id listed
+again), so the kernels need no count per entry.
+
 Layout, for a graph of ``N`` nodes::
 
     R = ceil(N / 16) row windows (RW); window r holds rows 16r .. 16r+15.
-    Within window r, the distinct source ids of its edges, in ascending order,
-    are its compacted columns; they are cut into tensor-core blocks (TCB) of
-    16 rows x 8 compacted columns. T = total number of TCBs.
+    Within window r, the columns are the pairs (source j, copy c) such that
+    some row of the window has more than c edges from j, in ascending order
+    of (j, c); they are cut into tensor-core blocks (TCB) of 16 rows x 8
+    columns. T = total number of TCBs. Without duplicates, a window's
+    columns are simply its distinct sources, ascending.
 
     rw_offset     int32 [R + 1]  window r owns TCBs rw_offset[r] .. rw_offset[r+1]-1;
-                                 TCB rw_offset[r] + i holds compacted columns 8i .. 8i+7
+                                 TCB rw_offset[r] + i holds columns 8i .. 8i+7
     cols          int32 [T * 8]  cols[t*8 + c] = global source id of column c of TCB t,
                                  or -1 for padding (only in a window's last TCB)
     bitmap        int64 [T, 2]   uint64 bit patterns stored as int64: for row
@@ -22,26 +29,35 @@ Layout, for a graph of ``N`` nodes::
                                  Padding columns never have a bit set.
     window_order  int32 [R]      windows sorted by decreasing TCB count (stable),
                                  the order in which the kernel schedules them
-    edge_index    int64 [2, E]   the deduplicated edges (source, destination) sorted by
-                                 (window, source, row): the same mask, kept for the
-                                 unfused paths (reference, CPU, fallbacks)
+    edge_index    int64 [2, E]   every edge (source, destination), duplicates included,
+                                 sorted by (window, source, row): for the unfused paths
+    counters      int64 [5]      T, distinct edges, smallest and largest index of the
+                                 input, largest TCB count of a window
 
 The bit layout matches the m16n8k16 accumulator: lane ``L`` of a warp holds
 the scores of row ``L // 4`` (bits ``2L``, ``2L + 1`` of word 0) and row
 ``L // 4 + 8`` (the same bits of word 1).
 
-The mask is binary: duplicate edges count once (``num_duplicates`` says how
-many were dropped). All arrays are built on the device of the input with
-vectorised ops (one sort, scans, scatters) and never loops over nodes in
-Python: on the GPU by the CUDA builder of ``csrc/kernels/bsb_build.cu`` (one
-host synchronisation), elsewhere by :meth:`BSBGraph._build` in PyTorch, which
-is the specification the GPU builder must equal exactly.
+**Static mode** (``static=True``, CUDA): the shapes of every array are
+functions of ``N`` and ``E`` alone and the build makes no host
+synchronisation, so it can run inside a captured CUDA graph or a
+``torch.compile`` region: ``cols`` and ``bitmap`` have the capacity
+``E // 8 + R + 1`` TCBs (``T`` never exceeds it; the unused tail is
+padding: ``cols`` -1, ``bitmap`` 0), ``counters`` stay on the device, and an
+out-of-range index stops the process with a device-side assertion instead
+of raising ``ValueError``. The kernels read only what ``rw_offset`` points to,
+so both modes give the same results.
+
+All arrays are built on the device of the input with vectorised ops (one
+sort, scans, scatters), never loops over nodes in Python: on the GPU by the
+CUDA builder of ``csrc/kernels/bsb_build.cu``, elsewhere by
+:meth:`BSBGraph._build` in PyTorch, which is the specification the GPU
+builder must equal exactly.
 """
 from __future__ import annotations
 
 import os
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,17 +77,32 @@ def _check_index_tensor(name: str, t: Any, dim: int) -> Tensor:
     return t
 
 
+def _check_edge_index(edge_index: Any) -> Tensor:
+    _check_index_tensor("edge_index", edge_index, 2)
+    if edge_index.size(0) != 2:
+        raise ValueError(f"edge_index must have shape [2, E] (got {tuple(edge_index.shape)})")
+    return edge_index
+
+
+def _range_error(name: str, lo: int, hi: int, low: int, high: int) -> ValueError | None:
+    """The error for an index range [lo, hi] outside [low, high), or None."""
+    if lo < low:
+        return ValueError(f"{name} has negative index {lo}" if low == 0
+                          else f"{name} has index {lo} < {low}")
+    if hi >= high:
+        return ValueError(f"{name} has index {hi} out of range for num_nodes={high}"
+                          if low == 0 else f"{name} has index {hi} >= {high}")
+    return None
+
+
 def _check_range(name: str, t: Tensor, low: int, high: int) -> None:
     """Raise ValueError naming ``name`` if an entry of ``t`` lies outside [low, high)."""
     if t.numel() == 0:
         return
     lo, hi = torch.stack(list(torch.aminmax(t.reshape(-1)))).tolist()  # one host sync
-    if lo < low:
-        raise ValueError(f"{name} has negative index {lo}" if low == 0
-                         else f"{name} has index {lo} < {low}")
-    if hi >= high:
-        raise ValueError(f"{name} has index {hi} out of range for num_nodes={high}"
-                         if low == 0 else f"{name} has index {hi} >= {high}")
+    err = _range_error(name, lo, hi, low, high)
+    if err is not None:
+        raise err
 
 
 def _popcount64(x: Tensor) -> Tensor:
@@ -90,10 +121,26 @@ def _cv(x: Tensor) -> float:
     return float(x.std(unbiased=False) / x.mean())
 
 
+def _in_capture_or_compile() -> bool:
+    """True while a CUDA graph is being captured or torch.compile traces:
+    no host synchronisation is allowed there."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def tcb_capacity(num_edges: int, num_nodes: int) -> int:
+    """The number of TCBs a graph of ``num_edges`` edges and ``num_nodes``
+    nodes can need at most: each window's last TCB is its only partial one,
+    so T <= E // 8 + R."""
+    return num_edges // COLS_PER_TCB + (num_nodes + ROWS_PER_WINDOW - 1) // ROWS_PER_WINDOW + 1
+
+
 @dataclass(eq=False)
 class BSBGraph:
     """A graph in the BSB layout of this module's docstring. Build it with
-    :meth:`from_edge_index`, :meth:`from_csr` or :meth:`from_graph`."""
+    :meth:`from_edge_index`, :meth:`from_csr` or :meth:`from_graph`. The
+    kernels read it through a :class:`~gt_fused3s.plan.GraphPlan`."""
 
     num_nodes: int
     rw_offset: Tensor
@@ -101,30 +148,32 @@ class BSBGraph:
     bitmap: Tensor
     window_order: Tensor
     edge_index: Tensor
-    num_duplicates: int = 0
-    #: the largest TCB count of a row window (the kernel splits heavier windows)
-    max_window_tcbs: int = 0
-    #: per-graph derived device arrays (kernel schedules, masks of other
-    #: backends), built lazily by their users and cached here by name
-    extras: dict = field(default_factory=dict, repr=False)
+    #: int64 [5]: T, distinct edges, smallest and largest input index, largest
+    #: window TCB count. On the host, except in static mode (on the device).
+    counters: Tensor
+    #: built without host synchronisation, cols / bitmap at capacity
+    static: bool = False
 
     # ------------------------------------------------------------------ build
     @classmethod
-    def from_edge_index(cls, edge_index: Tensor, num_nodes: int | None = None) -> "BSBGraph":
+    def from_edge_index(cls, edge_index: Tensor, num_nodes: int | None = None, *,
+                        static: bool | None = None) -> "BSBGraph":
         """Build from ``edge_index`` [2, E] (row 0 sources, row 1 destinations).
 
         ``num_nodes`` defaults to ``edge_index.max() + 1`` (pass it: isolated
-        trailing nodes cannot be inferred). Duplicate edges are collapsed.
+        trailing nodes cannot be inferred, and the default syncs the host).
+        ``static`` (CUDA only): build in static mode (see the module
+        docstring); default: static while a CUDA graph is captured or
+        torch.compile traces, else exact.
         """
-        edge_index = _check_index_tensor("edge_index", edge_index, 2)
-        if edge_index.size(0) != 2:
-            raise ValueError(f"edge_index must have shape [2, E] (got {tuple(edge_index.shape)})")
+        edge_index = _check_edge_index(edge_index)
         if num_nodes is None:
             num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
         num_nodes = _check_num_nodes(num_nodes)
-        if edge_index.is_cuda and (gpu_build := _gpu_builder()) is not None:
-            # validates the indices itself, in its single host synchronisation
-            return cls(num_nodes, *gpu_build(edge_index, num_nodes))
+        if static is None:
+            static = _in_capture_or_compile()
+        if _op_build_available(edge_index.device):
+            return cls._build_op(edge_index, num_nodes, static)
         _check_range("edge_index", edge_index, 0, num_nodes)
         return cls._build(edge_index[0].long(), edge_index[1].long(), num_nodes)
 
@@ -154,9 +203,7 @@ class BSBGraph:
         _check_range("indices", indices, 0, num_nodes)
         dst = torch.repeat_interleave(torch.arange(rows, device=indices.device),
                                       counts.long(), output_size=indices.numel())
-        if indices.is_cuda and (gpu_build := _gpu_builder()) is not None:
-            return cls(num_nodes, *gpu_build(torch.stack([indices.long(), dst]), num_nodes))
-        return cls._build(indices.long(), dst, num_nodes)
+        return cls.from_edge_index(torch.stack([indices.long(), dst]), num_nodes, static=False)
 
     @classmethod
     def from_graph(cls, graph: Any) -> "BSBGraph":
@@ -174,49 +221,81 @@ class BSBGraph:
                          f"(got {type(graph).__name__})")
 
     @classmethod
+    def _build_op(cls, edge_index: Tensor, num_nodes: int, static: bool) -> "BSBGraph":
+        """The CUDA builder (``torch.ops.gt_fused3s.bsb_build``: one sort, scans,
+        a few kernels, no synchronisation). Exact mode copies its counters to
+        the host once, to check the indices and cut the arrays to T TCBs."""
+        from .ops import bsb_build   # the registered op (fake kernel for torch.compile)
+        rw_offset, cols, bitmap, window_order, edges, counters = bsb_build(edge_index, num_nodes)
+        if static:
+            if edge_index.numel():
+                torch._assert_async((counters[2] >= 0) & (counters[3] < num_nodes),
+                                    "gt_fused3s: edge_index has an index outside [0, num_nodes)")
+            return cls(num_nodes, rw_offset, cols, bitmap, window_order, edges, counters, True)
+        counters = counters.cpu()                       # the one synchronisation
+        if edge_index.numel():
+            err = _range_error("edge_index", int(counters[2]), int(counters[3]), 0, num_nodes)
+            if err is not None:
+                raise err
+        T = int(counters[0])
+        return cls(num_nodes, rw_offset, cols[:T * COLS_PER_TCB], bitmap[:T], window_order,
+                   edges, counters)
+
+    @classmethod
     def _build(cls, src: Tensor, dst: Tensor, num_nodes: int) -> "BSBGraph":
+        """The specification of the format, in PyTorch (exact mode)."""
         device = src.device
-        n_in = src.numel()
-        R = (num_nodes + ROWS_PER_WINDOW - 1) // ROWS_PER_WINDOW
-        # One sort gives both the deduplication and the per-window column
-        # compaction: key = ((window, source), row in window).
-        win = dst >> 4
-        key = torch.unique((win * num_nodes + src) * ROWS_PER_WINDOW + (dst & 15))
+        E = src.numel()
+        N = num_nodes
+        R = (N + ROWS_PER_WINDOW - 1) // ROWS_PER_WINDOW
+        # One sort: key = ((window, source), row in window). Equal keys are
+        # copies of one edge; equal key >> 4 is one (window, source) pair.
+        key = torch.sort((dst >> 4) * N * ROWS_PER_WINDOW + src * ROWS_PER_WINDOW + (dst & 15)).values
+        idx = torch.arange(E, device=device)
+        first = torch.ones(E, dtype=torch.bool, device=device)
+        first[1:] = key[1:] != key[:-1]
+        copy = idx - torch.cummax(torch.where(first, idx, 0), 0).values if E else idx  # copy number
         pair = key >> 4                       # window * N + source
-        row_in = key & 15                     # row within the window
-        win = torch.div(pair, num_nodes, rounding_mode="floor") if num_nodes else pair
-        src = pair - win * num_nodes
-        E = key.numel()
-        # A (window, source) pair is one compacted column; number them.
+        row_in = key & 15
+        win = torch.div(pair, N, rounding_mode="floor") if N else pair
+        src = pair - win * N
         new_pair = torch.ones(E, dtype=torch.bool, device=device)
         new_pair[1:] = pair[1:] != pair[:-1]
         pair_id = torch.cumsum(new_pair, 0) - 1
-        pairs_per_win = torch.zeros(R, dtype=torch.long, device=device)
-        pairs_per_win.scatter_add_(0, win, new_pair.long())
-        first_pair = torch.cumsum(pairs_per_win, 0) - pairs_per_win
-        rank = pair_id - first_pair[win]      # compacted column index in its window
-        tcb_per_win = (pairs_per_win + COLS_PER_TCB - 1) // COLS_PER_TCB
+        num_pairs = int(new_pair.sum())
+        # A pair (window, source) has as many columns as its most repeated edge.
+        pair_cols = torch.zeros(num_pairs, dtype=torch.long, device=device)
+        pair_cols.scatter_reduce_(0, pair_id, copy + 1, reduce="amax")
+        pair_base = torch.cumsum(pair_cols, 0) - pair_cols          # first column of each pair
+        col_id = pair_base[pair_id] + copy                           # global column of the edge
+        cols_per_win = torch.zeros(R, dtype=torch.long, device=device)
+        cols_per_win.index_add_(0, win[new_pair], pair_cols)
+        first_col = torch.cumsum(cols_per_win, 0) - cols_per_win
+        rank = col_id - first_col[win]                               # column within its window
+        tcb_per_win = (cols_per_win + COLS_PER_TCB - 1) // COLS_PER_TCB
         rw_offset = torch.zeros(R + 1, dtype=torch.long, device=device)
         torch.cumsum(tcb_per_win, 0, out=rw_offset[1:])
         T = int(rw_offset[-1]) if R else 0
         tcb = rw_offset[win] + (rank >> 3)
         col_in = rank & 7
         cols = torch.full((T * COLS_PER_TCB,), -1, dtype=torch.int32, device=device)
-        cols[tcb * COLS_PER_TCB + col_in] = src.to(torch.int32)   # same value per pair
-        # Distinct bits per TCB word, so a sum is a bitwise or.
+        cols[tcb * COLS_PER_TCB + col_in] = src.to(torch.int32)   # same value per column
+        # Distinct bits per TCB word (one edge copy per (row, column)), so a sum is an or.
         bits = torch.ones_like(key) << (((row_in & 7) << 3) | col_in)
         bitmap = torch.zeros(T * 2, dtype=torch.long, device=device)
         bitmap.index_add_(0, tcb * 2 + (row_in >> 3), bits)
         window_order = torch.sort(tcb_per_win, descending=True, stable=True).indices
+        lo, hi = (int(x) for x in torch.aminmax(torch.stack([src, dst]))) if E else (0, 0)
+        counters = torch.tensor([T, int(first.sum()), lo, hi, int(tcb_per_win.max()) if R else 0],
+                                dtype=torch.long)
         return cls(
-            num_nodes=num_nodes,
+            num_nodes=N,
             rw_offset=rw_offset.to(torch.int32),
             cols=cols,
             bitmap=bitmap.view(T, 2),
             window_order=window_order.to(torch.int32),
             edge_index=torch.stack([src, win * ROWS_PER_WINDOW + row_in]),
-            num_duplicates=n_in - E,
-            max_window_tcbs=int(tcb_per_win.max()) if R else 0,
+            counters=counters,
         )
 
     # ------------------------------------------------------------ properties
@@ -225,42 +304,49 @@ class BSBGraph:
         return self.rw_offset.numel() - 1
 
     @property
-    def num_tcbs(self) -> int:
+    def tcb_capacity(self) -> int:
+        """Rows of ``bitmap``: T in exact mode, the capacity in static mode."""
         return self.bitmap.size(0)
 
     @property
+    def num_tcbs(self) -> int:
+        """T (in static mode read from the device: a host synchronisation)."""
+        return int(self.counters[0]) if self.static else self.bitmap.size(0)
+
+    @property
     def num_edges(self) -> int:
-        """Number of distinct edges (the mask's nonzeros)."""
+        """Number of edges, duplicates included (each is a term of the attention)."""
         return self.edge_index.size(1)
+
+    @property
+    def num_duplicates(self) -> int:
+        """Edges that repeat an earlier one (static mode: a host synchronisation)."""
+        return self.num_edges - int(self.counters[1])
+
+    @property
+    def max_window_tcbs(self) -> int:
+        """The largest TCB count of a row window (static mode: a host synchronisation)."""
+        return int(self.counters[4])
 
     @property
     def device(self) -> torch.device:
         return self.rw_offset.device
 
     def to(self, device: torch.device | str) -> "BSBGraph":
-        """A copy on ``device`` (``self`` if already there); ``extras`` are not
-        carried (they are rebuilt on first use)."""
+        """A copy on ``device`` (``self`` if already there)."""
         device = torch.device(device)
         if device == self.device:
             return self
         return BSBGraph(self.num_nodes, self.rw_offset.to(device), self.cols.to(device),
                         self.bitmap.to(device), self.window_order.to(device),
-                        self.edge_index.to(device), self.num_duplicates, self.max_window_tcbs)
-
-    def transposed(self) -> "BSBGraph":
-        """The BSB of the reversed graph (every edge j -> i becomes i -> j),
-        built once and cached in ``extras``: its row windows are the source
-        nodes, which the backward pass needs to sum dK and dV per source."""
-        t = self.extras.get("transposed")
-        if t is None:
-            t = BSBGraph.from_edge_index(self.edge_index.flip(0), self.num_nodes)
-            self.extras["transposed"] = t
-        return t
+                        self.edge_index.to(device),
+                        self.counters.to(device) if self.static else self.counters, self.static)
 
     # ------------------------------------------------------------ statistics
     def tcb_nnz(self) -> Tensor:
-        """int64 [T]: number of edges in each TCB."""
-        return _popcount64(self.bitmap).sum(1)
+        """int64 [T]: number of edges in each TCB (the capacity's padding
+        TCBs of static mode are left out)."""
+        return _popcount64(self.bitmap[:self.num_tcbs]).sum(1)
 
     def stats(self) -> dict:
         """The paper's fit-for-tensor-cores statistics.
@@ -270,7 +356,7 @@ class BSBGraph:
         """
         tcb_per_rw = (self.rw_offset[1:] - self.rw_offset[:-1]).long()
         nnz = self.tcb_nnz()
-        T = self.num_tcbs
+        T = nnz.numel()
         return {
             "num_nodes": self.num_nodes,
             "num_edges": self.num_edges,
@@ -286,27 +372,31 @@ class BSBGraph:
 
     # ---------------------------------------------------------- decode / check
     def decode_edges(self) -> Tensor:
-        """Edges [2, E] (source, destination) read back from ``cols`` and
-        ``bitmap`` alone, sorted by (destination, source). For tests and
-        debugging: it is the inverse of the builder."""
+        """Edges [2, E] (source, destination), duplicates included, read back
+        from ``cols`` and ``bitmap`` alone, sorted by (destination, source).
+        For tests and debugging: it is the inverse of the builder."""
         device = self.device
         T = self.num_tcbs
         tcb_win = torch.repeat_interleave(
             torch.arange(self.num_windows, device=device),
             (self.rw_offset[1:] - self.rw_offset[:-1]).long(), output_size=T)
         bit = torch.arange(64, device=device)
-        on = ((self.bitmap.unsqueeze(-1) >> bit) & 1).bool()        # [T, 2, 64]
+        on = ((self.bitmap[:T].unsqueeze(-1) >> bit) & 1).bool()        # [T, 2, 64]
         t, word, b = on.nonzero(as_tuple=True)
         rows = tcb_win[t] * ROWS_PER_WINDOW + word * 8 + (b >> 3)
         srcs = self.cols.long()[t * COLS_PER_TCB + (b & 7)]
-        order = torch.argsort(rows * max(self.num_nodes, 1) + srcs)
+        order = torch.argsort(rows * max(self.num_nodes, 1) + srcs, stable=True)
         return torch.stack([srcs[order], rows[order]])
+
+    def to_dense_counts(self) -> Tensor:
+        """int32 [N, N]: entry [i, j] = number of edges j -> i."""
+        counts = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.int32, device=self.device)
+        ones = torch.ones(self.num_edges, dtype=torch.int32, device=self.device)
+        return counts.index_put_((self.edge_index[1], self.edge_index[0]), ones, accumulate=True)
 
     def to_dense_mask(self) -> Tensor:
         """bool [N, N]: mask[i, j] is True iff the edge j -> i exists."""
-        mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.bool, device=self.device)
-        mask[self.edge_index[1], self.edge_index[0]] = True
-        return mask
+        return self.to_dense_counts() > 0
 
     def check_nodes(self, num_nodes: int, what: str = "q") -> None:
         if num_nodes != self.num_nodes:
@@ -314,48 +404,28 @@ class BSBGraph:
                              f"num_nodes={self.num_nodes}; build the format for this graph")
 
     def __repr__(self) -> str:
+        tcbs = f"tcb_capacity={self.tcb_capacity}, static=True" if self.static else f"num_tcbs={self.num_tcbs}"
         return (f"BSBGraph(num_nodes={self.num_nodes}, num_edges={self.num_edges}, "
-                f"num_windows={self.num_windows}, num_tcbs={self.num_tcbs}, device={self.device})")
+                f"num_windows={self.num_windows}, {tcbs}, device={self.device})")
 
 
-def _gpu_builder():
-    """The CUDA builder ``torch.ops.gt_fused3s.bsb_build`` (one sort, a few
-    kernels, one host synchronisation; same arrays as :meth:`BSBGraph._build`),
-    or None where the extension cannot run or ``GT_FUSED3S_DISABLE_KERNEL=1``."""
-    if os.environ.get("GT_FUSED3S_DISABLE_KERNEL") == "1":
-        return None
-    from ._build import extension_available, load_extension
-    return load_extension().bsb_build if extension_available() else None
+def _op_build_available(device: torch.device) -> bool:
+    """Whether the builder op runs on ``device``: a CUDA device where the
+    extension builds and loads and ``GT_FUSED3S_DISABLE_KERNEL=1`` is not
+    set (elsewhere :meth:`BSBGraph._build` builds the format in PyTorch)."""
+    if device.type != "cuda" or os.environ.get("GT_FUSED3S_DISABLE_KERNEL") == "1":
+        return False
+    from ._build import extension_available
+    return extension_available()
 
 
 def _check_num_nodes(num_nodes: Any) -> int:
     if isinstance(num_nodes, Tensor):
         num_nodes = int(num_nodes)
+    if hasattr(num_nodes, "__index__") and not isinstance(num_nodes, (bool, float)):
+        num_nodes = int(num_nodes.__index__())     # numpy integers
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 0:
         raise ValueError(f"num_nodes must be a non-negative int (got {num_nodes!r})")
     if num_nodes > 2**31 - 1:
         raise ValueError(f"num_nodes={num_nodes} exceeds the int32 indices of the format")
     return num_nodes
-
-
-# One BSB per edge_index tensor: layers called on the same graph (and every
-# layer of a model) share it. Keyed by the tensor's identity and checked
-# against its storage, version counter and shape, so an in-place edit or a
-# new tensor rebuilds; entries die with their tensor.
-_CACHE: dict[int, tuple] = {}
-
-
-def cached_bsb(edge_index: Tensor, num_nodes: int | None = None) -> BSBGraph:
-    """The BSB of ``edge_index``, built on first use and cached for as long
-    as ``edge_index`` lives (and is not modified)."""
-    if not isinstance(edge_index, Tensor):
-        return BSBGraph.from_edge_index(edge_index, num_nodes)
-    sig = (edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape),
-           edge_index.device, num_nodes)
-    key = id(edge_index)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is edge_index and hit[1] == sig:
-        return hit[2]
-    bsb = BSBGraph.from_edge_index(edge_index, num_nodes)
-    _CACHE[key] = (weakref.ref(edge_index, lambda _, k=key: _CACHE.pop(k, None)), sig, bsb)
-    return bsb

@@ -4,9 +4,8 @@ path and the fallback of the fused kernel.
     out[i, h] = sum_{j -> i} softmax_j(scale * <q[i, h], k[j, h]>) * v[j, h]
 
 Edges follow PyG: ``edge_index[0]`` = source ``j``, ``edge_index[1]`` =
-destination ``i``. Rows without in-neighbours give 0. The mask is binary:
-pass deduplicated edges (a :class:`~gt_fused3s.graph.BSBGraph`'s
-``edge_index`` is) or duplicates are counted twice.
+destination ``i``. Rows without in-neighbours give 0. Every edge is a term:
+an edge listed twice counts twice, as in PyG's and DGL's message passing.
 """
 from __future__ import annotations
 
@@ -92,15 +91,22 @@ def attention_dense(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
     """Masked dense softmax attention for small graphs.
 
     ``mask``: bool [N, N], ``mask[i, j]`` True iff ``j -> i`` is an edge
-    (``BSBGraph.to_dense_mask()``). Costs O(H N^2) memory.
+    (``BSBGraph.to_dense_mask()``), or integer [N, N] edge counts
+    (``BSBGraph.to_dense_counts()``): an edge of count ``m`` weighs ``m``
+    times, as a duplicated edge does in the sparse computation. Costs
+    O(H N^2) memory.
     """
     N, H, D = _check_qkv(q, k, v)
-    if mask.shape != (N, N) or mask.dtype != torch.bool:
-        raise ValueError(f"mask must be bool [N, N] = [{N}, {N}] (got {mask.dtype} {tuple(mask.shape)})")
+    if mask.shape != (N, N) or mask.is_floating_point():
+        raise ValueError(f"mask must be bool or integer [N, N] = [{N}, {N}] "
+                         f"(got {mask.dtype} {tuple(mask.shape)})")
     scale = default_scale(D) if scale is None else float(scale)
     qc, kc, vc = (t.to(compute_dtype).transpose(0, 1) for t in (q, k, v))   # [H, N, D]
     score = torch.matmul(qc, kc.transpose(1, 2)) * scale                     # [H, N, N]
-    score = score.masked_fill(~mask, float("-inf"))
+    if mask.dtype == torch.bool:
+        score = score.masked_fill(~mask, float("-inf"))
+    else:   # m copies of an edge: m exp(s) = exp(s + log m); log 0 = -inf masks
+        score = score + mask.to(score.dtype).log()
     attn = torch.softmax(score, dim=-1).nan_to_num(0.0)    # empty rows: all -inf -> 0
     out = torch.matmul(attn, vc).transpose(0, 1)
     return out.to(out_dtype or q.dtype)

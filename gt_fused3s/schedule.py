@@ -1,5 +1,5 @@
-"""The work schedule of the fused forward kernel, built once per (graph,
-heads, head dim) with vectorised ops and cached in ``BSBGraph.extras``.
+"""The work schedule of the fused kernels, built once per (graph, heads,
+head dim) by :class:`~gt_fused3s.plan.GraphPlan` with vectorised ops.
 
 A work item is a chunk of consecutive TCBs of one row window: a window with
 more TCBs than the chunk bound is split into chunks that run in parallel and
@@ -7,12 +7,20 @@ write fp32 partials (O, m, l) to slots; the block that finishes a window's
 last chunk merges them. Items are listed heaviest first (longest processing
 time first), so the hardware block scheduler balances the load.
 
-    items  int32 [I, 4]  (window, tcb_begin, tcb_end, slot or -1 if unsplit)
+    items  int32 [I, 4]  (window, tcb_begin, tcb_end, slot or -1 if unsplit);
+                         window -1: an unused item of the capacity (the kernel skips it)
     slots  int32 [S, 4]  per slot of a split window: (window, first slot, end slot, 0)
+
+Every array has a shape fixed by the window count ``R``, the TCB capacity
+``T_cap`` and the chunk bound, never by the graph's contents, so a schedule
+is built without a host synchronisation (in a captured CUDA graph, under
+torch.compile): ``I = R + T_cap // C`` items and ``S = T_cap // C +
+T_cap // (threshold + 1)`` slots bound what any graph of that capacity needs.
+``exact=True`` (a prepared graph of known T) cuts both to what is used, with
+one host synchronisation.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -22,66 +30,77 @@ from .graph import BSBGraph
 
 # Resident warp-teams per SM for each head dim (register-limited).
 _TEAMS_PER_SM = {16: 24, 32: 16, 64: 12, 128: 8, 256: 4}
+_NUM_SMS: dict[torch.device, int] = {}     # a plain dict: torch.compile traces through it
 
 
-@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    n = _NUM_SMS.get(device)
+    if n is None:
+        n = _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
-def work_schedule(bsb: BSBGraph, H: int, Dp: int) -> tuple[Tensor, Tensor]:
-    """(items, slots) for ``H`` heads of (padded) head dim ``Dp``."""
-    chunk_env = os.environ.get("GT_FUSED3S_CHUNK")      # tuning knob: fixed chunk bound
-    key = f"fused3s_fwd_schedule:H={H}:D={Dp}" + (f":C={chunk_env}" if chunk_env else "")
-    sched = bsb.extras.get(key)
-    if sched is not None:
-        return sched
-    # Chunk bound C: about the work of one resident warp-team if the whole
-    # graph were spread evenly over the GPU (at least 16 TCBs, even), so the
-    # heaviest chunk ends near the average finish time (LPT order).
-    # GT_FUSED3S_CHUNK=C fixes C (and the split threshold) for tuning.
-    dev = bsb.device
-    workers = _num_sms(dev) * _TEAMS_PER_SM[Dp]
-    C = int(chunk_env) if chunk_env else max(16, -(-bsb.num_tcbs * H // workers))
+def chunk_bounds(tcb_capacity: int, heads: int, head_dim: int, num_sms: int) -> tuple[int, int]:
+    """(C, threshold): chunks of at most C TCBs, windows of more than
+    ``threshold`` TCBs split. C is about the work of one resident warp-team
+    if the whole graph were spread evenly over the GPU (at least 16 TCBs,
+    even), so the heaviest chunk ends near the average finish time (LPT
+    order). Splitting costs a counter memset and a merge (a few us): windows
+    of at most 32 TCBs stay whole (measured on an H100: cheaper unsplit).
+    ``GT_FUSED3S_CHUNK=C`` fixes C and the threshold, for tuning."""
+    chunk_env = os.environ.get("GT_FUSED3S_CHUNK")
+    if chunk_env:
+        C = int(chunk_env)
+        return C + C % 2, C + C % 2
+    workers = num_sms * _TEAMS_PER_SM[head_dim]
+    C = max(16, -(-tcb_capacity * heads // workers))
     C += C % 2
-    # Splitting costs a counter memset and a merge (a few us): windows of at
-    # most 32 TCBs stay whole (measured on an H100: cheaper unsplit).
-    threshold = C if chunk_env else max(32, C)
-    if bsb.max_window_tcbs <= threshold:
-        # Nothing to split (all molecule batches): one item per window, in
-        # window_order, built without a host synchronisation.
-        order = bsb.window_order
-        begin = bsb.rw_offset[order.long()]
-        end = bsb.rw_offset[order.long() + 1]
-        items = torch.stack([order, begin, end, torch.full_like(order, -1)], 1).contiguous()
-        slots = torch.empty((0, 4), dtype=torch.int32, device=dev)
-        bsb.extras[key] = (items, slots)
-        return items, slots
-    cnt = (bsb.rw_offset[1:] - bsb.rw_offset[:-1]).long()
-    order = bsb.window_order.long()
-    cnt_o = cnt[order]
-    nch = torch.where(cnt_o > threshold, (cnt_o + C - 1) // C, torch.ones_like(cnt_o))
-    length = ((cnt_o + nch - 1) // nch + 1) // 2 * 2          # even chunk length
-    nch = torch.where(cnt_o > 0, (cnt_o + length - 1) // length.clamp(min=1), torch.ones_like(nch))
-    num_items = int(nch.sum())
-    item_w = torch.repeat_interleave(order, nch, output_size=num_items)
-    first = torch.cumsum(nch, 0) - nch
-    ci = torch.arange(num_items, device=dev) - torch.repeat_interleave(first, nch, output_size=num_items)
-    len_i = torch.repeat_interleave(length, nch, output_size=num_items)
-    w_begin = bsb.rw_offset.long()[item_w]
-    w_end = bsb.rw_offset.long()[item_w + 1]
-    begin = w_begin + ci * len_i
-    end = torch.minimum(begin + len_i, w_end)
-    split = torch.repeat_interleave(nch > 1, nch, output_size=num_items)
-    slot = torch.where(split, torch.cumsum(split.long(), 0) - 1, torch.full_like(begin, -1))
-    by_work = torch.sort(end - begin, descending=True, stable=True).indices
-    items = torch.stack([item_w, begin, end, slot], 1)[by_work].to(torch.int32).contiguous()
-    heavy = nch > 1
-    m_cnt = nch[heavy]
-    m_end = torch.cumsum(m_cnt, 0)
-    num_slots = int(m_end[-1]) if m_end.numel() else 0
-    per_window = torch.stack([order[heavy], m_end - m_cnt, m_end, torch.zeros_like(m_cnt)], 1)
-    slots = torch.repeat_interleave(per_window, m_cnt, dim=0, output_size=num_slots)
-    slots = slots.to(torch.int32).contiguous()        # per slot: (window, first slot, end slot, 0)
-    bsb.extras[key] = (items, slots)
-    return items, slots
+    return C, max(32, C)
+
+
+def work_schedule(bsb: BSBGraph, heads: int, head_dim: int, *, exact: bool | None = None
+                  ) -> tuple[Tensor, Tensor]:
+    """(items, slots) of ``bsb`` for ``heads`` heads of (padded) head dim
+    ``head_dim``; ``exact`` (default: unless ``bsb`` is static) cuts the
+    arrays to their used rows (one host synchronisation)."""
+    exact = not bsb.static if exact is None else exact
+    dev = bsb.device
+    R, T_cap = bsb.num_windows, bsb.tcb_capacity
+    C, threshold = chunk_bounds(T_cap, heads, head_dim, _num_sms(dev) if dev.type == "cuda" else 132)
+    I_cap, S_cap = R + T_cap // C, T_cap // C + T_cap // (threshold + 1)
+    if R == 0:
+        empty = torch.empty((0, 4), dtype=torch.int32, device=dev)
+        return empty, empty.clone()
+
+    rw = bsb.rw_offset.long()
+    order = bsb.window_order.long()                         # windows, heaviest first
+    cnt = (rw[1:] - rw[:-1])[order]
+    nch = torch.where(cnt > threshold, (cnt + C - 1) // C, torch.ones_like(cnt))
+    length = ((cnt + nch - 1) // nch + 1) // 2 * 2           # even chunk length
+    nch = torch.where(cnt > 0, (cnt + length - 1) // length.clamp(min=1), torch.ones_like(nch))
+    ends = torch.cumsum(nch, 0)                             # one past each window's last item
+    # Item i belongs to the window at position p = #(ends <= i); p == R: unused.
+    i = torch.arange(I_cap, device=dev)
+    p = torch.searchsorted(ends, i, right=True)
+    used = p < R
+    p = p.clamp(max=R - 1)
+    chunk = i - (ends[p] - nch[p])                          # chunk number within its window
+    win = order[p]
+    begin = rw[win] + chunk * length[p]
+    end = torch.minimum(begin + length[p], rw[win + 1])
+    split = used & (nch[p] > 1)
+    slot = torch.where(split, torch.cumsum(split, 0) - 1, -1)
+    work = torch.where(used, end - begin, -1)               # unused items sort last
+    items = torch.stack([torch.where(used, win, -1), torch.where(used, begin, 0),
+                         torch.where(used, end, 0), slot], 1)
+    items = items[torch.sort(work, descending=True, stable=True).indices].to(torch.int32)
+    # Slot of chunk c of a split window: its window and the window's slot range.
+    first = slot - chunk
+    rows = torch.stack([win, first, first + nch[p], torch.zeros_like(win)], 1)
+    slots = torch.zeros((S_cap + 1, 4), dtype=torch.long, device=dev)
+    slots[torch.where(split, slot, S_cap)] = rows            # row S_cap collects the rest
+    slots = slots[:S_cap].to(torch.int32)
+    if exact:
+        num_items, num_slots = torch.stack([ends[-1], split.sum()]).tolist()
+        items, slots = items[:num_items], slots[:num_slots]
+    return items.contiguous(), slots.contiguous()

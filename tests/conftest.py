@@ -17,3 +17,14 @@ def count_calls(monkeypatch):
         monkeypatch.setattr(owner, name, staticmethod(counting) if isinstance(owner, type) else counting)
         return calls
     return install
+
+
+@pytest.fixture
+def stand_in_kernels(monkeypatch):
+    """CPU stand-ins for the CUDA ops (tests/stand_in_kernels.py): CPU tensors
+    take the kernel path through the registered ops. Returns the stand-ins
+    (``.calls`` lists the ops run)."""
+    import stand_in_kernels
+    stand_ins = stand_in_kernels.install(monkeypatch)
+    yield stand_ins
+    stand_ins.lib._destroy()

@@ -104,12 +104,12 @@ def test_graph_cases(name, dtype):
 @pytest.mark.parametrize("d", [32, 64, 128, 16, 256, 24])
 @pytest.mark.parametrize("h", [1, 4])
 def test_head_dims_and_heads_with_split_windows(h, d, dtype):
-    bsb = _two_hub_graph(1003, 600, seed=11)
-    from gt_fused3s.ops import _backward_arrays, _forward_arrays
-    q = _qkv(bsb.num_nodes, h, d, LOW[dtype], seed=d + h)
-    assert _forward_arrays(bsb, q[0])[5].size(0) > 0, "the in-hub window should be split"
-    assert _backward_arrays(bsb, q[0])[3].size(0) > 0, "the out-hub window should be split"
-    _check_grads(*q, bsb, label=f"H={h} D={d}")
+    from gt_fused3s.plan import GraphPlan, padded_head_dim
+    plan = GraphPlan(_two_hub_graph(1003, 600, seed=11))
+    q = _qkv(plan.num_nodes, h, d, LOW[dtype], seed=d + h)
+    assert plan.forward_args(h, padded_head_dim(d))[5].size(0) > 0, "the in-hub window should be split"
+    assert plan.backward_args(h, padded_head_dim(d))[3].size(0) > 0, "the out-hub window should be split"
+    _check_grads(*q, plan, label=f"H={h} D={d}")
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -227,13 +227,13 @@ def test_backward_memory_is_not_edge_sized():
 
 
 def test_bad_inputs_through_the_bwd_op(ops):
-    from gt_fused3s.ops import _backward_arrays, _forward_arrays
-    bsb = _random_graph(40, 160, seed=0)
+    from gt_fused3s.plan import GraphPlan
+    plan = GraphPlan(_random_graph(40, 160, seed=0))
     q, k, v, do = _qkv(40, 2, 32, torch.float16)
-    fwd = _forward_arrays(bsb, q)
+    fwd = plan.forward_args(2, 32)
     out, lse = ops.fwd(q, k, v, *fwd, 0.1, False)
     _, cols, bitmap, _, items, slots = fwd
-    args = [do, q, k, v, out, lse, cols, bitmap, items, slots, *_backward_arrays(bsb, q), 0.1, False]
+    args = [do, q, k, v, out, lse, cols, bitmap, items, slots, *plan.backward_args(2, 32), 0.1, False]
 
     def call(i, value, match):
         a = list(args)

@@ -16,7 +16,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-FIELDS = ("rw_offset", "cols", "bitmap", "window_order", "edge_index")
+FIELDS = ("rw_offset", "cols", "bitmap", "window_order", "edge_index", "counters")
 
 
 @pytest.fixture(scope="module", autouse=True)

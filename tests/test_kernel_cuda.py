@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from gt_fused3s import BSBGraph, fused3s_attention
+from gt_fused3s import BSBGraph, GraphPlan, fused3s_attention
 from gt_fused3s.reference import attention_reference
 
 from graph_cases import GRAPH_CASES
@@ -192,12 +192,10 @@ def test_lse_and_determinism(ops):
     bsb = _hub_graph(n=5000, hub=77, degree=3000)      # includes a split window
     n, h, d = bsb.num_nodes, 2, 64
     q, k, v = _qkv(n, h, d, torch.float16, seed=3)
-    from gt_fused3s.ops import _forward_arrays
     scale = 1 / math.sqrt(d)
-    _forward_arrays(bsb, q)     # builds the schedule
-    items, slots = next(val for key, val in bsb.extras.items() if key.startswith("fused3s_fwd"))
-    assert slots.size(0) > 0, "the hub window should be split"
-    args = (q, k, v, bsb.rw_offset, bsb.cols, bsb.bitmap, bsb.window_order, items, slots, scale, False)
+    fwd_args = GraphPlan(bsb).forward_args(h, d)
+    assert fwd_args[5].size(0) > 0, "the hub window should be split"
+    args = (q, k, v, *fwd_args, scale, False)
     out1, lse1 = ops.fwd(*args)
     out2, lse2 = ops.fwd(*args)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)   # no race, no order dependence
@@ -246,20 +244,25 @@ def test_gpu_bsb_build_equals_cpu_build():
         a = BSBGraph.from_edge_index(ei.cpu(), n)
         b = BSBGraph.from_edge_index(ei.to(DEV), n)
         assert b.rw_offset.is_cuda
-        for field in ("rw_offset", "cols", "bitmap", "window_order", "edge_index"):
+        for field in ("rw_offset", "cols", "bitmap", "window_order", "edge_index", "counters"):
             x, y = getattr(a, field), getattr(b, field).cpu()
             assert x.dtype == y.dtype and torch.equal(x, y), f"{field} differs (N={n})"
         assert a.num_duplicates == b.num_duplicates
+        # static mode: the same arrays at capacity, padding after the first T TCBs
+        c = BSBGraph.from_edge_index(ei.to(DEV), n, static=True)
+        T = a.num_tcbs
+        assert c.static and c.counters.is_cuda and c.tcb_capacity == ei.size(1) // 8 + (n + 15) // 16 + 1
+        assert torch.equal(c.cols[:T * 8].cpu(), a.cols) and torch.equal(c.bitmap[:T].cpu(), a.bitmap)
+        assert (c.cols[T * 8:] == -1).all() and (c.bitmap[T:] == 0).all()
+        for field in ("rw_offset", "window_order", "edge_index", "counters"):
+            assert torch.equal(getattr(c, field).cpu(), getattr(a, field)), f"static {field} differs (N={n})"
 
 
 # ------------------------------------------------------------- bad inputs
 def _op_args(n=40, h=2, d=32, dtype=torch.float16):
     bsb = _random_graph(n, 4 * n, seed=0)
     q, k, v = _qkv(n, h, d, dtype)
-    from gt_fused3s.ops import _forward_arrays
-    _forward_arrays(bsb, q)
-    items, slots = next(val for key, val in bsb.extras.items() if key.startswith("fused3s_fwd"))
-    return [q, k, v, bsb.rw_offset, bsb.cols, bsb.bitmap, bsb.window_order, items, slots, 0.1, False]
+    return [q, k, v, *GraphPlan(bsb).forward_args(h, d), 0.1, False]
 
 
 def test_bad_inputs_through_the_op(ops):
@@ -280,8 +283,9 @@ def test_bad_inputs_through_the_op(ops):
     call(2, args[2].cpu(), "v must be on the device of q")
     call(3, args[3].cpu(), "rw_offset must be on the device of q")
     call(1, args[1][:, :, :16], "k must have the shape of q")
+    # a strided last dim is copied by the binding, not refused
     qt = torch.randn(q.size(0), q.size(1), 2 * q.size(2), device=DEV).half()[..., ::2]
-    call(0, qt, "q must be contiguous in its last dim")
+    assert torch.equal(ops.fwd(qt, *args[1:])[0], ops.fwd(qt.contiguous(), *args[1:])[0])
     call(0, {j: args[j][..., :24].contiguous() for j in range(3)}, "head dim D must be 16, 32, 64, 128 or 256")
     call(3, args[3].long(), r"rw_offset must be int32 \(got int64\)")
     call(5, args[5].int(), r"bitmap must be int64 \(got int32\)")
@@ -314,3 +318,27 @@ def test_bad_inputs_through_the_api():
     qt = torch.randn(40, 2, 64, device=DEV).half()[..., ::2]
     out = fused3s_attention(qt, k, v, bsb)
     torch.testing.assert_close(out, fused3s_attention(qt.contiguous(), k, v, bsb), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_static_plan_equals_exact_plan(dtype):
+    """A plan built at capacity (schedule with unused items, split windows
+    included) gives the exact plan's outputs, forward and backward."""
+    bsb = _hub_graph(n=5000, hub=77, degree=3000)
+    ei, n = bsb.edge_index, bsb.num_nodes
+    ei = torch.cat([ei, ei[:, :300]], 1)                          # + duplicates
+    exact = GraphPlan.from_edge_index(ei, n)
+    static = GraphPlan.from_edge_index(ei, n, static=True)
+    h, d = 2, 64
+    items = static.forward_args(h, d)[4]
+    assert static.static and (items[:, 0] < 0).any(), "a static schedule has unused items"
+    q, k, v = _qkv(n, h, d, LOW[dtype], seed=4)
+    do = torch.randn_like(q)
+    outs = []
+    for plan in (exact, static):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fused3s_attention(*leaves, plan)
+        outs.append([out, *torch.autograd.grad(out, leaves, do)])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    _check(q, k, v, static, label="static plan")

@@ -85,21 +85,27 @@ def test_constructor_options():
     assert model.backend == "fused3s"
 
 
-def test_bsb_built_once_per_forward(count_calls):
-    calls = count_calls(BSBGraph, "_build")
+def test_plan_built_once_per_forward(stand_in_kernels):
+    calls = stand_in_kernels.calls             # the kernel path, with CPU stand-ins
+    builds = lambda: calls.count("bsb_build")  # noqa: E731
     x, ei, _ = _molecules()
     model = _model()                               # 10 blocks, backend fused3s
     with torch.no_grad():
         model(x, ei)
-        assert len(calls) == 1
+        assert builds() == 1 and calls.count("fwd") == 10
         model(x, ei)                               # a forward is a new graph
-        assert len(calls) == 2
+        assert builds() == 2
         graph = model.make_graph(ei, x.size(0))
         model(x, None, graph=graph)
         model(x, None, graph=graph)                # prebuilt: reused
-        assert len(calls) == 3
-        model(x, None, graph=graph.bsb)            # a BSBGraph is accepted too
-        assert len(calls) == 3
+        assert builds() == 3
+        model(x, None, graph=graph.plan)           # a GraphPlan is accepted too
+        model(x, None, graph=graph.plan.bsb)       # and a BSBGraph
+        assert builds() == 3
+    model.train()
+    out = model(x, None, graph=graph)              # training: the transposed format, once
+    out.sum().backward()
+    assert builds() == 4 and calls.count("bwd") == 10
 
 
 def test_prebuilt_graph_checks():

@@ -16,7 +16,7 @@ from torch_geometric.nn import TransformerConv
 from torch_geometric.utils import coalesce
 
 import gt_fused3s.nn.pyg as pyg_mod
-from gt_fused3s import BSBGraph, cached_bsb
+from gt_fused3s import BSBGraph, GraphPlan, cached_plan
 from gt_fused3s.nn import Fused3SConv
 
 try:
@@ -71,7 +71,7 @@ def test_matches_transformer_conv(heads, concat, root_weight, beta, bias, fused_
     assert len(fused_calls) == 1
 
 
-@pytest.mark.parametrize("case", [c for c in GRAPH_CASES if c != "duplicates"])
+@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
 def test_matches_on_graph_cases(case, fused_calls):
     edge_index, n = GRAPH_CASES[case]()
     ref, ours = make_pair(heads=4, beta=True)
@@ -157,45 +157,49 @@ def test_lazy_in_channels():
 
 # ------------------------------------------------------------ graph format
 
-def test_bsb_built_once_across_calls_and_layers(bsb_builds, fused_calls):
+def test_plan_built_once_across_calls_and_layers(bsb_builds, fused_calls):
     edge_index, n = GRAPH_CASES["random_1003"]()
     edge_index = edge_index.clone()        # a tensor no other test has cached
     _, conv1 = make_pair(heads=4, seed=0)
     _, conv2 = make_pair(in_channels=4 * D, heads=2, seed=1)
     x = random_x(n)
-    for _ in range(2):
+    for _ in range(2):                     # a CPU runs the reference on the edges: no format
         conv2(conv1(x, edge_index), edge_index)
-    assert len(bsb_builds) == 1 and len(fused_calls) == 4
-    bsb = Fused3SConv.to_graph_format(edge_index, n)
-    assert bsb is cached_bsb(edge_index, n) and len(bsb_builds) == 1
+    assert len(bsb_builds) == 0 and len(fused_calls) == 4
+    plan = Fused3SConv.to_graph_format(edge_index, n)
+    assert plan is cached_plan(edge_index, n) and len(bsb_builds) == 1
+    for _ in range(2):
+        conv2(conv1(x, plan), plan)
+    assert len(bsb_builds) == 1 and len(fused_calls) == 8
 
 
-def test_prebuilt_bsb_graph(bsb_builds, fused_calls):
+def test_prebuilt_plan(bsb_builds, fused_calls):
     edge_index, n = GRAPH_CASES["isolated_nodes"]()
     ref, ours = make_pair(heads=4, beta=True)
     x = random_x(n)
-    bsb = Fused3SConv.to_graph_format(edge_index, n)
-    assert isinstance(bsb, BSBGraph) and bsb.num_nodes == n
+    plan = Fused3SConv.to_graph_format(edge_index, n)
+    assert isinstance(plan, GraphPlan) and plan.num_nodes == n
     assert len(bsb_builds) == 1
-    assert_close(ours(x, bsb), ref(x, edge_index))
-    assert len(bsb_builds) == 1 and len(fused_calls) == 1
-    # a fallback with a BSBGraph runs TransformerConv on its (deduplicated) edges
-    out, (ei, alpha) = ours(x, bsb, return_attention_weights=True)
-    assert ei is bsb.edge_index and alpha.shape == (bsb.num_edges, 4)
+    assert_close(ours(x, plan), ref(x, edge_index))
+    assert_close(ours(x, plan.bsb), ref(x, edge_index))       # a BSBGraph is taken too
+    assert len(bsb_builds) == 1 and len(fused_calls) == 2
+    # a fallback with a plan runs TransformerConv on its edges
+    out, (ei, alpha) = ours(x, plan, return_attention_weights=True)
+    assert ei is plan.edge_index and alpha.shape == (plan.bsb.num_edges, 4)
     assert_close(out, ref(x, edge_index))
 
 
-def test_duplicate_edges_warn_once():
+def test_duplicate_edges_count_as_in_transformer_conv():
     edge_index, n = GRAPH_CASES["duplicates"]()
     ref, ours = make_pair(heads=4)
     x = random_x(n)
-    with pytest.warns(UserWarning, match=r"duplicate edge.*coalesce"):
-        out = ours(x, edge_index)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        ours(x, edge_index)               # same graph: no second warning
-    # the fused mask counts a duplicate once: TransformerConv on the coalesced graph
-    assert_close(out, ref(x, coalesce(edge_index, num_nodes=n)))
+        warnings.simplefilter("error")    # no warning: nothing differs
+        out = ours(x, edge_index)
+        out_plan = ours(x, Fused3SConv.to_graph_format(edge_index, n))
+    assert_close(out, ref(x, edge_index))
+    assert_close(out_plan, ref(x, edge_index))
+    assert not torch.allclose(out, ref(x, coalesce(edge_index, num_nodes=n)), atol=1e-3)
 
 
 # ------------------------------------------------------------ fallbacks

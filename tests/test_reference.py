@@ -23,7 +23,7 @@ def test_reference_equals_dense(n, e, h, d):
     g = _graph(n, e, n)
     q, k, v = _qkv(n, h, d, 1)
     out = attention_reference(q, k, v, g.edge_index, compute_dtype=torch.float64)
-    dense = attention_dense(q, k, v, g.to_dense_mask(), compute_dtype=torch.float64)
+    dense = attention_dense(q, k, v, g.to_dense_counts(), compute_dtype=torch.float64)
     torch.testing.assert_close(out, dense, atol=1e-6, rtol=1e-6)
 
 
@@ -35,7 +35,7 @@ def test_large_and_negative_logits(logit_scale):
     q, k, v = _qkv(n, h, d, 2)
     q = q / q.norm(dim=-1, keepdim=True) * logit_scale ** 0.5 * d ** 0.25
     k = k / k.norm(dim=-1, keepdim=True) * logit_scale ** 0.5 * d ** 0.25
-    mask = g.to_dense_mask()
+    mask = g.to_dense_counts()
     for kk in (k, -k):          # all-negative scores: the row max must start at -inf, not 0
         exact = attention_reference(q, kk, v, g.edge_index, compute_dtype=torch.float64)
         dense = attention_dense(q, kk, v, mask, compute_dtype=torch.float64)
@@ -90,5 +90,21 @@ def test_value_dim_may_differ_and_bad_shapes():
         attention_reference(q, k[:, :, :4], k, ei)
     with pytest.raises(ValueError, match="floating-point"):
         attention_reference(q.long(), k, k, ei)
-    with pytest.raises(ValueError, match=r"mask must be bool \[N, N\]"):
+    with pytest.raises(ValueError, match=r"mask must be bool or integer \[N, N\]"):
         attention_dense(q, k, k, torch.ones(3, 3, dtype=torch.bool))
+
+
+def test_float64_stays_float64_and_gradcheck():
+    """The CPU path computes float64 inputs in float64 end to end, so
+    gradcheck holds (duplicates included)."""
+    from gt_fused3s import fused3s_attention
+    n = 9
+    ei = torch.tensor([[0, 1, 2, 3, 3, 8, 5, 5], [1, 2, 3, 0, 0, 8, 4, 4]])
+    q, k, v = (t.double().requires_grad_() for t in _qkv(n, 2, 4, 3))
+    out = fused3s_attention(q, k, v, ei)
+    assert out.dtype == torch.float64
+    exact = attention_dense(q, k, v, torch.zeros(n, n, dtype=torch.int64).index_put_(
+        (ei[1], ei[0]), torch.ones(ei.size(1), dtype=torch.int64), accumulate=True),
+        compute_dtype=torch.float64)
+    assert (out - exact).abs().max() < 1e-12
+    assert torch.autograd.gradcheck(lambda a, b, c: fused3s_attention(a, b, c, ei, 0.7), (q, k, v))

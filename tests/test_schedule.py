@@ -1,14 +1,14 @@
-"""The kernel's work schedule (built with torch ops, so checked on the CPU):
+"""The kernels' work schedule (built with torch ops, so checked on the CPU):
 every TCB is covered by exactly one item, split windows have consistent
-slots, and the sync-free path for graphs without heavy windows equals the
-general one."""
+slots, and the schedule at capacity (static shapes, no host sync) holds the
+exact one followed by unused items."""
 import dataclasses
 
 import pytest
 import torch
 
 import gt_fused3s.schedule as schedule
-from gt_fused3s.graph import BSBGraph
+from gt_fused3s.graph import BSBGraph, tcb_capacity
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +21,15 @@ def _graph(n, e, heavy, seed):
     ei = torch.randint(0, n, (2, e), generator=g)
     ei[1, :heavy] = 5                                  # one heavy destination row
     return BSBGraph.from_edge_index(ei, n)
+
+
+def _at_capacity(bsb):
+    """``bsb`` as the static builder makes it: cols / bitmap padded to capacity."""
+    cap = tcb_capacity(bsb.num_edges, bsb.num_nodes)
+    pad = cap - bsb.num_tcbs
+    return dataclasses.replace(
+        bsb, cols=torch.cat([bsb.cols, torch.full((pad * 8,), -1, dtype=torch.int32)]),
+        bitmap=torch.cat([bsb.bitmap, torch.zeros(pad, 2, dtype=torch.long)]), static=True)
 
 
 def _check_cover(bsb, items, slots):
@@ -37,7 +46,7 @@ def _check_cover(bsb, items, slots):
     work = items[:, 2] - items[:, 1]
     assert torch.all(work[:-1] >= work[1:])
     split = items[items[:, 3] >= 0]
-    assert torch.equal(torch.sort(split[:, 3]).values, torch.arange(slots.size(0)))
+    assert torch.equal(torch.sort(split[:, 3]).values, torch.arange(split.size(0)))
     for w, b, e, s in split.tolist():
         sw, first, end, _ = slots[s].tolist()
         assert sw == w and first <= s < end and end - first == per_window[w] > 1
@@ -45,20 +54,39 @@ def _check_cover(bsb, items, slots):
 
 
 @pytest.mark.parametrize("n,e,heavy,H,D", [(1003, 4000, 0, 1, 64), (5000, 60000, 3000, 1, 128),
-                                           (5000, 60000, 3000, 8, 32), (17, 0, 0, 2, 16)])
+                                           (5000, 60000, 3000, 8, 32), (17, 0, 0, 2, 16),
+                                           (3000, 90000, 2900, 4, 256)])
 def test_schedule_covers_every_tcb_once(n, e, heavy, H, D):
     bsb = _graph(n, e, heavy, n)
     items, slots = schedule.work_schedule(bsb, H, D)
     assert items.dtype == slots.dtype == torch.int32 and slots.shape[1] == 4
     _check_cover(bsb, items, slots)
-    assert schedule.work_schedule(bsb, H, D)[0] is items          # cached per (H, D)
+    assert slots.size(0) == (items[:, 3] >= 0).sum()             # exact: no unused slot
     if heavy:
         assert slots.size(0) > 0                                  # the heavy window is split
 
 
-def test_sync_free_path_equals_general_path():
-    bsb = _graph(3000, 20000, 0, 1)
-    fast = schedule.work_schedule(bsb, 1, 64)
-    general_bsb = dataclasses.replace(bsb, max_window_tcbs=10**9, extras={})
-    general = schedule.work_schedule(general_bsb, 1, 64)
-    assert torch.equal(fast[0], general[0]) and torch.equal(fast[1], general[1])
+@pytest.mark.parametrize("n,e,heavy,H,D", [(1003, 4000, 0, 1, 64), (5000, 60000, 3000, 1, 128),
+                                           (5000, 60000, 3000, 8, 32), (17, 0, 0, 2, 16)])
+def test_schedule_at_capacity_is_the_exact_one_plus_unused_items(n, e, heavy, H, D):
+    bsb = _at_capacity(_graph(n, e, heavy, n))
+    items, slots = schedule.work_schedule(bsb, H, D)            # static: capacity shapes
+    C, threshold = schedule.chunk_bounds(bsb.tcb_capacity, H, D, 132)
+    R, T_cap = bsb.num_windows, bsb.tcb_capacity
+    assert items.shape == (R + T_cap // C, 4) if R else items.shape == (0, 4)
+    assert slots.size(0) == (T_cap // C + T_cap // (threshold + 1) if R else 0)
+    used = items[:, 0] >= 0
+    assert torch.all(used[:-1] >= used[1:])                       # unused items come last
+    assert torch.all(items[~used] == torch.tensor([-1, 0, 0, -1], dtype=torch.int32))
+    exact = dataclasses.replace(bsb, static=False)
+    e_items, e_slots = schedule.work_schedule(exact, H, D)
+    assert torch.equal(items[used], e_items)
+    assert torch.equal(slots[:e_slots.size(0)], e_slots)
+    _check_cover(dataclasses.replace(bsb, cols=bsb.cols[:bsb.num_tcbs * 8],
+                                     bitmap=bsb.bitmap[:bsb.num_tcbs], static=False),
+                 items[used], slots)
+
+
+def test_chunk_bound_env_override(monkeypatch):
+    monkeypatch.setenv("GT_FUSED3S_CHUNK", "7")
+    assert schedule.chunk_bounds(10**6, 8, 64, 132) == (8, 8)

@@ -20,7 +20,7 @@ def setting():
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_stream_yields_the_plain_batches(setting, prefetch):
+def test_stream_yields_the_plain_batches(setting, prefetch, stand_in_kernels):
     ds, batches, model = setting
     order = [2, 0, 1, 2, 0]                         # r % B order of a timed run, wrapping
     staged = list(stream_batches(batches, model, CPU, order, prefetch=prefetch))
@@ -31,8 +31,8 @@ def test_stream_yields_the_plain_batches(setting, prefetch):
             assert torch.equal(st.data[key], plain[key])
         assert num_graphs(st.data) == plain.ptr.numel() - 1
         graph = model.prepare_graph(model.make_graph(plain.edge_index, plain.num_nodes))
-        assert torch.equal(st.graph.bsb.cols, graph.bsb.cols)
-        assert torch.equal(st.graph.bsb.bitmap, graph.bsb.bitmap)
+        assert torch.equal(st.graph.plan.bsb.cols, graph.plan.bsb.cols)
+        assert torch.equal(st.graph.plan.bsb.bitmap, graph.plan.bsb.bitmap)
         with torch.inference_mode():
             got = model(st.data.x, None, st.data.batch, graph=st.graph,
                         num_graphs=num_graphs(st.data))
@@ -41,16 +41,18 @@ def test_stream_yields_the_plain_batches(setting, prefetch):
     assert [num_graphs(s.data) for s in stream_batches(batches, model, CPU)] == [4, 4, 2]
 
 
-def test_staged_tensors_are_all_found(setting):
+def test_staged_tensors_are_all_found(setting, stand_in_kernels):
     """Prefetch record_streams every tensor of a staged batch on the main
-    stream: the data's and every format's (BSB arrays, dedup edge_index)."""
+    stream: the data's and every format's (the plan's BSB arrays and schedules)."""
     _, batches, model = setting
     model.backend = "reference"
     st = stage(batches[0], model, CPU)
-    st.graph.prepare("fused3s")
+    st.graph.prepare("fused3s", 2, 8, backward=True)
     found = {t.data_ptr() for t in _tensors(st)}
-    bsb = st.graph.bsb
+    plan = st.graph.plan
+    bsb = plan.bsb
     for t in (st.data.x, st.data.edge_index, st.data.batch, st.data.ptr, bsb.rw_offset,
-              bsb.cols, bsb.bitmap, bsb.window_order, bsb.edge_index, st.graph.edge_index):
+              bsb.cols, bsb.bitmap, bsb.window_order, bsb.edge_index, st.graph.edge_index,
+              *plan.forward_args(2, 16), *plan.backward_args(2, 16)):   # head dim 8 runs padded to 16
         assert t.data_ptr() in found
     model.backend = "fused3s"

@@ -1,11 +1,16 @@
-// GPU builder of the BSB format: one radix sort of 64-bit keys, one scan,
-// four element-wise kernels, a per-window scan and a sort of the windows by
+// GPU builder of the BSB format: one radix sort of 64-bit keys, three scans,
+// a few element-wise kernels, a per-window scan and a sort of the windows by
 // work. The same algorithm as BSBGraph._build in gt_fused3s/graph.py:
 //
 //   key = ((window * N + source) * 16 + row_in_window)     sorted, so that
-//   equal keys are duplicate edges and equal key >> 4 is one compacted column
-//   (a (window, source) pair); a pair's rank within its window is its
-//   compacted column, rank / 8 its TCB, rank % 8 its column in the TCB.
+//   equal keys are copies of one edge (copy c = rank among them) and equal
+//   key >> 4 is one (window, source) pair. A pair has as many columns as its
+//   most repeated edge: column (pair, c) holds copy c of each of its edges,
+//   so every edge is its own term. A column's rank within its window is its
+//   compacted column index, rank / 8 its TCB, rank % 8 its column in the TCB.
+//
+// Nothing here synchronises with the host: the outputs are sized from E and
+// N (at capacity), the counts the caller may want are left in `counters`.
 #include "bsb_build.h"
 
 #include <algorithm>
@@ -34,9 +39,15 @@ inline int key_bits(int64_t num_nodes) {
 
 inline size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
 
+struct MaxOp {
+    __device__ __forceinline__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; }
+};
+
 // Where each scratch array lives inside the caller's workspace.
 struct Layout {
-    size_t keys_a, keys_b, incl;            // [E] uint64 each
+    size_t keys_a, keys_b, incl;                      // [E] uint64 each
+    size_t run_first_in, run_first;                   // [E] int32: index of the first copy of each key
+    size_t pair_cols, col_base;                       // [E + 1] int32: columns of each pair, their scan
     size_t first_pair, end_pair, tcb_count, iota, counts_sorted;  // per window
     size_t temp;
     size_t temp_bytes;
@@ -46,11 +57,15 @@ struct Layout {
 Layout make_layout(int64_t E, int32_t N) {
     const int64_t R = (static_cast<int64_t>(N) + 15) / 16;
     const int bits = key_bits(N);
-    size_t sort_bytes = 0, scan_bytes = 0, wscan_bytes = 0, wsort_bytes = 0;
+    size_t sort_bytes = 0, scan_bytes = 0, max_bytes = 0, cscan_bytes = 0, wscan_bytes = 0, wsort_bytes = 0;
     cub::DeviceRadixSort::SortKeys(nullptr, sort_bytes, static_cast<const uint64_t*>(nullptr),
                                    static_cast<uint64_t*>(nullptr), E, 0, bits);
     cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, static_cast<const uint64_t*>(nullptr),
                                   static_cast<uint64_t*>(nullptr), E);
+    cub::DeviceScan::InclusiveScan(nullptr, max_bytes, static_cast<const int32_t*>(nullptr),
+                                   static_cast<int32_t*>(nullptr), MaxOp{}, E);
+    cub::DeviceScan::ExclusiveSum(nullptr, cscan_bytes, static_cast<const int32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr), E + 1);
     cub::DeviceScan::ExclusiveSum(nullptr, wscan_bytes, static_cast<const int32_t*>(nullptr),
                                   static_cast<int32_t*>(nullptr), R + 1);
     cub::DeviceRadixSort::SortPairsDescending(nullptr, wsort_bytes, static_cast<const int32_t*>(nullptr),
@@ -63,12 +78,16 @@ Layout make_layout(int64_t E, int32_t N) {
     l.keys_a = take(sizeof(uint64_t) * E);
     l.keys_b = take(sizeof(uint64_t) * E);
     l.incl = take(sizeof(uint64_t) * E);
+    l.run_first_in = take(sizeof(int32_t) * E);
+    l.run_first = take(sizeof(int32_t) * E);
+    l.pair_cols = take(sizeof(int32_t) * (E + 1));
+    l.col_base = take(sizeof(int32_t) * (E + 1));
     l.first_pair = take(sizeof(int32_t) * R);
     l.end_pair = take(sizeof(int32_t) * R);
     l.tcb_count = take(sizeof(int32_t) * (R + 1));
     l.iota = take(sizeof(int32_t) * R);
     l.counts_sorted = take(sizeof(int32_t) * R);
-    l.temp_bytes = std::max(std::max(sort_bytes, scan_bytes), std::max(wscan_bytes, wsort_bytes));
+    l.temp_bytes = std::max({sort_bytes, scan_bytes, max_bytes, cscan_bytes, wscan_bytes, wsort_bytes});
     l.temp = take(l.temp_bytes);
     l.total = off;
     return l;
@@ -79,6 +98,7 @@ __global__ void init_counters(int64_t* counters) {
     counters[1] = 0;
     counters[2] = INT64_MAX;   // smallest index seen
     counters[3] = INT64_MIN;   // largest index seen
+    counters[4] = 0;
 }
 
 // keys[i] of edge i, and the range of all indices (for the caller's check).
@@ -108,17 +128,32 @@ __global__ void make_keys(const Idx* __restrict__ src, int64_t src_stride, const
 
 // flags[i] = (is first copy of its key) << 32 | (is first key of its pair);
 // an inclusive scan of these packs two running counts in one 64-bit word.
-__global__ void mark_firsts(const uint64_t* __restrict__ keys, int64_t E, uint64_t* __restrict__ flags) {
+// run_first[i] = i at the first copy of a key, else 0 (a max-scan of it gives
+// the index of each key's first copy).
+__global__ void mark_firsts(const uint64_t* __restrict__ keys, int64_t E, uint64_t* __restrict__ flags,
+                            int32_t* __restrict__ run_first) {
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < E; i += int64_t(gridDim.x) * blockDim.x) {
         const uint64_t k = keys[i];
         const bool uniq = i == 0 || k != keys[i - 1];
         const bool new_pair = uniq && (i == 0 || (k >> 4) != (keys[i - 1] >> 4));
         flags[i] = (static_cast<uint64_t>(uniq) << 32) | static_cast<uint64_t>(new_pair);
+        run_first[i] = uniq ? static_cast<int32_t>(i) : 0;
     }
 }
 
 __device__ __forceinline__ int32_t pair_count(uint64_t incl) { return static_cast<int32_t>(incl & 0xffffffffu); }
 __device__ __forceinline__ int64_t edge_count(uint64_t incl) { return static_cast<int64_t>(incl >> 32); }
+
+// pair_cols[pair] = 1 + the largest copy number among its keys.
+__global__ void pair_columns(const uint64_t* __restrict__ keys, const uint64_t* __restrict__ incl,
+                             const int32_t* __restrict__ run_first, int64_t E, uint64_t num_pairs_total,
+                             int32_t* __restrict__ pair_cols) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < E; i += int64_t(gridDim.x) * blockDim.x) {
+        if ((keys[i] >> 4) >= num_pairs_total) continue;   // invalid edge (sorted last)
+        const int32_t copy = static_cast<int32_t>(i) - run_first[i];
+        atomicMax(pair_cols + pair_count(incl[i]) - 1, copy + 1);
+    }
+}
 
 // For each window: the id of its first pair and one past its last pair, read
 // at the window's first and last key (keys of one window are contiguous).
@@ -134,23 +169,26 @@ __global__ void window_bounds(const uint64_t* __restrict__ keys, const uint64_t*
     }
 }
 
-// tcb_count[w] = ceil(pairs / 8) (tcb_count[R] = 0, so that an exclusive scan
-// of R + 1 entries ends with T), iota for the sort of windows by work.
+// tcb_count[w] = ceil(columns / 8) (tcb_count[R] = 0, so that an exclusive
+// scan of R + 1 entries ends with T), iota for the sort of windows by work.
 __global__ void window_tcbs(const int32_t* __restrict__ first_pair, const int32_t* __restrict__ end_pair,
-                            int32_t R, int32_t* __restrict__ tcb_count, int32_t* __restrict__ iota) {
+                            const int32_t* __restrict__ col_base, int32_t R, int32_t* __restrict__ tcb_count,
+                            int32_t* __restrict__ iota) {
     const int64_t w = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     if (w < R) {
-        tcb_count[w] = (end_pair[w] - first_pair[w] + 7) / 8;
+        tcb_count[w] = (col_base[end_pair[w]] - col_base[first_pair[w]] + 7) / 8;
         iota[w] = static_cast<int32_t>(w);
     } else if (w == R) {
         tcb_count[R] = 0;
     }
 }
 
-// One thread per key: the first copy of each edge sets its bit, the first
-// key of each pair writes its column id, and each distinct edge is listed.
-__global__ void fill_blocks(const uint64_t* __restrict__ keys, const uint64_t* __restrict__ incl, int64_t E,
-                            int32_t N, uint64_t num_pairs_total, const int32_t* __restrict__ first_pair,
+// One thread per key: each copy of an edge sets its bit in its column, the
+// column's source id is written (the same value by every key of the
+// column), and the edge is listed.
+__global__ void fill_blocks(const uint64_t* __restrict__ keys, const uint64_t* __restrict__ incl,
+                            const int32_t* __restrict__ run_first, const int32_t* __restrict__ col_base,
+                            int64_t E, int32_t N, uint64_t num_pairs_total, const int32_t* __restrict__ first_pair,
                             const int32_t* __restrict__ rw_offset, int32_t* __restrict__ cols,
                             unsigned long long* __restrict__ bitmap, int64_t* __restrict__ edge_src,
                             int64_t* __restrict__ edge_dst) {
@@ -158,19 +196,17 @@ __global__ void fill_blocks(const uint64_t* __restrict__ keys, const uint64_t* _
         const uint64_t k = keys[i];
         const uint64_t pair = k >> 4;
         if (pair >= num_pairs_total) continue;
-        if (i > 0 && keys[i - 1] == k) continue;           // a duplicate edge counts once
         const int64_t w = static_cast<int64_t>(pair / N);
         const int64_t s = static_cast<int64_t>(pair - static_cast<uint64_t>(w) * N);
         const int32_t row_in = static_cast<int32_t>(k & 15);
-        const uint64_t c = incl[i];
-        const int32_t rank = pair_count(c) - 1 - first_pair[w];
+        const int32_t copy = static_cast<int32_t>(i) - run_first[i];
+        const int32_t rank = col_base[pair_count(incl[i]) - 1] + copy - col_base[first_pair[w]];
         const int64_t tcb = rw_offset[w] + (rank >> 3);
         const int32_t col = rank & 7;
-        if (i == 0 || (keys[i - 1] >> 4) != pair) cols[tcb * 8 + col] = static_cast<int32_t>(s);
+        cols[tcb * 8 + col] = static_cast<int32_t>(s);
         atomicOr(bitmap + tcb * 2 + (row_in >> 3), 1ull << (((row_in & 7) << 3) | col));
-        const int64_t e = edge_count(c) - 1;
-        edge_src[e] = s;
-        edge_dst[e] = w * 16 + row_in;
+        edge_src[i] = s;
+        edge_dst[i] = w * 16 + row_in;
     }
 }
 
@@ -194,15 +230,19 @@ size_t bsb_build_workspace_bytes(int64_t num_edges, int32_t num_nodes) {
     return make_layout(num_edges, num_nodes).total;
 }
 
-void run_bsb_build(const BsbBuildParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+cudaError_t run_bsb_build(const BsbBuildParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
     const int64_t E = p.num_edges;
     const int32_t N = p.num_nodes, R = p.num_windows;
     const Layout l = make_layout(E, N);
-    (void)workspace_bytes;   // the binding allocates bsb_build_workspace_bytes(E, N)
+    if (workspace_bytes < l.total) return cudaErrorInvalidValue;
     auto* base = static_cast<char*>(workspace);
     auto* keys_a = reinterpret_cast<uint64_t*>(base + l.keys_a);
     auto* keys_b = reinterpret_cast<uint64_t*>(base + l.keys_b);
     auto* incl = reinterpret_cast<uint64_t*>(base + l.incl);
+    auto* run_first_in = reinterpret_cast<int32_t*>(base + l.run_first_in);
+    auto* run_first = reinterpret_cast<int32_t*>(base + l.run_first);
+    auto* pair_cols = reinterpret_cast<int32_t*>(base + l.pair_cols);
+    auto* col_base = reinterpret_cast<int32_t*>(base + l.col_base);
     auto* first_pair = reinterpret_cast<int32_t*>(base + l.first_pair);
     auto* end_pair = reinterpret_cast<int32_t*>(base + l.end_pair);
     auto* tcb_count = reinterpret_cast<int32_t*>(base + l.tcb_count);
@@ -213,10 +253,12 @@ void run_bsb_build(const BsbBuildParams& p, void* workspace, size_t workspace_by
     const uint64_t num_pairs_total = static_cast<uint64_t>(R) * static_cast<uint64_t>(N);
 
     init_counters<<<1, 1, 0, stream>>>(p.counters_ptr);
-    cudaMemsetAsync(p.cols_ptr, 0xff, sizeof(int32_t) * 8 * p.max_tcbs, stream);   // -1 = padding
-    cudaMemsetAsync(p.bitmap_ptr, 0, sizeof(uint64_t) * 2 * p.max_tcbs, stream);
-    cudaMemsetAsync(first_pair, 0, sizeof(int32_t) * R, stream);                  // empty windows: 0 pairs
-    cudaMemsetAsync(end_pair, 0, sizeof(int32_t) * R, stream);
+    GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    GT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.cols_ptr, 0xff, sizeof(int32_t) * 8 * p.max_tcbs, stream));  // -1
+    GT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.bitmap_ptr, 0, sizeof(uint64_t) * 2 * p.max_tcbs, stream));
+    GT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(first_pair, 0, sizeof(int32_t) * R, stream));  // empty windows
+    GT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(end_pair, 0, sizeof(int32_t) * R, stream));
+    GT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pair_cols, 0, sizeof(int32_t) * (E + 1), stream));
     if (E > 0) {
         if (p.index64) {
             make_keys<int64_t><<<blocks_for(E), kThreads, 0, stream>>>(
@@ -227,31 +269,48 @@ void run_bsb_build(const BsbBuildParams& p, void* workspace, size_t workspace_by
                 static_cast<const int32_t*>(p.src_ptr), p.src_stride, static_cast<const int32_t*>(p.dst_ptr),
                 p.dst_stride, E, N, keys_a, p.counters_ptr);
         }
+        GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
         // Invalid keys have all their low bits set: they sort last.
-        cub::DeviceRadixSort::SortKeys(temp, temp_bytes, keys_a, keys_b, E, 0, key_bits(N), stream);
-        mark_firsts<<<blocks_for(E), kThreads, 0, stream>>>(keys_b, E, keys_a);
+        GT_CUDA_RETURN_IF_ERROR(
+            cub::DeviceRadixSort::SortKeys(temp, temp_bytes, keys_a, keys_b, E, 0, key_bits(N), stream));
+        mark_firsts<<<blocks_for(E), kThreads, 0, stream>>>(keys_b, E, keys_a, run_first_in);
+        GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
         temp_bytes = l.temp_bytes;
-        cub::DeviceScan::InclusiveSum(temp, temp_bytes, keys_a, incl, E, stream);
+        GT_CUDA_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(temp, temp_bytes, keys_a, incl, E, stream));
+        temp_bytes = l.temp_bytes;
+        GT_CUDA_RETURN_IF_ERROR(
+            cub::DeviceScan::InclusiveScan(temp, temp_bytes, run_first_in, run_first, MaxOp{}, E, stream));
+        pair_columns<<<blocks_for(E), kThreads, 0, stream>>>(keys_b, incl, run_first, E, num_pairs_total,
+                                                             pair_cols);
+        GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
         window_bounds<<<blocks_for(E), kThreads, 0, stream>>>(keys_b, incl, E, N, num_pairs_total, first_pair,
                                                               end_pair);
+        GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
+    // col_base[p] = first column of pair p (E + 1 entries: pairs past the last have 0 columns)
+    temp_bytes = l.temp_bytes;
+    GT_CUDA_RETURN_IF_ERROR(cub::DeviceScan::ExclusiveSum(temp, temp_bytes, pair_cols, col_base, E + 1, stream));
     if (R > 0) {
-        window_tcbs<<<blocks_for(R + 1), kThreads, 0, stream>>>(first_pair, end_pair, R, tcb_count, iota);
+        window_tcbs<<<blocks_for(R + 1), kThreads, 0, stream>>>(first_pair, end_pair, col_base, R, tcb_count, iota);
+        GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
         temp_bytes = l.temp_bytes;
-        cub::DeviceScan::ExclusiveSum(temp, temp_bytes, tcb_count, p.rw_offset_ptr, R + 1, stream);
+        GT_CUDA_RETURN_IF_ERROR(
+            cub::DeviceScan::ExclusiveSum(temp, temp_bytes, tcb_count, p.rw_offset_ptr, R + 1, stream));
         // Stable: windows with equal work keep ascending order (as torch.sort(stable=True)).
         temp_bytes = l.temp_bytes;
-        cub::DeviceRadixSort::SortPairsDescending(temp, temp_bytes, tcb_count, counts_sorted, iota,
-                                                  p.window_order_ptr, R, 0, 32, stream);
+        GT_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairsDescending(
+            temp, temp_bytes, tcb_count, counts_sorted, iota, p.window_order_ptr, R, 0, 32, stream));
     } else {
-        cudaMemsetAsync(p.rw_offset_ptr, 0, sizeof(int32_t), stream);
+        GT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.rw_offset_ptr, 0, sizeof(int32_t), stream));
     }
     if (E > 0) {
         fill_blocks<<<blocks_for(E), kThreads, 0, stream>>>(
-            keys_b, incl, E, N, num_pairs_total, first_pair, p.rw_offset_ptr, p.cols_ptr,
+            keys_b, incl, run_first, col_base, E, N, num_pairs_total, first_pair, p.rw_offset_ptr, p.cols_ptr,
             reinterpret_cast<unsigned long long*>(p.bitmap_ptr), p.edge_src_ptr, p.edge_dst_ptr);
+        GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
     finish_counters<<<1, 1, 0, stream>>>(p.rw_offset_ptr, R, incl, E, counts_sorted, p.counters_ptr);
+    return cudaGetLastError();
 }
 
 }  // namespace gt_fused3s

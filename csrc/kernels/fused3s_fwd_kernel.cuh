@@ -124,6 +124,7 @@ fused3s_fwd_kernel(const Fused3SParams p) {
         const int head = w - item_idx * p.num_heads;
         const int4 it = __ldg(reinterpret_cast<const int4*>(p.items_ptr) + item_idx);
         const int window = it.x, tcb_begin = it.y, tcb_end = it.z, slot = it.w;
+        if (window < 0) return;   // an unused item of a schedule at capacity (the whole block)
 
         const int row0 = window * 16 + g;   // rows g and g+8 of the window
         const int row1 = row0 + 8;

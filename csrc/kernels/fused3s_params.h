@@ -10,7 +10,8 @@ namespace gt_fused3s {
 // One work item of the forward kernel: a chunk of consecutive TCBs of one row
 // window. Items are listed heaviest first; warp-teams take work indices
 // w = item * num_heads + head in that order from an atomic counter.
-//   window     : row window r (rows 16r .. 16r+15)
+//   window     : row window r (rows 16r .. 16r+15); -1: an unused item of a
+//                schedule built at capacity, which the kernels skip
 //   tcb_begin  : first TCB of the chunk (global TCB index)
 //   tcb_end    : one past the last TCB (tcb_begin == tcb_end: empty window,
 //                the item writes zeros and lse = -inf)

@@ -3,10 +3,13 @@ backends, one process, one GPU (the work behind ``scripts/bench_kernel.py``).
 
 Backends, side by side on the same q, k, v:
 
-* ``fused3s``  : ``torch.ops.gt_fused3s.fwd`` called directly with the cached
-  BSB and schedule (counter memset + persistent kernel + output allocation); the public
-  ``fused3s_attention`` call (Python checks included) is timed too
-  (``fused3s_api_ms``).
+* ``fused3s``  : ``torch.ops.gt_fused3s.fwd`` called directly with the
+  plan's BSB and schedule (kernel + output allocation); the public
+  ``fused3s_attention`` call on the prepared plan (Python checks included)
+  is timed too (``fused3s_api_ms``), and what a user waits for one such call
+  (``fused3s_wall_ms``: synchronised; ``fused3s_host_ms``: until it returns)
+  against the kernel's device time (``fused3s_kernel_ms``), forward and
+  forward + backward (``fused3s_fb_*``).
 * ``reference``: this package's unfused PyTorch 3S (fp32 math).
 * ``pyg``      : PyG's unfused message passing (``torch_geometric.utils.softmax``
   + scatter-add), the computation of ``TransformerConv``.
@@ -144,9 +147,11 @@ def time_cuda(fn, *, min_reps: int = 10, max_reps: int = 200, budget_ms: float =
 
 
 def kernel_time(fn, name: str = "fused3s_fwd_kernel", reps: int = 30, flush: bool = True) -> float | None:
-    """Median device duration (ms) of the CUDA kernels whose name contains
-    ``name``, per call of ``fn()``, read from the profiler (CUPTI): the kernel
-    alone, without launch gaps or the counter memset. None if unavailable."""
+    """Device time (ms) of the CUDA kernels whose name contains ``name``, per
+    call of ``fn()`` (their durations summed, over ``reps`` calls), read from
+    the profiler (CUPTI): the kernels alone, without launch gaps. ``name=""``
+    counts every kernel and memset of the call (pass ``flush=False`` then).
+    None if unavailable."""
     try:
         from torch.profiler import ProfilerActivity, profile
         fn()
@@ -160,16 +165,37 @@ def kernel_time(fn, name: str = "fused3s_fwd_kernel", reps: int = 30, flush: boo
                     fn()
                 torch.cuda.synchronize()
             events = list(prof.events())
-        durs = []
+        total, found = 0.0, False
         for e in events:
-            if name in e.name:
+            if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name:
                 us = getattr(e, "device_time", None)
                 if us is None:
                     us = getattr(e, "cuda_time", 0.0)
-                durs.append(us / 1e3)
-        return statistics.median(durs) if durs else None
+                total += us / 1e3
+                found = True
+        return total / reps if found else None
     except Exception:   # profiler unavailable: the column stays empty
         return None
+
+
+def time_wall(fn, reps: int = 50) -> dict:
+    """What a user waits for one call: ``wall`` = median milliseconds from
+    calling ``fn()`` on an idle GPU to the end of its work (synchronised
+    before and after), ``host`` = median milliseconds until ``fn()`` returns
+    (the host's share: Python, checks, launches)."""
+    for _ in range(3):
+        fn()
+    walls, hosts = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        hosts.append((t1 - t0) * 1e3)
+        walls.append((t2 - t0) * 1e3)
+    return {"wall": statistics.median(walls), "host": statistics.median(hosts)}
 
 
 def time_host(fn, reps: int = 7) -> dict:
@@ -198,7 +224,7 @@ def env_info() -> dict:
 
 
 # --------------------------------------------------------------------- run
-def _measure_backward(row: dict, q, k, v, bsb, graph, scale: float, backends, reps: dict, ops) -> None:
+def _measure_backward(row: dict, q, k, v, plan, graph, scale: float, backends, reps: dict, ops) -> None:
     """Forward + backward timings of one graph and setting, into ``row``.
 
     ``fused3s_bwd_ms``: the backward op alone (dQ pass + dK/dV pass) on the
@@ -206,15 +232,20 @@ def _measure_backward(row: dict, q, k, v, bsb, graph, scale: float, backends, re
     ``fused3s_fb_api_ms``: ``fused3s_attention`` + ``torch.autograd.grad``
     (Python and autograd included); ``{pyg,reference}_fb_ms``: their forward +
     ``torch.autograd.grad``. Peak memory above the inputs in ``*_fb_peak_mb``.
+    What a user waits for one forward + backward through the API:
+    ``fused3s_fb_wall_ms`` (synchronised call) and ``fused3s_fb_host_ms``
+    (until the calls return), against ``fused3s_fb_kernel_ms``, the device
+    time of every kernel and memset of that call.
     """
     from .. import fused3s_attention
     from ..backends import get_backend
-    from ..ops import _backward_arrays, _forward_arrays
+    from ..plan import padded_head_dim
     gen = torch.Generator(device="cuda").manual_seed(1)
     dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
-    fwd = _forward_arrays(bsb, q)
+    H, Dp = q.size(1), padded_head_dim(q.size(-1))
+    fwd = plan.forward_args(H, Dp)
     t0 = time.perf_counter()
-    bwd_graph = _backward_arrays(bsb, q)        # transposed BSB + its schedule, once per graph
+    bwd_graph = plan.backward_args(H, Dp)       # transposed BSB + its schedule, once per graph
     torch.cuda.synchronize()
     row["transpose_first_call_ms"] = (time.perf_counter() - t0) * 1e3
     _, cols, bitmap, _, items, slots = fwd
@@ -226,7 +257,7 @@ def _measure_backward(row: dict, q, k, v, bsb, graph, scale: float, backends, re
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     fns = {"fused3s_bwd": lambda: backward(out, lse),
            "fused3s_fb": lambda: backward(*ops.fwd(q, k, v, *fwd, scale, False)),
-           "fused3s_fb_api": lambda: torch.autograd.grad(fused3s_attention(*leaves, bsb, scale), leaves, dout)}
+           "fused3s_fb_api": lambda: torch.autograd.grad(fused3s_attention(*leaves, plan, scale), leaves, dout)}
     for be in backends:
         if be in ("pyg", "reference"):
             fns[f"{be}_fb"] = (lambda f: lambda: torch.autograd.grad(f(*leaves, graph, scale), leaves, dout))(
@@ -249,6 +280,10 @@ def _measure_backward(row: dict, q, k, v, bsb, graph, scale: float, backends, re
             row["notes"] = (row.get("notes", "") + f"; {name}: {short_error(e)}").lstrip("; ")
         finally:
             free_cuda_memory()
+    api = fns["fused3s_fb_api"]
+    w = time_wall(api)
+    row["fused3s_fb_wall_ms"], row["fused3s_fb_host_ms"] = w["wall"], w["host"]
+    row["fused3s_fb_kernel_ms"] = kernel_time(api, name="", flush=False)
     if len(grads) == 2:
         row["max_grad_err_vs_reference"] = max((a - b).abs().max().item()
                                               for a, b in zip(grads["fused3s_fb_api"], grads["reference_fb"]))
@@ -262,10 +297,10 @@ def _measure_backward(row: dict, q, k, v, bsb, graph, scale: float, backends, re
 def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, out: str | None = None,
         flex_max_nodes: int = 65_536, flex_settings=("d128h1fp16",), flush: bool = True,
         backward: bool = True, log=print) -> list[dict]:
-    from .. import BSBGraph, fused3s_attention
+    from .. import BSBGraph, GraphPlan, fused3s_attention
     from .._build import load_extension
     from ..backends import AttentionGraph, get_backend
-    from ..ops import _forward_arrays, _kernel_forward
+    from ..plan import padded_head_dim
     from ..reference import default_scale
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -286,16 +321,21 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
         torch.cuda.synchronize()
         bsb = BSBGraph.from_edge_index(ei, n)
         tb = time_host(lambda: BSBGraph.from_edge_index(ei, n), reps=5 if quick else 11)
+        # the static build (capacity shapes, no host sync): its device time
+        tb_static = time_cuda(lambda: BSBGraph.from_edge_index(ei, n, static=True), flush=False, **{
+            k: v for k, v in reps.items() if k != "flush"})
         st = bsb.stats()
         builds.append({"graph": gname, "N": n, "nnz": bsb.num_edges, "tcbs": bsb.num_tcbs,
                        "bsb_build_ms": tb["median"], "bsb_build_min_ms": tb["min"],
+                       "bsb_build_static_ms": tb_static["median"],
                        "tcb_per_rw_max": st["tcb_per_rw_max"], "nnz_per_tcb": st["nnz_per_tcb_mean"]})
         if out:
             write_csv(builds, str(Path(out).with_suffix("")) + "_bsb_build.csv")
         log(f"[graph] {gname}: N={n} nnz={bsb.num_edges} TCB={bsb.num_tcbs} max TCB/RW="
             f"{st['tcb_per_rw_max']} nnz/TCB={st['nnz_per_tcb_mean']:.2f} "
             f"BSB build {tb['median']:.3f} ms (min {tb['min']:.3f})")
-        graph = AttentionGraph.from_bsb(bsb)
+        plan = GraphPlan(bsb)
+        graph = AttentionGraph.from_plan(plan)
         valid_cols = int((bsb.cols >= 0).sum())
         for sname in settings:
             D, H, dtype = SETTINGS[sname]
@@ -310,16 +350,15 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
             flops = T * H * 2 * (2 * 16 * 8 * D)
             row = {**env, "graph": gname, "N": n, "nnz": bsb.num_edges, "tcbs": T, "setting": sname,
                    "D": D, "H": H, "dtype": str(dtype).replace("torch.", ""), "bsb_build_ms": tb["median"]}
-            # Schedule (once per graph and setting), then the op alone.
+            # Schedule (once per graph and setting, in the plan), then the op alone.
             t0 = time.perf_counter()
-            _kernel_forward(q, k, v, _forward_arrays(bsb, q), scale, dtype, None)
+            fwd_args = plan.forward_args(H, padded_head_dim(D))
             torch.cuda.synchronize()
             row["schedule_first_call_ms"] = (time.perf_counter() - t0) * 1e3
-            items, slots = next(val for key, val in bsb.extras.items()
-                                if key.startswith(f"fused3s_fwd_schedule:H={H}:D={D}"))
+            items, slots = fwd_args[4], fwd_args[5]
             row["work_items"] = items.size(0)
             row["split_windows"] = int((slots[:, 1] == torch.arange(slots.size(0), device=slots.device)).sum())
-            args = (q, k, v, bsb.rw_offset, bsb.cols, bsb.bitmap, bsb.window_order, items, slots, scale, False)
+            args = (q, k, v, *fwd_args, scale, False)
             fused_out = None
             for be in backends:
                 note = ""
@@ -351,9 +390,11 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
                     row[f"{be}_ms"] = t["median"]
                     row[f"{be}_p10_ms"], row[f"{be}_p90_ms"] = t["p10"], t["p90"]
                     if be == "fused3s":
-                        row["fused3s_api_ms"] = time_cuda(lambda: fused3s_attention(q, k, v, bsb, scale),
-                                                          **reps)["median"]
+                        api = lambda: fused3s_attention(q, k, v, plan, scale)   # noqa: E731
+                        row["fused3s_api_ms"] = time_cuda(api, **reps)["median"]
                         row["fused3s_kernel_ms"] = kernel_time(fn, flush=flush)
+                        w = time_wall(api)
+                        row["fused3s_wall_ms"], row["fused3s_host_ms"] = w["wall"], w["host"]
                 except _Skip as e:
                     note = f"{be} skipped: {e}"
                 except torch.cuda.OutOfMemoryError:
@@ -368,7 +409,7 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
                 if note:
                     row["notes"] = (row.get("notes", "") + "; " + note).lstrip("; ")
             if backward:
-                _measure_backward(row, q, k, v, bsb, graph, scale, backends, reps, ops)
+                _measure_backward(row, q, k, v, plan, graph, scale, backends, reps, ops)
             f_ms = row.get("fused3s_ms")
             if f_ms:
                 row["gbps_min"] = bytes_min / f_ms / 1e6
@@ -383,7 +424,7 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
                 write_csv(rows, out)
             del q, k, v, args, fused_out
             free_cuda_memory()
-        del bsb, graph, ei
+        del bsb, plan, graph, ei
         free_cuda_memory()
     if out:
         write_csv(rows, out)
@@ -434,6 +475,28 @@ def format_table(rows: list[dict]) -> str:
                      f"over {len(v)} graphs")
     if any("fused3s_bwd_ms" in r for r in rows):
         lines += ["", format_training_table(rows)]
+    if any("fused3s_wall_ms" in r for r in rows):
+        lines += ["", format_host_table(rows)]
+    return "\n".join(lines)
+
+
+def format_host_table(rows: list[dict]) -> str:
+    """What a user waits for one call through ``fused3s_attention`` on a
+    prepared plan (wall: synchronised; host: until the call returns) against
+    the device time of the call's kernels; overhead = wall - kernel."""
+    head = ("graph", "setting", "fwd kernel ms", "fwd wall ms", "fwd host ms", "fwd overhead us",
+            "fwd+bwd kernel ms", "fwd+bwd wall ms", "fwd+bwd host ms", "fwd+bwd overhead us")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ms = lambda k: f"{r[k]:.4f}" if isinstance(r.get(k), float) else "-"   # noqa: E731
+
+        def over(wall, kern):
+            return (f"{(r[wall] - r[kern]) * 1e3:.0f}" if isinstance(r.get(wall), float)
+                    and isinstance(r.get(kern), float) else "-")
+        lines.append("| " + " | ".join([
+            r["graph"], r["setting"], ms("fused3s_kernel_ms"), ms("fused3s_wall_ms"), ms("fused3s_host_ms"),
+            over("fused3s_wall_ms", "fused3s_kernel_ms"), ms("fused3s_fb_kernel_ms"), ms("fused3s_fb_wall_ms"),
+            ms("fused3s_fb_host_ms"), over("fused3s_fb_wall_ms", "fused3s_fb_kernel_ms")]) + " |")
     return "\n".join(lines)
 
 
@@ -466,10 +529,11 @@ def format_training_table(rows: list[dict]) -> str:
 
 
 def format_builds(builds: list[dict]) -> str:
-    lines = ["| graph | N | nnz | TCBs | max TCB/RW | BSB build ms (GPU, median) | min |", "|---|---|---|---|---|---|---|"]
+    lines = ["| graph | N | nnz | TCBs | max TCB/RW | BSB build ms (exact, wall, median) | min | "
+             "static build ms (device) |", "|---|---|---|---|---|---|---|---|"]
     for b in builds:
         lines.append(f"| {b['graph']} | {b['N']} | {b['nnz']} | {b['tcbs']} | {b['tcb_per_rw_max']} | "
-                     f"{b['bsb_build_ms']:.3f} | {b['bsb_build_min_ms']:.3f} |")
+                     f"{b['bsb_build_ms']:.3f} | {b['bsb_build_min_ms']:.3f} | {b['bsb_build_static_ms']:.3f} |")
     return "\n".join(lines)
 
 
@@ -489,12 +553,13 @@ def write_csv(rows: list[dict], path: str) -> None:
 def sanitize_case() -> None:
     """A small run of every kernel path, forward and backward (split + merge
     in both backward passes, D = 256 team exchange, empty rows, N not a
-    multiple of 16, fp16 and bf16) for compute-sanitizer:
+    multiple of 16, duplicate edges, fp16 and bf16, a static plan whose
+    schedule has unused items) for compute-sanitizer:
 
         compute-sanitizer --tool memcheck python -c \\
             "from gt_fused3s.bench.kernel import sanitize_case; sanitize_case()"
     """
-    from .. import BSBGraph, fused3s_attention
+    from .. import GraphPlan, fused3s_attention
     from ..reference import attention_reference
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = 1003
@@ -502,20 +567,23 @@ def sanitize_case() -> None:
     dst = torch.randint(0, n - 40, (3 * n,), generator=gen, device="cuda")     # empty trailing rows
     hub = torch.arange(0, n, 2, device="cuda")
     # node 17 has ~500 in-neighbours, node 23 ~500 out-neighbours: split windows in every pass
-    src = torch.cat([src, hub, hub * 0 + 23])
-    dst = torch.cat([dst, hub * 0 + 17, hub])
-    bsb = BSBGraph.from_edge_index(torch.stack([src, dst]), n)
+    src = torch.cat([src, hub, hub * 0 + 23, src[:50]])                       # + duplicates
+    dst = torch.cat([dst, hub * 0 + 17, hub, dst[:50]])
+    ei = torch.stack([src, dst])
     worst, worst_grad = 0.0, 0.0
-    for dtype in (torch.float16, torch.bfloat16):
-        for h, d in ((2, 16), (2, 64), (1, 128), (2, 256), (1, 40)):
-            q, k, v, do = (torch.randn(n, h, d, generator=gen, device="cuda").to(dtype) for _ in range(4))
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = fused3s_attention(*leaves, bsb)
-            grads = torch.autograd.grad(out, leaves, do)
-            refs = [t.float().requires_grad_() for t in (q, k, v)]
-            ref = attention_reference(*refs, bsb.edge_index, out_dtype=torch.float32)
-            ref_grads = torch.autograd.grad(ref, refs, do.float())
-            worst = max(worst, (out.float() - ref).abs().max().item())
-            worst_grad = max(worst_grad, *((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads)))
+    cases = [(dtype, h, d, False) for dtype in (torch.float16, torch.bfloat16)
+             for h, d in ((2, 16), (2, 64), (1, 128), (2, 256), (1, 40))] + [(torch.float16, 2, 64, True)]
+    plans = {static: GraphPlan.from_edge_index(ei, n, static=static) for static in (False, True)}
+    for dtype, h, d, static in cases:
+        plan = plans[static]
+        q, k, v, do = (torch.randn(n, h, d, generator=gen, device="cuda").to(dtype) for _ in range(4))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fused3s_attention(*leaves, plan)
+        grads = torch.autograd.grad(out, leaves, do)
+        refs = [t.float().requires_grad_() for t in (q, k, v)]
+        ref = attention_reference(*refs, ei, out_dtype=torch.float32)
+        ref_grads = torch.autograd.grad(ref, refs, do.float())
+        worst = max(worst, (out.float() - ref).abs().max().item())
+        worst_grad = max(worst_grad, *((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads)))
     torch.cuda.synchronize()
     print(f"sanitize_case: ok, max abs err {worst:.3e}, gradients {worst_grad:.3e}")

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..backends import AttentionGraph, get_backend
 from ..graph import BSBGraph
+from ..plan import GraphPlan
 
 
 class AttentionTimer:
@@ -189,35 +190,41 @@ class GraphTransformer(nn.Module):
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ graph
-    def make_graph(self, edge_index: Tensor, num_nodes: int) -> AttentionGraph:
+    def make_graph(self, edge_index: Tensor, num_nodes: int, *,
+                   static: bool | None = None) -> AttentionGraph:
         """The :class:`AttentionGraph` a forward builds (self loops added if
         the model has ``self_loops``); build it once yourself and pass it as
-        ``graph=`` to reuse it across forwards on one graph."""
+        ``graph=`` to reuse it across forwards on one graph. ``static``: see
+        :class:`AttentionGraph` (default: static while a CUDA graph is
+        captured or torch.compile traces)."""
         if self.self_loops:
-            from torch_geometric.utils import add_remaining_self_loops
-            edge_index, _ = add_remaining_self_loops(edge_index, num_nodes=num_nodes)
-        return AttentionGraph(edge_index, num_nodes)
+            edge_index = _add_self_loops(edge_index, num_nodes)
+        return AttentionGraph(edge_index, num_nodes, static=static)
 
-    def prepare_graph(self, graph: AttentionGraph) -> AttentionGraph:
+    def prepare_graph(self, graph: AttentionGraph, *, backward: bool | None = None) -> AttentionGraph:
         """Build what the current backend reads of ``graph`` (for ``fused3s``
-        on CUDA, the BSB and the kernel's schedule for this model's heads),
-        so that a forward on it makes no host synchronisation. A forward
-        does this itself; call it ahead (e.g. on a side stream while the
-        previous batch computes) to take it off the critical path."""
-        graph.prepare(self._backend, self.blocks[0].heads, self.blocks[0].head_dim)
+        on CUDA, the plan: the BSB, the kernel's schedule for this model's
+        heads and, for training, the transposed format), so that a forward
+        and backward on it make no host synchronisation. A forward does this
+        itself; call it ahead (e.g. on a side stream while the previous batch
+        computes) to take it off the critical path. ``backward`` defaults to
+        ``self.training``."""
+        graph.prepare(self._backend, self.blocks[0].heads, self.blocks[0].head_dim,
+                      backward=self.training if backward is None else backward)
         return graph
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor, edge_index: Tensor | None, batch: Tensor | None = None,
-                graph: AttentionGraph | BSBGraph | None = None,
+                graph: AttentionGraph | GraphPlan | BSBGraph | None = None,
                 num_graphs: int | None = None) -> Tensor:
         """Args:
             x: [N, F] node features.
             edge_index: [2, E]; ignored when ``graph`` is given.
             batch: [N] graph id of each node, for ``readout="graph"``.
-            graph: a prebuilt :class:`AttentionGraph` (or :class:`BSBGraph`)
-                of this graph. Default: built here, once per forward, and
-                shared by all blocks (a batch is a new graph).
+            graph: a prebuilt :class:`AttentionGraph` (or a
+                :class:`GraphPlan` / :class:`BSBGraph`) of this graph.
+                Default: built here, once per forward, and shared by all
+                blocks (a batch is a new graph).
             num_graphs: the number of graphs in ``batch`` (graph readout);
                 given, the readout needs no host synchronisation.
         """
@@ -226,8 +233,8 @@ class GraphTransformer(nn.Module):
             if edge_index is None:
                 raise ValueError("pass edge_index or graph")
             graph = self.make_graph(edge_index, N)
-        elif isinstance(graph, BSBGraph):
-            graph = AttentionGraph.from_bsb(graph)
+        elif isinstance(graph, (GraphPlan, BSBGraph)):
+            graph = AttentionGraph.from_plan(graph)
         if graph.num_nodes != N:
             raise ValueError(f"graph has {graph.num_nodes} nodes but x has {N} rows")
         if graph.device != x.device:
@@ -248,3 +255,15 @@ class GraphTransformer(nn.Module):
             from torch_geometric.nn import global_mean_pool
             h = global_mean_pool(h, batch, size=num_graphs)
         return self.head(h)
+
+
+def _add_self_loops(edge_index: Tensor, num_nodes: int) -> Tensor:
+    """``edge_index`` plus a self loop on every node that has none (PyG's
+    ``add_remaining_self_loops``). Its edge count depends on the data, so it
+    cannot run inside a captured CUDA graph or a compiled region: there, add
+    the loops to the batches beforehand."""
+    if torch.compiler.is_compiling() or (edge_index.is_cuda and torch.cuda.is_current_stream_capturing()):
+        raise NotImplementedError("self_loops=True makes the edge count data-dependent; add the self "
+                                  "loops to the batches before a captured or compiled forward")
+    from torch_geometric.utils import add_remaining_self_loops
+    return add_remaining_self_loops(edge_index, num_nodes=num_nodes)[0]

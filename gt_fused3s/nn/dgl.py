@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 import weakref
 
 import torch
@@ -26,8 +25,8 @@ except ImportError as e:  # ModuleNotFoundError, or DGL's own import failures
     raise ImportError('gt_fused3s.nn.dgl needs DGL, which could not be imported '
                       f'({e}); install it with: pip install "gt-fused3s[dgl]"') from e
 
-from ..graph import BSBGraph
 from ..ops import fused3s_attention, kernel_accepts
+from ..plan import GraphPlan
 from ..reference import attention_reference
 
 __all__ = ["Fused3SConv"]
@@ -73,10 +72,8 @@ class Fused3SConv(nn.Module):
     graphs, blocks) and ``get_attention=True`` take the unfused DGL
     computation above, which needs the features on the graph's device.
 
-    .. note::
-        The attention mask is binary: a duplicate edge (a multigraph) counts
-        once, while DGL's edge softmax counts every copy. The layer warns
-        once per graph; ``dgl.to_simple(g)`` removes duplicates.
+    Duplicate edges (a multigraph) count as often as they appear, as in
+    DGL's edge softmax.
 
     Parameters
     ----------
@@ -134,11 +131,12 @@ class Fused3SConv(nn.Module):
                 f"out_feats={self._out_feats}, num_heads={self._num_heads}")
 
     @staticmethod
-    def to_graph_format(graph, device=None) -> BSBGraph:
-        """The BSB format of ``graph`` on ``device`` (default: the graph's),
-        built on first use and cached for as long as the graph lives."""
+    def to_graph_format(graph, device=None) -> GraphPlan:
+        """The plan (BSB format and kernel schedules) of ``graph`` on
+        ``device`` (default: the graph's), built on first use and cached for
+        as long as the graph lives."""
         device = torch.device(device) if device is not None else graph.device
-        return _graph_bsb(graph, device)
+        return _graph_plan(graph, device)
 
     def forward(self, graph, feat, get_attention: bool = False):
         r"""Compute the attention.
@@ -198,10 +196,10 @@ class Fused3SConv(nn.Module):
         if get_attention or n_src != n_dst or len(graph.canonical_etypes) != 1:
             return self._forward_unfused(graph, q, k, v, get_attention)
 
-        bsb = _graph_bsb(graph, q.device)
+        plan = _graph_plan(graph, q.device)
         if q.is_cuda and not kernel_accepts(D, q.dtype):
-            return attention_reference(q, k, v, bsb.edge_index, scale)
-        return fused3s_attention(q, k, v, bsb, scale)
+            return attention_reference(q, k, v, plan.edge_index, scale)
+        return fused3s_attention(q, k, v, plan, scale)
 
     def _forward_unfused(self, graph, q: Tensor, k: Tensor, v: Tensor, get_attention: bool):
         """DGL's message passing: u_dot_v -> edge_softmax -> u_mul_e / sum."""
@@ -215,18 +213,17 @@ class Fused3SConv(nn.Module):
             return (rst, graph.edata["a"]) if get_attention else rst
 
 
-# One entry per DGLGraph object: its BSB per device and its 0-in-degree
+# One entry per DGLGraph object: its plan per device and its 0-in-degree
 # flag. Checked against the node and edge counts, so a graph changed in
 # place is rebuilt; entries die with their graph.
 _GRAPH_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_DUPLICATES_WARNED: "weakref.WeakSet[BSBGraph]" = weakref.WeakSet()
 
 
 def _graph_entry(graph) -> dict:
     sig = (graph.num_src_nodes(), graph.num_dst_nodes(), graph.num_edges())
     entry = _GRAPH_CACHE.get(graph)
     if entry is None or entry["sig"] != sig:
-        entry = {"sig": sig, "bsb": {}, "zero_in": None}
+        entry = {"sig": sig, "plan": {}, "zero_in": None}
         _GRAPH_CACHE[graph] = entry
     return entry
 
@@ -238,22 +235,14 @@ def _has_zero_in_degree(graph) -> bool:
     return entry["zero_in"]
 
 
-def _graph_bsb(graph, device: torch.device) -> BSBGraph:
+def _graph_plan(graph, device: torch.device) -> GraphPlan:
     entry = _graph_entry(graph)
-    bsb = entry["bsb"].get(device)
-    if bsb is None:
+    plan = entry["plan"].get(device)
+    if plan is None:
         if len(graph.canonical_etypes) != 1 or graph.num_src_nodes() != graph.num_dst_nodes():
             raise DGLError("the fused attention needs a graph with one edge type and as many "
                            "source as destination nodes")
         src, dst = graph.edges()
         edge_index = torch.stack([src, dst]).to(device=device, dtype=torch.int64)
-        bsb = BSBGraph.from_edge_index(edge_index, graph.num_dst_nodes())
-        entry["bsb"][device] = bsb
-    if bsb.num_duplicates > 0 and bsb not in _DUPLICATES_WARNED:
-        _DUPLICATES_WARNED.add(bsb)
-        warnings.warn(
-            f"Fused3SConv: the graph has {bsb.num_duplicates} duplicate edge(s). The fused "
-            f"attention counts each edge once, DGL's edge_softmax counts every copy, so the "
-            f"outputs differ on this graph. Remove duplicates to match DGL: "
-            f"g = dgl.to_simple(g).", UserWarning, stacklevel=5)  # the caller of the layer
-    return bsb
+        plan = entry["plan"][device] = GraphPlan.from_edge_index(edge_index, graph.num_dst_nodes())
+    return plan

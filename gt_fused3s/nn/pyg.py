@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
 from typing import Optional, Tuple, Union
 
@@ -12,8 +11,10 @@ from torch import Tensor
 from torch_geometric.nn import TransformerConv
 from torch_geometric.typing import SparseTensor
 
-from ..graph import BSBGraph, _check_index_tensor, _check_range, cached_bsb
+from ..graph import BSBGraph, _check_index_tensor, _check_range
+from .. import ops
 from ..ops import fused3s_attention, kernel_accepts
+from ..plan import GraphPlan, as_plan, cached_plan
 
 __all__ = ["Fused3SConv"]
 
@@ -48,11 +49,16 @@ class Fused3SConv(TransformerConv):
     ``state_dict`` are shared, so a :class:`TransformerConv` checkpoint loads
     with ``strict=True`` (and back).
 
-    The BSB format of a graph is built once and reused: for an
-    ``edge_index`` tensor (or sparse adjacency) it is cached for as long as
-    that tensor lives unmodified, so every call and every layer on one graph
-    shares it. It can also be built explicitly with :meth:`to_graph_format`
-    and passed as ``edge_index``.
+    The graph's plan (its BSB format, transposed format and kernel
+    schedules, :class:`~gt_fused3s.plan.GraphPlan`) is built once and
+    reused: for an ``edge_index`` tensor (or sparse adjacency) it is cached
+    for as long as that tensor lives unmodified, so every call and every
+    layer on one graph shares it. Build it explicitly with
+    :meth:`to_graph_format` (and :meth:`~gt_fused3s.plan.GraphPlan.prepare`
+    it) and pass it as ``edge_index``: then a forward and backward make no
+    host synchronisation and can be captured in a CUDA graph. Under
+    ``torch.compile`` a plan passed in is read as is; an ``edge_index``
+    is turned into a static plan inside the compiled region, once per call.
 
     CUDA inputs take the fused kernel (fp32 features are computed with fp16
     tensor-core operands and fp32 accumulation); CPU inputs take the
@@ -71,13 +77,8 @@ class Fused3SConv(TransformerConv):
     - on CUDA, a head size ``out_channels`` the kernel does not take (not a
       multiple of 8 or above 256) or fp64 features.
 
-    .. note::
-        The attention mask is binary: a duplicate edge counts once, while
-        :class:`TransformerConv` counts it as often as it appears. When a
-        graph has duplicates the layer warns once per graph; coalesce it
-        (:func:`torch_geometric.utils.coalesce`) to match
-        :class:`TransformerConv`. The unfused path above passes the edges
-        as given, duplicates included.
+    Duplicate edges count as often as they appear, exactly as in
+    :class:`TransformerConv`.
 
     Args:
         in_channels (int or tuple): Size of each input sample, or :obj:`-1`
@@ -111,7 +112,8 @@ class Fused3SConv(TransformerConv):
           if bipartite,
           edge indices :math:`(2, |\mathcal{E}|)` (int32 or int64, row 0 = source),
           a sparse adjacency :math:`(|\mathcal{V_t}|, |\mathcal{V_s}|)` or a
-          :class:`~gt_fused3s.graph.BSBGraph`,
+          :class:`~gt_fused3s.plan.GraphPlan` (or
+          :class:`~gt_fused3s.graph.BSBGraph`),
           edge features :math:`(|\mathcal{E}|, D)` *(optional)*
         - **output:** node features :math:`(|\mathcal{V}_t|, H * F_{out})`
           (:math:`(|\mathcal{V}_t|, F_{out})` if :obj:`concat=False`), or
@@ -137,9 +139,12 @@ class Fused3SConv(TransformerConv):
                          root_weight=root_weight, **kwargs)
 
     @staticmethod
-    def to_graph_format(edge_index: Tensor, num_nodes: Optional[int] = None) -> BSBGraph:
-        r"""Converts a graph to the BSB format that :meth:`forward` takes as
-        ``edge_index`` (see :mod:`gt_fused3s.graph` for the layout).
+    def to_graph_format(edge_index: Tensor, num_nodes: Optional[int] = None) -> GraphPlan:
+        r"""Converts a graph to the plan that :meth:`forward` takes as
+        ``edge_index`` (its BSB format, see :mod:`gt_fused3s.graph` for the
+        layout; :meth:`~gt_fused3s.plan.GraphPlan.prepare` it for the
+        layer's ``heads`` and ``out_channels`` to build its kernel schedules
+        ahead too).
 
         The result is the one cached for ``edge_index``: a later call of the
         layer with the same tensor reuses it. Build it on the device of the
@@ -154,16 +159,16 @@ class Fused3SConv(TransformerConv):
                 trailing nodes cannot be inferred. (default: :obj:`None`,
                 ``edge_index.max() + 1``)
         """
-        if isinstance(edge_index, BSBGraph):
-            return edge_index
+        if isinstance(edge_index, (GraphPlan, BSBGraph)):
+            return as_plan(edge_index)
         if _is_sparse(edge_index):
-            return _sparse_bsb(edge_index)
-        return cached_bsb(edge_index, num_nodes)
+            return _sparse_plan(edge_index)
+        return cached_plan(edge_index, num_nodes)
 
     def forward(  # noqa: D417
         self,
         x: Union[Tensor, Tuple[Tensor, Tensor]],
-        edge_index: Union[Tensor, SparseTensor, BSBGraph],
+        edge_index: Union[Tensor, SparseTensor, GraphPlan, BSBGraph],
         edge_attr: Optional[Tensor] = None,
         return_attention_weights: Optional[bool] = None,
     ):
@@ -172,32 +177,32 @@ class Fused3SConv(TransformerConv):
         Args:
             x (torch.Tensor or (torch.Tensor, torch.Tensor)): The input node
                 features.
-            edge_index (torch.Tensor, SparseTensor or BSBGraph): The edge
-                indices, a sparse adjacency, or the graph's format from
+            edge_index (torch.Tensor, SparseTensor or GraphPlan): The edge
+                indices, a sparse adjacency, or the graph's plan from
                 :meth:`to_graph_format`.
             edge_attr (torch.Tensor, optional): The edge features (unfused
-                path; not with a :class:`BSBGraph`, whose edges are
-                reordered). (default: :obj:`None`)
+                path; not with a plan, whose edges are reordered).
+                (default: :obj:`None`)
             return_attention_weights (bool, optional): If set to a bool,
                 additionally returns :obj:`(edge_index, attention_weights)`
                 (unfused path). (default: :obj:`None`)
         """
         x_src, x_dst = self._check_x(x)
         n_src, n_dst = x_src.size(0), x_dst.size(0)
-        is_bsb = isinstance(edge_index, BSBGraph)
-        if is_bsb:
+        is_plan = isinstance(edge_index, (GraphPlan, BSBGraph))
+        if is_plan:
             if n_src != edge_index.num_nodes or n_dst != edge_index.num_nodes:
                 raise ValueError(f"x has {n_src} source and {n_dst} destination nodes but the "
-                                 f"BSBGraph passed as edge_index was built for "
+                                 f"{type(edge_index).__name__} passed as edge_index was built for "
                                  f"num_nodes={edge_index.num_nodes}")
             if edge_attr is not None:
-                raise ValueError("edge_attr cannot be used with a BSBGraph (its edges are "
-                                 "deduplicated and reordered); pass the edge_index tensor")
+                raise ValueError(f"edge_attr cannot be used with a {type(edge_index).__name__} (its "
+                                 f"edges are reordered); pass the edge_index tensor")
         self._check_edge_index(edge_index, n_src, n_dst, x_dst.device)
 
         if not self._fused_path_applies(x_dst, n_src, n_dst, edge_index, edge_attr,
                                         return_attention_weights):
-            if is_bsb:
+            if is_plan:
                 edge_index = edge_index.edge_index
             elif isinstance(edge_index, Tensor) and not _is_sparse(edge_index):
                 # propagate() does not check ranges: give the clear error here
@@ -205,14 +210,16 @@ class Fused3SConv(TransformerConv):
                 _check_range("edge_index[1]", edge_index[1], 0, n_dst)
             return super().forward(x, edge_index, edge_attr, return_attention_weights)
 
-        bsb = self.to_graph_format(edge_index, n_dst)
-        _warn_duplicates_once(bsb)
-
         H, C = self.heads, self.out_channels
+        # Without the kernel (a CPU) the fused path is the reference, which
+        # reads the edges only: no format to build.
+        graph = (edge_index if isinstance(edge_index, Tensor) and not _is_sparse(edge_index)
+                 and not ops.kernel_available(x_dst.device)
+                 else self.to_graph_format(edge_index, n_dst))
         query = self.lin_query(x_dst).view(-1, H, C)
         key = self.lin_key(x_src).view(-1, H, C)
         value = self.lin_value(x_src).view(-1, H, C)
-        out = fused3s_attention(query, key, value, bsb, 1.0 / math.sqrt(C))
+        out = fused3s_attention(query, key, value, graph, 1.0 / math.sqrt(C))
         return self._combine(out, x_dst)
 
     # ------------------------------------------------------------- internals
@@ -289,7 +296,7 @@ class Fused3SConv(TransformerConv):
 
     @staticmethod
     def _check_edge_index(edge_index, n_src: int, n_dst: int, device: torch.device) -> None:
-        if isinstance(edge_index, BSBGraph):
+        if isinstance(edge_index, (GraphPlan, BSBGraph)):
             dev = edge_index.device
         elif _is_sparse(edge_index):
             torch_sparse = isinstance(edge_index, SparseTensor)
@@ -310,7 +317,7 @@ class Fused3SConv(TransformerConv):
             dev = edge_index.device
         else:
             raise ValueError(f"edge_index must be an integer tensor [2, E], a sparse adjacency "
-                             f"or a BSBGraph (got {type(edge_index).__name__})")
+                             f"or a GraphPlan (got {type(edge_index).__name__})")
         if dev != device:
             raise ValueError(f"edge_index is on {dev} but x is on {device}; move the graph "
                              f"to the device of the features once (edge_index.to(x.device))")
@@ -330,12 +337,12 @@ def _sparse_has_features(adj) -> bool:
     return values.dim() > 1
 
 
-# The BSB of a sparse adjacency, cached like graph.cached_bsb caches that of
+# The plan of a sparse adjacency, cached like plan.cached_plan caches that of
 # an edge_index tensor: keyed by identity, checked against version and shape.
 _SPARSE_CACHE: dict = {}
 
 
-def _sparse_bsb(adj) -> BSBGraph:
+def _sparse_plan(adj) -> GraphPlan:
     if isinstance(adj, SparseTensor):
         n_dst, n_src = adj.sizes()[:2]
         sig = (adj.nnz(), n_dst, n_src)
@@ -359,19 +366,6 @@ def _sparse_bsb(adj) -> BSBGraph:
     else:
         raise ValueError(f"a sparse edge_index must have the COO or CSR layout "
                          f"(got {adj.layout})")
-    _SPARSE_CACHE[key] = (weakref.ref(adj, lambda _, k=key: _SPARSE_CACHE.pop(k, None)), sig, bsb)
-    return bsb
-
-
-_DUPLICATES_WARNED: "weakref.WeakSet[BSBGraph]" = weakref.WeakSet()
-
-
-def _warn_duplicates_once(bsb: BSBGraph) -> None:
-    if bsb.num_duplicates > 0 and bsb not in _DUPLICATES_WARNED:
-        _DUPLICATES_WARNED.add(bsb)
-        warnings.warn(
-            f"Fused3SConv: the graph has {bsb.num_duplicates} duplicate edge(s). The fused "
-            f"attention counts each edge once, TransformerConv counts every copy, so the "
-            f"outputs differ on this graph. Coalesce it to match TransformerConv: "
-            f"edge_index = torch_geometric.utils.coalesce(edge_index).",
-            UserWarning, stacklevel=5)  # the caller of the layer
+    plan = GraphPlan(bsb)
+    _SPARSE_CACHE[key] = (weakref.ref(adj, lambda _, k=key: _SPARSE_CACHE.pop(k, None)), sig, plan)
+    return plan

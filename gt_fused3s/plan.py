@@ -1,0 +1,195 @@
+"""The per-graph plan: everything the fused kernels read that depends only on
+the graph, built once when the graph is prepared.
+
+A :class:`GraphPlan` holds the graph's BSB format (rows = destinations), the
+BSB of the reversed graph for the backward's dK/dV pass, and the work
+schedule of each (heads, head dim) in use, with the kernels' graph
+arguments flattened once. :func:`~gt_fused3s.ops.fused3s_attention` reads
+it; nothing else writes into it. Prepared for a (heads, head dim) and, for
+training, with its transpose, a call on the plan only launches kernels: no
+host synchronisation, no allocation a CUDA graph could not replay.
+
+Built in static mode (``static=True``, or automatically while a CUDA graph
+is captured or torch.compile traces), a plan's shapes depend only on the
+graph's node and edge counts and its build makes no host synchronisation,
+so a new batch's plan can itself be part of a captured graph.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .graph import BSBGraph, _check_edge_index, _check_num_nodes, _in_capture_or_compile
+from .schedule import work_schedule
+
+_SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the kernel runs for ``head_dim`` (zero-padded up to it)."""
+    for d in _SUPPORTED_HEAD_DIMS:
+        if d >= head_dim:
+            return d
+    raise ValueError(f"head dim {head_dim} is above the kernel's largest ({_SUPPORTED_HEAD_DIMS[-1]})")
+
+
+class GraphPlan:
+    """One graph (or block-diagonal batch) prepared for the fused kernels.
+
+    Args:
+        bsb: the graph's BSB format.
+        transposed: the BSB of the reversed graph (built by :meth:`prepare`
+            with ``backward=True`` if not given).
+
+    Build it with :meth:`from_edge_index` (or :meth:`from_bsb`) and
+    :meth:`prepare` it for the heads and head dims of the model::
+
+        plan = GraphPlan.from_edge_index(edge_index, num_nodes).prepare(heads=4, head_dim=32)
+        out = fused3s_attention(q, k, v, plan)      # no host sync, forward and backward
+    """
+
+    def __init__(self, bsb: BSBGraph, transposed: BSBGraph | None = None):
+        if not isinstance(bsb, BSBGraph):
+            raise ValueError(f"bsb must be a BSBGraph (got {type(bsb).__name__})")
+        if transposed is not None and (transposed.num_nodes != bsb.num_nodes
+                                       or transposed.device != bsb.device):
+            raise ValueError("transposed must be the BSB of the same graph reversed, on its device")
+        self.bsb = bsb
+        self.transposed = transposed
+        # (heads, padded head dim) -> (forward arguments, backward arguments)
+        self._fwd_args: dict[tuple[int, int], tuple[Tensor, ...]] = {}
+        self._bwd_args: dict[tuple[int, int], tuple[Tensor, ...]] = {}
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def from_edge_index(cls, edge_index: Tensor, num_nodes: int | None = None, *,
+                        static: bool | None = None) -> "GraphPlan":
+        """The plan of ``edge_index`` [2, E] (row 0 sources, row 1
+        destinations; duplicates count with their multiplicity), built on
+        its device. ``static``: see :meth:`BSBGraph.from_edge_index`."""
+        return cls(BSBGraph.from_edge_index(edge_index, num_nodes, static=static))
+
+    @classmethod
+    def from_bsb(cls, bsb: BSBGraph) -> "GraphPlan":
+        return cls(bsb)
+
+    def prepare(self, heads: int, head_dim: int, *, backward: bool = True) -> "GraphPlan":
+        """Build the kernels' schedules for ``heads`` heads of ``head_dim``
+        (and, with ``backward``, the transposed BSB and its schedule), so
+        that a call of :func:`~gt_fused3s.ops.fused3s_attention` on this
+        plan builds nothing. Idempotent; returns ``self``."""
+        self.forward_args(heads, padded_head_dim(head_dim))
+        if backward:
+            self.backward_args(heads, padded_head_dim(head_dim))
+        return self
+
+    def forward_args(self, heads: int, head_dim: int) -> tuple[Tensor, ...]:
+        """The forward kernel's graph arguments (rw_offset, cols, bitmap,
+        window_order, items, slots) for a padded ``head_dim``; built on
+        first use (a plan prepared for them builds nothing here)."""
+        args = self._fwd_args.get((heads, head_dim))
+        if args is None:
+            b = self.bsb
+            items, slots = work_schedule(b, heads, head_dim)
+            args = self._fwd_args[heads, head_dim] = (b.rw_offset, b.cols, b.bitmap, b.window_order,
+                                                      items, slots)
+        return args
+
+    def backward_args(self, heads: int, head_dim: int) -> tuple[Tensor, ...]:
+        """The dK/dV pass's graph arguments (transposed cols, bitmap, items,
+        slots); the dQ pass reuses :meth:`forward_args`."""
+        args = self._bwd_args.get((heads, head_dim))
+        if args is None:
+            t = self._transposed()
+            items, slots = work_schedule(t, heads, head_dim)
+            args = self._bwd_args[heads, head_dim] = (t.cols, t.bitmap, items, slots)
+        return args
+
+    def _transposed(self) -> BSBGraph:
+        if self.transposed is None:
+            b = self.bsb
+            self.transposed = BSBGraph.from_edge_index(b.edge_index.flip(0), b.num_nodes,
+                                                       static=b.static)
+        return self.transposed
+
+    # ------------------------------------------------------------- properties
+    @property
+    def num_nodes(self) -> int:
+        return self.bsb.num_nodes
+
+    @property
+    def device(self) -> torch.device:
+        return self.bsb.device
+
+    @property
+    def static(self) -> bool:
+        return self.bsb.static
+
+    @property
+    def edge_index(self) -> Tensor:
+        """The graph's edges [2, E] (duplicates included), for unfused paths."""
+        return self.bsb.edge_index
+
+    def to(self, device: torch.device | str) -> "GraphPlan":
+        """A copy on ``device`` (``self`` if already there), to be prepared there."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return GraphPlan(self.bsb.to(device),
+                         self.transposed.to(device) if self.transposed is not None else None)
+
+    def __repr__(self) -> str:
+        prepared = sorted(self._fwd_args)
+        return (f"GraphPlan({self.bsb!r}, backward={self.transposed is not None}, "
+                f"prepared (heads, head_dim)={prepared})")
+
+
+def as_plan(graph: Any, num_nodes: int | None = None) -> GraphPlan:
+    """``graph`` as a plan: a :class:`GraphPlan` as is, the plan of a
+    :class:`BSBGraph` (one per BSB object, kept for as long as it lives), or
+    the cached plan of an ``edge_index`` tensor (:func:`cached_plan`)."""
+    if isinstance(graph, GraphPlan):
+        return graph
+    if isinstance(graph, BSBGraph):
+        plan = _BSB_PLANS.get(graph)
+        if plan is None:
+            plan = _BSB_PLANS[graph] = GraphPlan(graph)
+        return plan
+    if isinstance(graph, Tensor):
+        return cached_plan(graph, num_nodes)
+    raise ValueError(f"graph must be a GraphPlan, a BSBGraph or an edge_index tensor "
+                     f"(got {type(graph).__name__})")
+
+
+_BSB_PLANS: "weakref.WeakKeyDictionary[BSBGraph, GraphPlan]" = weakref.WeakKeyDictionary()
+
+# One plan per edge_index tensor: layers called on the same graph (and every
+# layer of a model) share it. Keyed by the tensor's identity and checked
+# against its storage, version counter and shape, so an in-place edit or a
+# new tensor rebuilds; entries die with their tensor.
+_CACHE: dict[int, tuple] = {}
+
+
+def cached_plan(edge_index: Tensor, num_nodes: int | None = None) -> GraphPlan:
+    """The plan of ``edge_index``, built on first use and cached for as long
+    as ``edge_index`` lives (and is not modified). While a CUDA graph is
+    captured or torch.compile traces, a static plan is built on every call
+    instead (no cache can be checked there): pass a plan built ahead to
+    share one build between layers."""
+    _check_edge_index(edge_index)
+    if num_nodes is not None:
+        num_nodes = _check_num_nodes(num_nodes)
+    if _in_capture_or_compile():
+        return GraphPlan.from_edge_index(edge_index, num_nodes, static=True)
+    sig = (edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape),
+           edge_index.device, num_nodes)
+    key = id(edge_index)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is edge_index and hit[1] == sig:
+        return hit[2]
+    plan = GraphPlan.from_edge_index(edge_index, num_nodes)
+    _CACHE[key] = (weakref.ref(edge_index, lambda _, k=key: _CACHE.pop(k, None)), sig, plan)
+    return plan
