@@ -111,13 +111,13 @@ class AttentionGraph:
                 return counts[q_idx, kv_idx] > 0
             block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=self.num_nodes,
                                            KV_LEN=self.num_nodes, device=self.device)
-            score_mod = None
-            if self.num_nodes and bool(counts.max() > 1):   # duplicates weigh m times
-                log_counts = counts.float().log()
+            if not (self.num_nodes and bool(counts.max() > 1)):
+                return block_mask, None
+            log_counts = counts.float().log()     # duplicates weigh m times: + log m
 
-                def score_mod(score, b, h, q_idx, kv_idx):
-                    return score + log_counts[q_idx, kv_idx]
-            return block_mask, score_mod
+            def add_log_counts(score, b, h, q_idx, kv_idx):
+                return score + log_counts[q_idx, kv_idx]
+            return block_mask, add_log_counts
         return self._get("flex_block_mask", build)
 
 

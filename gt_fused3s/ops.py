@@ -16,6 +16,7 @@ the reference path of ``reference.py``, which computes the same function.
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -28,6 +29,7 @@ from .plan import GraphPlan, as_plan, padded_head_dim
 from .reference import _check_qkv, attention_reference, default_scale
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+_KERNEL_DIMS = frozenset(_SUPPORTED_HEAD_DIMS)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 # ----------------------------------------------------------- op schemas + fakes
@@ -111,6 +113,9 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
         fused backward kernels, which recompute the scores from q, k and the
         forward's per-row log-sum-exp over the graph's BSB and its transpose.
     """
+    out = _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype)
+    if out is not None:
+        return out
     N, H, D = _check_qkv(q, k, v)
     if v.shape != q.shape:
         raise ValueError(f"v must have the shape of q {tuple(q.shape)} (got {tuple(v.shape)})")
@@ -141,6 +146,40 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
     if torch.compiler.is_compiling():
         return _attention_op(q, k, v, list(fwd_args), [], scale, out_dtype, compute_dtype)[0]
     return _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype)[0]
+
+
+def _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype) -> Tensor | None:
+    """The call on a plan prepared for q's heads and head dim, in eager mode,
+    with fp16 / bf16 operands of a compiled head dim: straight to the kernel
+    (the binding checks q, k, v and the graph arrays itself). None: take the
+    general path, which checks and converts everything."""
+    if (type(graph) is not GraphPlan or out_dtype is not None or compute_dtype is not None
+            or not isinstance(q, Tensor) or q.dim() != 3 or q.dtype not in _KERNEL_DTYPES
+            or torch.compiler.is_compiling()):
+        return None
+    N, H, D = q.shape
+    fwd_args = graph._fwd_args.get((H, D))      # a compiled D is its own padded head dim
+    if fwd_args is None or N != graph.num_nodes or not kernel_available(q.device):
+        return None
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        bwd_args = graph._bwd_args.get((H, D))
+        if bwd_args is None:
+            return None
+        return _FusedAttention.apply(q, k, v, fwd_args, bwd_args, scale, q.dtype, None)
+    return _op("fwd")(q, k, v, *fwd_args, scale, False)[0]
+
+
+_OPS: dict[str, object] = {}
+
+
+def _op(name: str):
+    """``torch.ops.gt_fused3s.<name>.default``, looked up once (the overload
+    itself: calling it skips the packet's overload resolution)."""
+    op = _OPS.get(name)
+    if op is None:
+        op = _OPS[name] = getattr(torch.ops.gt_fused3s, name).default
+    return op
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -227,7 +266,7 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: flo
     Dp = padded_head_dim(D)
     if q.dtype != cdt or D != Dp:
         q, k, v = (_kernel_operand(t, cdt, Dp) for t in (q, k, v))
-    out, lse = torch.ops.gt_fused3s.fwd(q, k, v, *fwd_args, scale, out_dtype != cdt)
+    out, lse = _op("fwd")(q, k, v, *fwd_args, scale, out_dtype != cdt)
     if Dp != D:
         out = out[..., :D].contiguous()
     return (out if out.dtype == out_dtype else out.to(out_dtype)), lse
@@ -238,16 +277,19 @@ def _kernel_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
                      compute_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`_kernel_forward` with respect to q, k, v, in their
     dtype (fp32 inputs get fp32 gradients straight from the fp32 accumulators)."""
+    _, cols, bitmap, _, items, slots = fwd_args
+    dtype = q.dtype
+    if dtype in _KERNEL_DTYPES and grad_out.dtype == dtype and out.dtype == dtype and q.size(-1) in _KERNEL_DIMS:
+        # the kernel's own operands: nothing to convert (the common case)
+        return _op("bwd")(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, *bwd_args, scale, False)
     cdt = _compute_dtype(q, compute_dtype)
     D = q.size(-1)
     Dp = padded_head_dim(D)
-    dtype = q.dtype
     grad_out, q, k, v = (_kernel_operand(t, cdt, Dp) for t in (grad_out, q, k, v))
     # O enters only delta = rowsum(dO * O): in the compute dtype or fp32
     out = _kernel_operand(out, out.dtype if out.dtype in (cdt, torch.float32) else torch.float32, Dp)
-    _, cols, bitmap, _, items, slots = fwd_args
-    grads = torch.ops.gt_fused3s.bwd(grad_out, q, k, v, out, lse, cols, bitmap, items, slots,
-                                     *bwd_args, scale, dtype not in _KERNEL_DTYPES)
+    grads = _op("bwd")(grad_out, q, k, v, out, lse, cols, bitmap, items, slots,
+                       *bwd_args, scale, dtype not in _KERNEL_DTYPES)
     if Dp == D and grads[0].dtype == dtype:
         return grads
     return tuple((g[..., :D] if Dp != D else g).to(dtype) for g in grads)
@@ -261,7 +303,8 @@ def _grads_from_saved(ctx, grad_out) -> tuple:
     q, k, v, out, lse = ctx.saved_tensors
     grads = _kernel_backward(grad_out, q, k, v, out, lse, ctx.fwd_args, ctx.bwd_args, ctx.scale,
                              ctx.compute_dtype)
-    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:3]))
+    need = ctx.needs_input_grad
+    return (grads[0] if need[0] else None, grads[1] if need[1] else None, grads[2] if need[2] else None)
 
 
 def _save(ctx, q, k, v, fwd_args, bwd_args, scale, compute_dtype, out, lse) -> None:

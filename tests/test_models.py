@@ -5,7 +5,6 @@ import torch
 
 from gt_fused3s.backends import AttentionGraph
 from gt_fused3s.data import molecule_batch, power_law_graph
-from gt_fused3s.graph import BSBGraph
 from gt_fused3s.models import GraphTransformer
 
 CPU_BACKENDS = ["fused3s", "pyg", "reference", "dense"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gt_fused3s.ops as ops_mod
-from gt_fused3s import BSBGraph, GraphPlan, fused3s_attention
+from gt_fused3s import GraphPlan, fused3s_attention
 from gt_fused3s.reference import attention_reference
 
 

@@ -170,7 +170,7 @@ def test_config_validation(bad, match):
 def test_shipped_train_configs():
     """Every configs/train*.yaml is valid; the 200k graph is the study's."""
     assert [p.name for p in TRAIN_CONFIGS] == ["train-200k.yaml", "train-molhiv.yaml",
-                                               "train.yaml"]
+                                               "train-zinc1024.yaml", "train.yaml"]
     for path in TRAIN_CONFIGS:
         cfg = train.load_config(path)
         assert cfg["model"]["layers"] == 10 and cfg["backends"] == ["fused3s", "pyg"]

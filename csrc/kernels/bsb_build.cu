@@ -215,6 +215,7 @@ __global__ void finish_counters(const int32_t* __restrict__ rw_offset, int32_t R
                                 const int32_t* __restrict__ counts_sorted, int64_t* __restrict__ counters) {
     counters[0] = rw_offset[R];
     counters[1] = E > 0 ? edge_count(incl[E - 1]) : 0;
+    if (E == 0) counters[2] = counters[3] = 0;    // no index seen: an empty range, as the CPU builder says
     counters[4] = R > 0 ? counts_sorted[0] : 0;   // windows sorted by decreasing TCB count
 }
 

@@ -223,14 +223,65 @@ def merge_config(raw: Any, defaults: dict, *, open_keys: frozenset[str] = frozen
     return cfg
 
 
+#: how a run executes the model (the part after ``@`` in a backend entry):
+#: ``eager``; ``graph``: whole forwards / training steps as CUDA-graph replays
+#: (gt_fused3s.capture, batches padded to buckets); ``compile`` and
+#: ``reduce-overhead``: ``torch.compile`` of the model in that mode (batches
+#: padded to the same buckets, so it compiles a few shapes only)
+MODES = ("eager", "graph", "compile", "reduce-overhead")
+
+
+def parse_run(name: str) -> tuple[str, str]:
+    """``"pyg@compile"`` -> ``("pyg", "compile")``; no suffix: eager."""
+    backend, _, mode = name.partition("@")
+    return backend, mode or "eager"
+
+
+def run_label(backend: str, mode: str) -> str:
+    """The row name of a run: the backend, with its mode unless eager."""
+    return backend if mode == "eager" else f"{backend}@{mode}"
+
+
 def check_backends(names: list[str]) -> None:
     from ..backends import BACKENDS
 
     if not names:
         raise ValueError(f"no backends listed; choose from {sorted(BACKENDS)}")
-    bad = [b for b in names if b not in BACKENDS]
+    bad = [b for b in names if parse_run(b)[0] not in BACKENDS]
     if bad:
         raise ValueError(f"unknown backends {bad}; choose from {sorted(BACKENDS)}")
+    bad = [b for b in names if parse_run(b)[1] not in MODES]
+    if bad:
+        raise ValueError(f"unknown modes in {bad}; a backend may end in @" + ", @".join(MODES))
+
+
+def expand_runs(names: list[str], device: torch.device, *, eager: bool,
+                compiled_peers: bool) -> list[str]:
+    """The runs of a config's ``backends`` on ``device``. On a GPU, unless
+    ``eager``: ``fused3s`` without a mode runs as CUDA-graph replays
+    (``fused3s@graph``) and its eager run is added beside it; with
+    ``compiled_peers``, ``pyg@compile`` and ``pyg@reduce-overhead`` are added
+    after ``pyg``, the peers a careful PyG user would run. On a CPU every
+    run is eager (modes other than eager are errors there)."""
+    runs: list[str] = []
+
+    def add(name):
+        if name not in runs:
+            runs.append(name)
+    for name in names:
+        backend, mode = parse_run(name)
+        if device.type != "cuda":
+            if mode != "eager":
+                raise ValueError(f"{name}: mode {mode} needs a CUDA device")
+            add(name)
+            continue
+        if backend == "fused3s" and "@" not in name and not eager:
+            add("fused3s@graph")
+        add(name)
+        if backend == "pyg" and "@" not in name and compiled_peers:
+            add("pyg@compile")
+            add("pyg@reduce-overhead")
+    return runs
 
 
 def check_dtype(name: str) -> None:

@@ -48,7 +48,10 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     repeats: 5            # timed forwards per backend (collections: at least one per batch)
     prefetch: false       # collections: build the next batch's format on a side stream
     cuda_graphs: true     # single graphs on a GPU: time CUDA-graph replays of the forward
-    backends: [fused3s, pyg, reference, dense, flex]
+    backends: [fused3s, pyg, reference, dense, flex]   # each may end in @eager, @graph,
+                          # @compile, @reduce-overhead (see gt_fused3s.bench.common.MODES)
+    compiled_peers: true  # on a GPU: add pyg@compile and pyg@reduce-overhead
+    max_buckets: 4        # static shapes the captured / compiled runs pad batches to
     reference: reference  # backend the 'max diff' column compares with
     max_nodes: {dense: 4096, flex: 65536}   # skip a backend above N nodes per forward
     model: {hidden: 64, layers: 10, heads: 1, norm: layer, dropout: 0.0,
@@ -76,13 +79,17 @@ from typing import Any
 
 import torch
 
-from ..backends import BACKENDS
+from ..backends import BACKENDS, AttentionGraph
+from ..capture import CudaGraphRunner
 from ..data import check_entry, load_dataset
+from ..data.bucket import Buckets
 from ..models import GraphTransformer
 from .common import (
     REPO_ROOT,
     add_run_arguments,
     apply_run_arguments,
+    expand_runs,
+    parse_run,
     autocast,
     check_backends,
     check_dtype,
@@ -112,6 +119,7 @@ from .common import (
 from .common import resolve_config_path as _resolve_config_path
 from .common import write_csv as _write_csv
 from .stream import Staged, num_graphs, pin, stage, stream_batches
+from .timing import Clock, kernel_time, time_forwards
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 
@@ -124,6 +132,8 @@ DEFAULTS: dict[str, Any] = {
     "prefetch": False,
     "cuda_graphs": True,
     "backends": ["fused3s", "pyg", "reference", "dense", "flex"],
+    "compiled_peers": True,
+    "max_buckets": 4,
     "reference": "reference",
     "max_nodes": {"dense": 4096, "flex": 65536},
     "model": {"hidden": 64, "layers": 10, "heads": 1, "norm": "layer", "dropout": 0.0,
@@ -133,10 +143,12 @@ DEFAULTS: dict[str, Any] = {
 _HARNESS_KEYS = {"max_batches", "readout"}     # dataset keys besides the loader's
 
 #: columns of the CSV, in order
-COLUMNS = ["dataset", "hidden", "backend", "status", "note", "level", "structure", "source",
+COLUMNS = ["dataset", "hidden", "backend", "mode", "status", "note", "level", "structure", "source",
            "batches", "graphs_per_fwd", "nodes_per_fwd", "edges_per_fwd", "ms_median", "ms_mean",
-           "ms_std", "ms_min", "ms_max", "graphs_per_s", "attn_ms", "attn_share", "format_ms",
-           "peak_mem_mb", *(f"speedup_vs_{b}" for b in BACKENDS), "max_abs_diff", "reference",
+           "ms_std", "ms_min", "ms_max", "kernel_ms", "graphs_per_s", "attn_ms", "attn_share",
+           "format_ms", "peak_mem_mb", *(f"speedup_vs_{b}" for b in BACKENDS),
+           "speedup_vs_pyg@compile", "speedup_vs_pyg@reduce-overhead", "speedup_vs_fused3s@graph",
+           "speedup_vs_pyg_best", "pyg_best", "max_abs_diff", "reference",
            "timing", "prefetch", "device", "device_name", "dtype", "layers", "heads", "torch", "git_sha",
            "config"]
 
@@ -187,47 +199,6 @@ def _skip_reason(backend: str, device: torch.device, nodes: int, max_nodes: dict
     return None
 
 
-class _Clock:
-    """Marks on the device's timeline: CUDA events on a GPU (read after one
-    synchronisation), ``perf_counter`` on a CPU (where every op is synchronous)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def intervals_ms(self) -> list[float]:
-        """Milliseconds between consecutive marks."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
-
-
-def time_forwards(forward: Callable[[int], Any], count: int, device: torch.device,
-                  on_step: Callable[[], None] | None = None) -> list[float]:
-    """Milliseconds of ``forward(r)`` for r = 0 .. count-1: a mark before and
-    after each call (:class:`_Clock`), no synchronisation in between."""
-    clocks = []
-    for r in range(count):
-        clock = _Clock(device)
-        clock.mark()
-        forward(r)
-        clock.mark()
-        clocks.append(clock)
-        if on_step:
-            on_step()
-    return [c.intervals_ms()[0] for c in clocks]
-
-
 # --------------------------------------------------------------------- run
 @dataclass
 class _Settings:
@@ -242,21 +213,25 @@ class _Settings:
     progress: bool
     log: Callable[[str], None]
     common: dict               # columns that are the same in every row
+    runs: list                 # backend runs, "name" or "name@mode" (common.expand_runs)
 
 
 def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool = True,
-        log: Callable[[str], None] | None = None) -> list[dict]:
+        log: Callable[[str], None] | None = None, eager: bool = False) -> list[dict]:
     """Run the benchmark of a validated config; returns one row per
-    (dataset, hidden size, backend), with the keys of :data:`COLUMNS`.
+    (dataset, hidden size, run), with the keys of :data:`COLUMNS`.
     ``offline``: datasets with a ``fallback`` use it without trying their
-    own loader."""
+    own loader; ``eager``: no CUDA-graph run of fused3s (see
+    :func:`gt_fused3s.bench.common.expand_runs`)."""
     log = log or log_stderr
     device = resolve_device(cfg["device"])
     dtype = resolve_dtype(cfg["dtype"], device)
     warmup, repeats = int(cfg["warmup"]), int(cfg["repeats"])
     if quick:
         warmup, repeats = min(warmup, 1), min(repeats, 2)
-    if "flex" in cfg["backends"]:   # one FlexAttention compile per graph shape and head dim
+    runs = expand_runs(cfg["backends"], device, eager=eager, compiled_peers=cfg["compiled_peers"])
+    if any(parse_run(r)[0] == "flex" or parse_run(r)[1] != "eager" for r in runs):
+        # one compile per graph shape and head dim (flex), per bucket shape (compiled runs)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     common = {"reference": cfg["reference"], "prefetch": bool(cfg["prefetch"]),
               "layers": cfg["model"]["layers"], "heads": cfg["model"]["heads"],
@@ -264,7 +239,7 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     log(run_header("infer", common))
     # no autocast cache: a CUDA graph must not capture casts cached outside it
     settings = _Settings(cfg, device, autocast(device, dtype, cache=False), warmup, repeats,
-                         quick, offline, progress, log, common)
+                         quick, offline, progress, log, common, runs)
     rows: list[dict] = []
     for spec in cfg["datasets"]:
         rows += _run_dataset(spec, settings)
@@ -308,32 +283,34 @@ def _run_model(work: _Work, ds, hidden: int, base: dict, s: _Settings) -> list[d
                              self_loops=mcfg["self_loops"])
     model = model.to(device).eval()
     max_nodes = max(d.num_nodes for d in work.batches)
-    skip = {b: _skip_reason(b, device, max_nodes, cfg["max_nodes"],
-                            len(work.batches) if work.streamed else 0)
-            for b in {*cfg["backends"], ref}}
+    runs = s.runs
+    skip = {name: _skip_reason(parse_run(name)[0], device, max_nodes, cfg["max_nodes"],
+                               len(work.batches) if work.streamed else 0)
+            for name in {*runs, ref}}
 
     # The agreement target: the reference backend's outputs, from its own run
     # when it is benchmarked (first), else from one pass of its own.
     target, target_note = None, ""
-    if ref not in cfg["backends"] and skip[ref]:
+    if ref not in runs and skip[ref]:
         target_note = f"no reference outputs ({ref} {skip[ref]})"
-    elif ref not in cfg["backends"]:
+    elif ref not in runs:
         model.backend = ref
-        target, error = guarded(lambda: work.measure(model, timed=False)["outputs"], device)
+        target, error = guarded(lambda: work.measure(model, "eager", timed=False)["outputs"], device)
         target_note = f"no reference outputs ({ref}: {error})" if error else ""
 
     rows = {}
-    for backend in sorted(cfg["backends"], key=lambda b: b != ref):
-        row = rows[backend] = dict(base, backend=backend)
+    for name in sorted(runs, key=lambda b: b != ref):
+        backend, mode = parse_run(name)
+        row = rows[name] = dict(base, backend=name, mode=mode)
         outputs = None
-        if skip[backend]:
-            row.update(status="skipped", note=skip[backend])
+        if skip[name]:
+            row.update(status="skipped", note=skip[name])
         else:
             model.backend = backend
-            outputs, error = _measure_row(work, model, row, s)
+            outputs, error = _measure_row(work, model, mode, row, s)
             if error:
-                s.log(f"{base['dataset']} C={hidden}: {backend} failed: {error}")
-        if backend == ref:
+                s.log(f"{base['dataset']} C={hidden}: {name} failed: {error}")
+        if name == ref:
             target = outputs
             target_note = ("" if outputs is not None
                            else f"no reference outputs ({ref}: {row['note']})")
@@ -342,20 +319,22 @@ def _run_model(work: _Work, ds, hidden: int, base: dict, s: _Settings) -> list[d
                 row["note"] = target_note
             else:
                 row["max_abs_diff"] = _max_abs_diff(outputs, target)
-    rows = [rows[b] for b in cfg["backends"]]
+    rows = [rows[b] for b in runs]
     add_speedups(rows)
     return rows
 
 
-def _measure_row(work: _Work, model, row: dict, s: _Settings) -> tuple[list | None, str | None]:
-    """Measure ``model`` with its current backend into ``row`` (status ok,
-    oom or error); returns its outputs (None if it failed) and the error."""
+def _measure_row(work: _Work, model, mode: str, row: dict,
+                 s: _Settings) -> tuple[list | None, str | None]:
+    """Measure ``model`` with its current backend in ``mode`` into ``row``
+    (status ok, oom or error); returns its outputs (None if it failed) and
+    the error."""
     device = s.device
     bar = progress_bar(work.progress_total(), f"{row['dataset']} C={row['hidden']}: "
                        f"{row['backend']}", "graph" if work.streamed else "fwd", s.progress)
     reset_peak_memory(device)
     with bar:
-        result, error = guarded(lambda: work.measure(model, bar.update), device)
+        result, error = guarded(lambda: work.measure(model, mode, bar.update), device)
     if error:
         row.update(status=status_of(error), note=error)
         return None, error
@@ -370,12 +349,18 @@ def _max_abs_diff(outputs: list, target: list) -> float:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Set ``speedup_vs_<b>`` = ms of backend b / ms of the row's backend on
-    the ok rows of one (dataset, hidden size)."""
+    """Set ``speedup_vs_<b>`` = ms of run b / ms of the row's run on the ok
+    rows of one (dataset, hidden size), and ``speedup_vs_pyg_best`` against
+    the fastest pyg run (eager or compiled)."""
     ok = {r["backend"]: r for r in rows if r.get("status") == "ok"}
+    peers = [ok[b] for b in ok if parse_run(b)[0] == "pyg"]
+    best = min(peers, key=lambda r: r["ms_median"]) if peers else None
     for r in ok.values():
         for b, other in ok.items():
             r[f"speedup_vs_{b}"] = other["ms_median"] / r["ms_median"]
+        if best is not None:
+            r["speedup_vs_pyg_best"] = best["ms_median"] / r["ms_median"]
+            r["pyg_best"] = best["backend"]
 
 
 class _Work:
@@ -383,6 +368,7 @@ class _Work:
 
     def __init__(self, batches: list, streamed: bool, readout: str, s: _Settings):
         self.batches, self.streamed, self.readout, self.s = batches, streamed, readout, s
+        self._padded: list | None = None
 
     def forward(self, model, data, graph=None):
         """``model`` on a batch on the device; ``graph`` None: the forward builds it."""
@@ -401,25 +387,67 @@ class _Work:
         B = len(graphs)
         return sum(graphs[r % B] for r in range(self.s.warmup + self._timed_count())) + sum(graphs)
 
-    def measure(self, model, step: Callable[[int], Any] = lambda n: None, *,
+    # ------------------------------------------------------------ run modes
+    def padded_batches(self) -> list:
+        """The collection's host batches padded to at most ``max_buckets``
+        static shapes (pinned), made once: what captured and compiled runs
+        stream (:mod:`gt_fused3s.data.bucket`)."""
+        if self._padded is None:
+            buckets = Buckets.fit([(d.num_nodes, d.edge_index.size(1), num_graphs(d))
+                                   for d in self.batches], self.s.cfg["max_buckets"])
+            self._padded = [pin(buckets.pad_batch(d)) for d in self.batches]
+        return self._padded
+
+    def _runner(self, model, mode: str) -> Callable[[Any], Any]:
+        """How a run of ``mode`` computes one forward of a batch on the
+        device (a padded one for captured and compiled collections)."""
+        graph_level = self.readout == "graph"
+        if mode == "eager":
+            return lambda data: self.forward(model, data)
+        if mode in ("compile", "reduce-overhead"):
+            compiled = torch.compile(model, mode=None if mode == "compile" else mode, dynamic=False)
+
+            def run_compiled(data):
+                with torch.inference_mode(), self.s.autocast:
+                    return compiled(data.x, data.edge_index, data.batch if graph_level else None,
+                                    num_graphs=num_graphs(data))
+            return run_compiled
+
+        def body(x, edge_index, batch=None, graph_mask=None):
+            with self.s.autocast:           # the batch's format is built inside the graph
+                graph = AttentionGraph(edge_index, x.size(0), static=True)
+                return model(x, None, batch, graph=graph,
+                             num_graphs=graph_mask.numel() if graph_mask is not None else None)
+        runner = CudaGraphRunner(body)
+
+        def replay(data):
+            inputs = ((data.x, data.edge_index, data.batch, data.graph_mask) if graph_level
+                      else (data.x, data.edge_index))
+            with torch.inference_mode():
+                return runner(*inputs).clone()   # the static output is overwritten by the next replay
+        return replay
+
+    def measure(self, model, mode: str = "eager", step: Callable[[int], Any] = lambda n: None, *,
                 timed: bool = True) -> dict:
         """The row's measurements (see the module docstring) and ``outputs``
         (one per batch); ``timed=False``: the profiled pass only."""
         out: dict[str, Any] = {}
         times, staged = None, None
+        fwd = self._runner(model, mode)
         if self.streamed:
             if timed:
-                times, graphs = self._time_stream(model, step)
+                times, graphs = self._time_stream(model, mode, fwd, step)
                 out["graphs_per_s"] = graphs / (sum(times) / 1e3)
-                out["timing"] = "eager"       # every batch is a new graph
+                out["timing"] = ("eager" if mode == "eager" else "cuda-graph" if mode == "graph"
+                                 else f"torch.compile {mode}")
         else:
             out["format_ms"], staged = self._build_single(model)
             if timed:
-                times, out["timing"] = self._time_single(model, staged, step)
+                times, out["timing"] = self._time_single(model, mode, fwd, staged, step)
         if times:
             out.update(ms_median=statistics.median(times), ms_mean=statistics.mean(times),
                        ms_std=statistics.pstdev(times), ms_min=min(times), ms_max=max(times))
-        return {**out, **self._profile(model, staged, step)}
+        return {**out, **self._profile(model, mode, fwd, staged, step)}
 
     def _build_single(self, model) -> tuple[float, Staged]:
         """The single graph's format, built once more after a warm-up build
@@ -433,18 +461,24 @@ class _Work:
         sync(device)
         return (time.perf_counter() - t0) * 1e3, staged
 
-    def _time_single(self, model, staged: Staged, step) -> tuple[list[float], str]:
+    def _time_single(self, model, mode: str, fwd, staged: Staged, step) -> tuple[list[float], str]:
         """Forward times on one graph, and how they were taken: by replaying a
-        CUDA graph of the whole forward (``cuda_graphs``, on a GPU: what a
-        server does for a fixed graph; it takes the host's launch overhead,
-        the same for every backend, out of the times) or eagerly."""
+        CUDA graph of the whole forward on the prebuilt format (mode
+        ``graph``, or ``cuda_graphs`` on a GPU: what a server does for a fixed
+        graph; it takes the host's launch overhead, the same for every
+        backend, out of the times), compiled, or eagerly."""
         device = self.s.device
+        eager = mode == "eager"
+        run = (lambda: self.forward(model, staged.data, staged.graph)) if eager else (
+            lambda: fwd(staged.data))
+        if mode == "graph":                # the captured forward reads the prebuilt format
+            run = lambda: self.forward(model, staged.data, staged.graph)   # noqa: E731
         for _ in range(self.s.warmup):
-            self.forward(model, staged.data, staged.graph)
+            run()
             step(1)
         sync(device)
-        forward, timing = (lambda r: self.forward(model, staged.data, staged.graph)), "eager"
-        if device.type == "cuda" and self.s.cfg["cuda_graphs"]:
+        forward, timing = (lambda r: run()), ("eager" if eager else f"torch.compile {mode}")
+        if device.type == "cuda" and (mode == "graph" or (eager and self.s.cfg["cuda_graphs"])):
             try:
                 graph = self._capture(model, staged)
                 forward, timing = (lambda r: graph.replay()), "cuda-graph"
@@ -468,48 +502,81 @@ class _Work:
             self.forward(model, staged.data, staged.graph)
         return graph
 
-    def _time_stream(self, model, step) -> tuple[list[float], int]:
+    def _time_stream(self, model, mode: str, fwd, step) -> tuple[list[float], int]:
         device, B = self.s.device, len(self.batches)
-        prefetch = bool(self.s.cfg["prefetch"])
-        for st in stream_batches(self.batches, model, device,
-                                 [r % B for r in range(self.s.warmup)], prefetch=prefetch):
-            self.forward(model, st.data, st.graph)
-            step(num_graphs(st.data))
-        sync(device)
-        clock, graphs = _Clock(device), 0
-        clock.mark()
-        for st in stream_batches(self.batches, model, device,
-                                 [r % B for r in range(self._timed_count())], prefetch=prefetch):
-            self.forward(model, st.data, st.graph)
+        if mode == "eager":
+            prefetch = bool(self.s.cfg["prefetch"])
+            for st in stream_batches(self.batches, model, device,
+                                     [r % B for r in range(self.s.warmup)], prefetch=prefetch):
+                self.forward(model, st.data, st.graph)
+                step(num_graphs(st.data))
+            sync(device)
+            clock, graphs = Clock(device), 0
             clock.mark()
-            graphs += num_graphs(st.data)
-            step(num_graphs(st.data))
+            for st in stream_batches(self.batches, model, device,
+                                     [r % B for r in range(self._timed_count())], prefetch=prefetch):
+                self.forward(model, st.data, st.graph)
+                clock.mark()
+                graphs += num_graphs(st.data)
+                step(num_graphs(st.data))
+            return clock.intervals_ms(), graphs
+        # Captured / compiled: padded host batches, copied per forward; one
+        # batch of every shape first (its capture or compile), then the warmup.
+        padded = self.padded_batches()
+        firsts = {(d.num_nodes, d.edge_index.size(1)): i for i, d in reversed(list(enumerate(padded)))}
+        for i in [*sorted(firsts.values()), *(r % B for r in range(self.s.warmup))]:
+            fwd(padded[i].to(device, non_blocking=True))
+            step(num_graphs(self.batches[i]))
+        sync(device)
+        clock, graphs = Clock(device), 0
+        clock.mark()
+        for r in range(self._timed_count()):
+            fwd(padded[r % B].to(device, non_blocking=True))
+            clock.mark()
+            graphs += num_graphs(self.batches[r % B])
+            step(num_graphs(self.batches[r % B]))
         return clock.intervals_ms(), graphs
 
-    def _profile(self, model, staged: Staged | None, step) -> dict:
-        """One synchronised pass over the batches with the attention timer:
-        attention ms per forward and its share of the pass, the format ms of
-        collections (built inside each forward, in the timer), the outputs."""
+    def _profile(self, model, mode: str, fwd, staged: Staged | None, step) -> dict:
+        """One synchronised pass over the batches: the outputs (real rows of
+        padded batches); for eager runs with the attention timer too
+        (attention ms per forward and its share of the pass, the format ms of
+        collections, built inside each forward); on a GPU the kernel time of
+        one forward (profiler)."""
         device, total, outputs = self.s.device, 0.0, []
+        eager = mode == "eager"
+        padded = self.padded_batches() if self.streamed and not eager else None
+        # the run's own forward, except where it is the eager one on a
+        # prebuilt format (eager runs; a single graph's captured forward)
+        use_fwd = not eager and (self.streamed or mode != "graph")
         with model.attention_timer() as timer:
-            for data in self.batches:
+            for i, data in enumerate(self.batches):
                 if self.streamed:
                     with torch.inference_mode():
-                        data, graph = data.to(device, non_blocking=True), None
+                        data, graph = (padded[i] if padded else data).to(device, non_blocking=True), None
                 else:                    # built once, apart (timed by _build_single)
                     data, graph = staged.data, staged.graph
                 sync(device)
                 t0 = time.perf_counter()
-                outputs.append(self.forward(model, data, graph))
+                out = fwd(data) if use_fwd else self.forward(model, data, graph)
                 sync(device)
                 total += time.perf_counter() - t0
-                step(num_graphs(data) if self.streamed else 1)
+                real = self.batches[i]
+                rows = num_graphs(real) if self.readout == "graph" else real.num_nodes
+                outputs.append(out[:rows])
+                step(num_graphs(real) if self.streamed else 1)
             attn, fmt = timer.ms("attention"), timer.ms("format")
         B = len(self.batches)
-        out = {"attn_ms": attn / B, "attn_share": attn / (total * 1e3) if total else None,
-               "outputs": outputs}
-        if self.streamed:
+        out = {"attn_ms": attn / B if eager else None,
+               "attn_share": attn / (total * 1e3) if total and eager else None, "outputs": outputs}
+        if self.streamed and eager:
             out["format_ms"] = fmt / B
+        if device.type == "cuda":
+            with torch.inference_mode():
+                first = (padded[0] if padded else self.batches[0]).to(device)
+            one = ((lambda: fwd(first if self.streamed else staged.data)) if use_fwd or self.streamed
+                   else (lambda: self.forward(model, staged.data, staged.graph)))
+            out["kernel_ms"] = kernel_time(one, name="", reps=3, flush=False)
         return out
 
 
@@ -518,9 +585,11 @@ _TABLE = [  # header, key, format
     ("dataset", "dataset", "{}"), ("C", "hidden", "{}"), ("backend", "backend", "{}"),
     ("N/fwd", "nodes_per_fwd", "{:d}"), ("E/fwd", "edges_per_fwd", "{:d}"),
     ("ms/fwd", "ms_median", "{:.2f}"), ("±ms", "ms_std", "{:.2f}"),
+    ("kernel ms", "kernel_ms", "{:.2f}"),
     ("attn ms", "attn_ms", "{:.2f}"), ("attn %", "attn_share", "{:.0%}"),
     ("fmt ms", "format_ms", "{:.2f}"), ("peak MB", "peak_mem_mb", "{:.0f}"),
-    ("vs pyg", "speedup_vs_pyg", "{:.2f}x"), ("vs ref", "speedup_vs_reference", "{:.2f}x"),
+    ("vs pyg", "speedup_vs_pyg", "{:.2f}x"), ("vs best pyg", "speedup_vs_pyg_best", "{:.2f}x"),
+    ("vs ref", "speedup_vs_reference", "{:.2f}x"),
     ("max|diff|", "max_abs_diff", "{:.1e}"), ("timing", "timing", "{}"), ("note", "note", "{}"),
 ]
 _LEFT = ("dataset", "backend", "timing", "note")
@@ -530,28 +599,35 @@ def format_table(rows: list[dict]) -> str:
     """The rows as a fixed-width text table (one line per dataset, hidden
     size and backend), with a legend."""
     return text_table(rows, _TABLE, _LEFT,
-                      "ms/fwd: median per forward; fmt ms: the graph format's build, included "
-                      "in ms/fwd for batched graphs (a new batch is a new graph), apart for "
-                      "single graphs; vs X: ms/fwd of X over this row's.")
+                      "ms/fwd: median per forward (wall, what a user waits); kernel ms: GPU "
+                      "kernel time of a forward (profiler); fmt ms: the graph format's build, "
+                      "included in ms/fwd for batched graphs (a new batch is a new graph), apart "
+                      "for single graphs; vs X: ms/fwd of X over this row's; vs best pyg: the "
+                      "fastest pyg run's (eager or compiled). Runs name@mode: @graph CUDA-graph "
+                      "replays, @compile / @reduce-overhead torch.compile (padded batches).")
 
 
-def format_summary(rows: list[dict], backend: str = "fused3s") -> list[str]:
-    """Lines for the end of a run: the geometric-mean speedup of ``backend``
-    over each other backend (all datasets, then synthetic structures only),
-    and which datasets ran on real structures and which on synthetic ones."""
+def format_summary(rows: list[dict], backends: tuple[str, ...] = ("fused3s@graph", "fused3s")
+                   ) -> list[str]:
+    """Lines for the end of a run: the geometric-mean speedup of each of
+    ``backends`` (our runs) over each other run (all datasets, then
+    synthetic structures only), and which datasets ran on real structures
+    and which on synthetic ones."""
     lines = []
-    mine = [r for r in rows if r.get("backend") == backend and r.get("status") == "ok"]
-    for label, subset in (("all", mine),
-                          ("synthetic", [r for r in mine if r.get("structure") == "synthetic"])):
-        parts = []
-        for b in BACKENDS:
-            vals = [r[f"speedup_vs_{b}"] for r in subset if b != backend
-                    and r.get(f"speedup_vs_{b}") is not None]
-            if vals:
-                parts.append(f"vs {b} {geomean(vals):.2f}x (n={len(vals)})")
-        if parts:
-            lines.append(f"{backend} speedup, geometric mean over {label} datasets x hidden: "
-                         + ", ".join(parts))
+    names = list(dict.fromkeys(r["backend"] for r in rows if r.get("status") == "ok"))
+    for backend in (b for b in backends if b in names):
+        mine = [r for r in rows if r.get("backend") == backend and r.get("status") == "ok"]
+        for label, subset in (("all", mine),
+                              ("synthetic", [r for r in mine if r.get("structure") == "synthetic"])):
+            parts = []
+            for b in [*names, "pyg_best"]:
+                vals = [r[f"speedup_vs_{b}"] for r in subset if b != backend
+                        and r.get(f"speedup_vs_{b}") is not None]
+                if vals:
+                    parts.append(f"vs {b} {geomean(vals):.2f}x (n={len(vals)})")
+            if parts:
+                lines.append(f"{backend} speedup, geometric mean over {label} datasets x hidden: "
+                             + ", ".join(parts))
     by_kind: dict[str, list[str]] = {"real": [], "synthetic": []}
     seen = set()
     for r in rows:
@@ -588,6 +664,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="single graphs on a GPU: time replays of a CUDA graph of the "
                              "forward (default) or eager forwards (--no-cuda-graphs)")
+    parser.add_argument("--eager", action="store_true",
+                        help="on a GPU, run fused3s eagerly only (default: also as CUDA-graph "
+                             "replays of whole forwards, fused3s@graph)")
+    parser.add_argument("--no-compiled-peers", action="store_true",
+                        help="on a GPU, do not add pyg@compile and pyg@reduce-overhead")
 
 
 def main(args) -> int:
@@ -603,9 +684,12 @@ def main(args) -> int:
         if missing:
             raise ValueError(f"datasets {sorted(missing)} are not in {cfg['config']}")
         cfg["datasets"] = [d for d in cfg["datasets"] if d.get("name", d["kind"]) in names]
+    if args.no_compiled_peers:
+        cfg["compiled_peers"] = False
     cfg = revalidate(cfg, validate_config)
 
-    rows = run(cfg, quick=args.quick, offline=args.offline, progress=not args.no_progress)
+    rows = run(cfg, quick=args.quick, offline=args.offline, progress=not args.no_progress,
+               eager=args.eager)
     print(format_table(rows))
     print("\n".join(format_summary(rows)))
     if args.csv:

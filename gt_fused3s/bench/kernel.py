@@ -35,10 +35,8 @@ import csv
 import math
 import os
 import platform
-import statistics
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +44,7 @@ import torch
 
 from ..data.base import data_dirs
 from .common import free_cuda_memory, git_sha, short_error
+from .timing import kernel_time, time_cuda, time_host, time_wall
 
 SINGLE_GRAPHS = ("cora", "citeseer", "pubmed", "github")
 COLLECTIONS = ("molhiv", "zinc", "peptides")
@@ -106,110 +105,6 @@ def load_graph(name: str, device, batch: int = 1024) -> tuple[torch.Tensor, int]
         src = torch.from_numpy(d["indices"].astype(np.int64))
         dst = torch.repeat_interleave(torch.arange(n), indptr[1:] - indptr[:-1])
     return torch.stack([src, dst]).to(device), n
-
-
-# ------------------------------------------------------------------ timing
-_FLUSH = None
-
-
-def _flush_l2():
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
-    _FLUSH.zero_()
-
-
-def time_cuda(fn, *, min_reps: int = 10, max_reps: int = 200, budget_ms: float = 400.0,
-              warmup: int = 3, flush: bool = True) -> dict:
-    """Median / p10 / p90 milliseconds of ``fn()`` with CUDA events (L2 flushed
-    before each call unless ``flush`` is False)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    est = max((time.perf_counter() - t0) * 1e3, 1e-3)
-    reps = int(min(max_reps, max(min_reps, budget_ms / est)))
-    events = []
-    for _ in range(reps):
-        if flush:
-            _flush_l2()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        events.append((s, e))
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in events)
-    q = lambda f: ts[min(len(ts) - 1, int(f * (len(ts) - 1) + 0.5))]   # noqa: E731
-    return {"median": statistics.median(ts), "p10": q(0.1), "p90": q(0.9), "reps": reps}
-
-
-def kernel_time(fn, name: str = "fused3s_fwd_kernel", reps: int = 30, flush: bool = True) -> float | None:
-    """Device time (ms) of the CUDA kernels whose name contains ``name``, per
-    call of ``fn()`` (their durations summed, over ``reps`` calls), read from
-    the profiler (CUPTI): the kernels alone, without launch gaps. ``name=""``
-    counts every kernel and memset of the call (pass ``flush=False`` then).
-    None if unavailable."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-        fn()
-        torch.cuda.synchronize()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # the profiler's notes on event cycles
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(reps):
-                    if flush:
-                        _flush_l2()
-                    fn()
-                torch.cuda.synchronize()
-            events = list(prof.events())
-        total, found = 0.0, False
-        for e in events:
-            if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name:
-                us = getattr(e, "device_time", None)
-                if us is None:
-                    us = getattr(e, "cuda_time", 0.0)
-                total += us / 1e3
-                found = True
-        return total / reps if found else None
-    except Exception:   # profiler unavailable: the column stays empty
-        return None
-
-
-def time_wall(fn, reps: int = 50) -> dict:
-    """What a user waits for one call: ``wall`` = median milliseconds from
-    calling ``fn()`` on an idle GPU to the end of its work (synchronised
-    before and after), ``host`` = median milliseconds until ``fn()`` returns
-    (the host's share: Python, checks, launches)."""
-    for _ in range(3):
-        fn()
-    walls, hosts = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        hosts.append((t1 - t0) * 1e3)
-        walls.append((t2 - t0) * 1e3)
-    return {"wall": statistics.median(walls), "host": statistics.median(hosts)}
-
-
-def time_host(fn, reps: int = 7) -> dict:
-    """Wall-clock milliseconds of ``fn()`` (which may synchronise with the host),
-    synchronised before and after; median / min / max."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return {"median": statistics.median(ts), "min": min(ts), "max": max(ts)}
 
 
 # --------------------------------------------------------------------- env
@@ -283,6 +178,9 @@ def _measure_backward(row: dict, q, k, v, plan, graph, scale: float, backends, r
     api = fns["fused3s_fb_api"]
     w = time_wall(api)
     row["fused3s_fb_wall_ms"], row["fused3s_fb_host_ms"] = w["wall"], w["host"]
+    # PyTorch's own share: autograd.grad through one trivial op (engine, grad checks)
+    floor = time_wall(lambda: torch.autograd.grad(leaves[0] * 2.0, leaves[0], dout))
+    row["autograd_floor_host_ms"] = floor["host"]
     row["fused3s_fb_kernel_ms"] = kernel_time(api, name="", flush=False)
     if len(grads) == 2:
         row["max_grad_err_vs_reference"] = max((a - b).abs().max().item()
@@ -483,9 +381,12 @@ def format_table(rows: list[dict]) -> str:
 def format_host_table(rows: list[dict]) -> str:
     """What a user waits for one call through ``fused3s_attention`` on a
     prepared plan (wall: synchronised; host: until the call returns) against
-    the device time of the call's kernels; overhead = wall - kernel."""
+    the device time of the call's kernels; overhead = wall - kernel. The
+    floor: host time of ``torch.autograd.grad`` through one trivial op (what
+    PyTorch's autograd costs by itself on this host)."""
     head = ("graph", "setting", "fwd kernel ms", "fwd wall ms", "fwd host ms", "fwd overhead us",
-            "fwd+bwd kernel ms", "fwd+bwd wall ms", "fwd+bwd host ms", "fwd+bwd overhead us")
+            "fwd+bwd kernel ms", "fwd+bwd wall ms", "fwd+bwd host ms", "fwd+bwd overhead us",
+            "autograd.grad floor host ms")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ms = lambda k: f"{r[k]:.4f}" if isinstance(r.get(k), float) else "-"   # noqa: E731
@@ -496,7 +397,8 @@ def format_host_table(rows: list[dict]) -> str:
         lines.append("| " + " | ".join([
             r["graph"], r["setting"], ms("fused3s_kernel_ms"), ms("fused3s_wall_ms"), ms("fused3s_host_ms"),
             over("fused3s_wall_ms", "fused3s_kernel_ms"), ms("fused3s_fb_kernel_ms"), ms("fused3s_fb_wall_ms"),
-            ms("fused3s_fb_host_ms"), over("fused3s_fb_wall_ms", "fused3s_fb_kernel_ms")]) + " |")
+            ms("fused3s_fb_host_ms"), over("fused3s_fb_wall_ms", "fused3s_fb_kernel_ms"),
+            ms("autograd_floor_host_ms")]) + " |")
     return "\n".join(lines)
 
 

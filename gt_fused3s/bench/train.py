@@ -25,6 +25,20 @@ builds each batch's graph format in its step (a batch is a new graph, as
 in ``infer``); a single graph (``level: node``, node readout) builds it
 once, in the first step. Batches are made once and kept on the device.
 
+**Runs.** Each entry of ``backends`` is a backend with an optional mode
+(``pyg@compile``; see :data:`gt_fused3s.bench.common.MODES`). On a GPU,
+``fused3s`` runs its whole training step (forward, loss, backward, Adam) as
+CUDA-graph replays (``fused3s@graph``, :mod:`gt_fused3s.capture`) and
+eagerly beside it; ``--eager`` leaves only the eager run. With
+``compiled_peers`` (default) ``pyg`` is also run under ``torch.compile``,
+default mode and ``reduce-overhead``. Captured and compiled runs train on the
+batches padded to at most ``max_buckets`` static shapes
+(:mod:`gt_fused3s.data.bucket`; padding is masked out of the loss), so they
+capture or compile a few shapes only; the steps that capture or compile
+(the first of each shape) are left out of ms/step and reported as
+``setup s``. Every run reports the GPU kernel time of a step (``kernel
+ms``, from the profiler, after training) beside its wall time.
+
 The task: with ``target: labels`` the dataset's own labels (OGB, LRGB, PyG);
 ``structure`` a generated one (:mod:`gt_fused3s.data.targets`: features from
 node degrees; a graph's mean degree and share of leaves, or a node's mean
@@ -46,7 +60,9 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     warmup: 2             # of those, the first ones left out of ms/step and peak MB
     lr: 0.001             # Adam
     weight_decay: 0.0
-    backends: [fused3s, pyg]
+    backends: [fused3s, pyg]   # each may end in @eager, @graph, @compile, @reduce-overhead
+    compiled_peers: true  # on a GPU: add pyg@compile and pyg@reduce-overhead
+    max_buckets: 4        # static shapes of the captured / compiled runs
     model: {hidden: 64, layers: 10, heads: 1, norm: layer, dropout: 0.0, self_loops: false}
     target: auto          # auto | labels | structure
     loss: auto            # auto | mse | bce | ce
@@ -74,11 +90,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..backends import AttentionGraph
+from ..capture import CudaGraphRunner
 from ..data import check_entry, load_dataset, structural_task
+from ..data.bucket import Buckets
 from ..data.targets import STRUCTURAL_TARGETS
 from ..models import GraphTransformer
 from . import common
 from .stream import num_graphs
+from .timing import kernel_time
 
 DEFAULT_CONFIG = common.REPO_ROOT / "configs" / "train.yaml"
 #: the backend the speed and memory ratios compare with
@@ -95,6 +115,8 @@ DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
     "weight_decay": 0.0,
     "backends": ["fused3s", "pyg"],
+    "compiled_peers": True,
+    "max_buckets": 4,
     "model": {"hidden": 64, "layers": 10, "heads": 1, "norm": "layer", "dropout": 0.0,
               "self_loops": False},
     "target": "auto",
@@ -113,6 +135,8 @@ _QUICK_BATCHES = 2
 #: columns of the per-step CSV, in order
 CURVE_COLUMNS = ["step", "backend", "loss", "ms", "timed", "dataset", "hidden", "layers",
                  "dtype", "device", "device_name", "torch", "git_sha", "config"]
+#: the pyg runs the "best compiled" ratio takes the fastest of
+_PYG_PEERS = ("pyg", "pyg@compile", "pyg@reduce-overhead")
 
 
 # ------------------------------------------------------------------ config
@@ -134,6 +158,7 @@ def validate_config(raw: dict) -> dict:
                          f"warmup steps are not timed")
     if not isinstance(cfg["lr"], (int, float)) or cfg["lr"] <= 0:
         raise ValueError(f"lr must be a positive number (got {cfg['lr']!r})")
+    _check_int("max_buckets", cfg["max_buckets"], 1)
     _check_int("model.hidden", cfg["model"]["hidden"], 1)
     _check_int("model.layers", cfg["model"]["layers"], 1)
     _check_choice("target", cfg["target"], TARGETS)
@@ -180,20 +205,28 @@ class Task:
     target: str           # "labels" or a description of the generated target
     columns: dict         # describe_dataset's columns
     about: str            # describe_dataset's line: what the data is, sizes
+    _padded: list | None = None   # the batches padded to buckets, made on first use
 
-    def loss_of(self, out: Tensor, y: Tensor) -> Tensor:
-        """The mean loss of the outputs against ``y``, in fp32."""
-        return compute_loss(self.loss, out.float(), y)
+    def loss_of(self, out: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
+        """The mean loss of the outputs against ``y``, in fp32, over the rows
+        ``mask`` flags (padded batches: the real graphs or nodes)."""
+        return compute_loss(self.loss, out.float(), y, mask)
 
 
-def compute_loss(kind: str, out: Tensor, y: Tensor) -> Tensor:
+def compute_loss(kind: str, out: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
     """``mse``, ``bce`` (with logits) or ``ce`` (class indices) of ``out``
-    against ``y``. For mse and bce, NaN entries of ``y`` (OGB's missing
-    labels) are left out by masking, not indexing: no host sync."""
+    against ``y``, over the rows of ``mask`` (bool [rows], default all). For
+    mse and bce, NaN entries of ``y`` (OGB's missing labels) are left out
+    too. Masking, not indexing: no host sync, static shapes."""
     if kind == "ce":
-        return F.cross_entropy(out, y.reshape(-1).long())
+        per = F.cross_entropy(out, y.reshape(-1).long(), reduction="none")
+        if mask is None:
+            return per.mean()
+        return (per * mask).sum() / mask.sum().clamp_min(1)
     y = y.reshape(out.shape).float()
     known = ~torch.isnan(y)
+    if mask is not None:
+        known = known & mask.reshape(-1, *([1] * (out.dim() - 1)))
     y = torch.where(known, y, torch.zeros_like(y))
     if kind == "bce":
         per = F.binary_cross_entropy_with_logits(out, y, reduction="none")
@@ -276,10 +309,12 @@ class _Settings:
 
 
 def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool = True,
-        log: Callable[[str], None] | None = None) -> tuple[list[dict], list[dict], Task]:
-    """Train every backend of a validated config (apply :func:`quick_config`
-    first for a smoke run; ``quick`` here shrinks the data). Returns the
-    rows (one per backend), the per-step curve (dicts with the keys of
+        log: Callable[[str], None] | None = None,
+        eager: bool = False) -> tuple[list[dict], list[dict], Task]:
+    """Train every run of a validated config (apply :func:`quick_config`
+    first for a smoke run; ``quick`` here shrinks the data; ``eager``: no
+    CUDA-graph run of fused3s, see :func:`common.expand_runs`). Returns the
+    rows (one per run), the per-step curve (dicts with the keys of
     :data:`CURVE_COLUMNS`) and the task."""
     log = log or common.log_stderr
     device = common.resolve_device(cfg["device"])
@@ -299,12 +334,14 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     model = build_model(task, cfg, device)
     initial = copy.deepcopy(model.state_dict())
     order = step_order(len(task.batches), cfg["steps"], cfg["seed"])
+    runs = common.expand_runs(cfg["backends"], device, eager=eager,
+                              compiled_peers=cfg["compiled_peers"])
     rows, curve = [], []
-    for backend in cfg["backends"]:
-        row, points = train_backend(model, initial, backend, task, order, s)
+    for name in runs:
+        row, points = train_backend(model, initial, name, task, order, s)
         common.free_cuda_memory(device)   # its optimizer state and graph formats are gone now
         rows.append(row)
-        curve += [{**env, "backend": backend, **p} for p in points]
+        curve += [{**env, "backend": name, **p} for p in points]
     add_ratios(rows)
     return rows, curve, task
 
@@ -328,83 +365,194 @@ def build_model(task: Task, cfg: dict, device: torch.device) -> GraphTransformer
     return model.to(device)
 
 
-def train_backend(model: GraphTransformer, initial: dict, backend: str, task: Task,
+def train_backend(model: GraphTransformer, initial: dict, name: str, task: Task,
                   order: list[int], s: _Settings) -> tuple[dict, list[dict]]:
-    """Train ``model`` from the weights ``initial`` with ``backend`` on the
-    batches of ``order``; returns its row and its curve (one point per step
-    done: a failed run keeps the steps before the failure)."""
+    """Train ``model`` from the weights ``initial`` with the run ``name``
+    (backend and mode) on the batches of ``order``; returns its row and its
+    curve (one point per step done: a failed run keeps the steps before the
+    failure)."""
+    backend, mode = common.parse_run(name)
     model.load_state_dict(initial)
-    model.zero_grad(set_to_none=True)      # no gradients left from the previous backend
+    model.zero_grad(set_to_none=True)      # no gradients left from the previous run
     model.backend = backend
     model.train()
     torch.manual_seed(s.cfg["seed"])        # the same dropout masks for every backend
-    trainer = _Trainer(model, task, s)
     points: list[dict] = []
+    setup_ms: list[float] = []
     warmup = s.cfg["warmup"]
-    bar = common.progress_bar(len(order), f"{task.name}: {backend}", "step", s.progress)
+    bar = common.progress_bar(len(order), f"{task.name}: {name}", "step", s.progress)
+    trainer = None
 
     def loop() -> None:
+        nonlocal trainer
+        trainer = _Trainer(model, task, mode, s)
         for step, b in enumerate(order):
             if step == warmup:                 # the optimizer state exists from here on
                 common.reset_peak_memory(s.device)
-            loss, ms = trainer.timed_step(task.batches[b], b)
-            points.append({"step": step, "loss": loss, "ms": ms, "timed": step >= warmup})
+            new_shape = trainer.first_of_shape(b)
+            loss, ms = trainer.timed_step(b)
+            if new_shape and mode != "eager":
+                setup_ms.append(ms)            # a capture or a compile: not a step's time
+            points.append({"step": step, "loss": loss, "ms": ms,
+                           "timed": step >= warmup and not (new_shape and mode != "eager")})
             bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
             bar.update()
 
     with bar:
         _, error = common.guarded(loop, s.device)
-    row = {**s.env, "backend": backend, "steps": len(points), **curve_summary(points)}
+    row = {**s.env, "backend": name, "mode": mode, "steps": len(points), **curve_summary(points)}
     if error:
-        s.log(f"{task.name}: {backend} failed: {error}")
+        s.log(f"{task.name}: {name} failed: {error}")
         return {**row, "status": common.status_of(error), "note": error}, points
     times = [p["ms"] for p in points if p["timed"]]
+    if not times:
+        note = "no timed step (every step was a warmup, capture or compile); raise steps"
+        return {**row, "status": "error", "note": note}, points
     row.update(status="ok", note="", ms_median=statistics.median(times),
-               ms_std=statistics.pstdev(times), peak_mem_mb=common.peak_memory_mb(s.device))
+               ms_std=statistics.pstdev(times), peak_mem_mb=common.peak_memory_mb(s.device),
+               setup_s=sum(setup_ms) / 1e3 if setup_ms else None,
+               shapes=trainer.num_shapes())
+    if s.device.type == "cuda":     # after training: these steps move the weights on
+        row["kernel_ms"] = kernel_time(lambda: trainer.step(order[-1]), name="", reps=3, flush=False)
     return row, points
 
 
 class _Trainer:
-    """One backend's optimizer and training step."""
+    """One run's optimizer and training step (eager, captured or compiled)."""
 
-    def __init__(self, model: GraphTransformer, task: Task, s: _Settings):
-        self.model, self.task, self.device = model, task, s.device
+    def __init__(self, model: GraphTransformer, task: Task, mode: str, s: _Settings):
+        self.model, self.task, self.mode, self.device = model, task, mode, s.device
+        if mode != "eager":
+            _check_static_run(model, task, mode, s)
+        # a captured optimizer step needs its state on the device (capturable)
         self.opt = torch.optim.Adam(model.parameters(), lr=s.cfg["lr"],
-                                    weight_decay=s.cfg["weight_decay"])
+                                    weight_decay=s.cfg["weight_decay"], capturable=mode == "graph")
         # fp16 gradients underflow without loss scaling; bf16 and fp32 need none
         self.scaler = torch.amp.GradScaler(s.device.type, enabled=s.dtype == torch.float16)
-        self.autocast = common.autocast(s.device, s.dtype)
-        # one graph: its format is built once and kept (full-graph training);
-        # a collection's batches are new graphs, built in their step
-        self.graphs: dict[int, Any] = {}
+        self.autocast = common.autocast(s.device, s.dtype, cache=mode == "eager")
+        self.graphs: dict[int, Any] = {}         # single graph: its format, built once
+        self.batches = task.batches if mode == "eager" else _padded(task, s.cfg["max_buckets"])
+        self._shapes: set = set()
+        self.forward = model
+        if mode in ("compile", "reduce-overhead"):
+            self.forward = torch.compile(model, mode=None if mode == "compile" else mode,
+                                         dynamic=False)
+        self.runner = CudaGraphRunner(self._step_fn()) if mode == "graph" else None
+
+    def _shape(self, index: int) -> tuple:
+        d = self.batches[index]
+        return (d.num_nodes, d.edge_index.size(1))
+
+    def first_of_shape(self, index: int) -> bool:
+        """Whether batch ``index`` is the first of its shape (a capture or a
+        compile for the static runs)."""
+        shape = self._shape(index)
+        if shape in self._shapes:
+            return False
+        self._shapes.add(shape)
+        return True
+
+    def num_shapes(self) -> int:
+        return len(self._shapes)
 
     def _graph(self, data, index: int):
         if self.task.readout == "graph":
             return None
-        if index not in self.graphs:
-            self.graphs[index] = self.model.make_graph(data.edge_index, data.num_nodes)
+        if index not in self.graphs:       # one graph: built once (exact), prepared for training
+            graph = self.model.make_graph(data.edge_index, data.num_nodes)
+            self.graphs[index] = self.model.prepare_graph(graph, backward=True)
         return self.graphs[index]
 
-    def step(self, data, index: int) -> Tensor:
-        """One optimizer step on batch ``data``; returns the loss (on the device)."""
+    def step(self, index: int) -> Tensor:
+        """One optimizer step on batch ``index``; returns the loss (on the device)."""
+        data = self.batches[index]
+        if self.runner is not None:
+            return self.runner(*self._static_inputs(data))
         self.opt.zero_grad(set_to_none=True)
+        graph_level = self.task.readout == "graph"
+        # eager: a single graph's format is built once and reused; compiled:
+        # the forward builds it (static shapes, inside the compiled region)
+        graph = self._graph(data, index) if self.mode == "eager" else None
         with self.autocast:
-            out = self.model(data.x, data.edge_index,
-                             data.batch if self.task.readout == "graph" else None,
-                             graph=self._graph(data, index), num_graphs=num_graphs(data))
-        loss = self.task.loss_of(out, data.y)
+            out = self.forward(data.x, data.edge_index, data.batch if graph_level else None,
+                               graph=graph, num_graphs=num_graphs(data))
+        mask = getattr(data, "graph_mask" if graph_level else "node_mask", None)
+        loss = self.task.loss_of(out, data.y, mask)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
         self.scaler.update()
         return loss.detach()
 
-    def timed_step(self, data, index: int) -> tuple[float, float]:
+    # -------------------------------------------------------------- captured
+    def _static_inputs(self, data) -> tuple[Tensor, ...]:
+        if self.task.readout == "graph":
+            return data.x, data.edge_index, data.batch, data.graph_mask, data.y
+        return data.x, data.y
+
+    def _step_fn(self):
+        """The whole training step as a function of the batch's tensors, for
+        CUDA-graph capture: the graph format of a batch is built inside it
+        (static mode); a single graph's is built once, before, and read."""
+        model, task, opt = self.model, self.task, self.opt
+
+        def finish(out, y, mask):
+            loss = task.loss_of(out, y, mask)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        if task.readout == "graph":
+            def step(x, edge_index, batch, graph_mask, y):
+                opt.zero_grad(set_to_none=True)     # the captured backward allocates the grads
+                with self.autocast:
+                    graph = AttentionGraph(edge_index, x.size(0), static=True)
+                    out = model(x, None, batch, graph=graph, num_graphs=graph_mask.numel())
+                return finish(out, y, graph_mask)
+            return step
+        graph = self._graph(task.batches[0], 0)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            with self.autocast:
+                out = model(x, None, None, graph=graph)
+            return finish(out, y, None)
+        return step
+
+    def timed_step(self, index: int) -> tuple[float, float]:
         """(loss, ms) of one step, timed between device synchronisations."""
         common.sync(self.device)
         t0 = time.perf_counter()
-        loss = self.step(data, index)
+        loss = self.step(index)
         common.sync(self.device)
         return float(loss), (time.perf_counter() - t0) * 1e3
+
+
+def _check_static_run(model: GraphTransformer, task: Task, mode: str, s: _Settings) -> None:
+    """Raise (the run's row says why) where a captured or compiled run would
+    not compute what the eager one does."""
+    if s.device.type != "cuda":
+        raise ValueError(f"mode {mode} needs a CUDA device")
+    if mode == "graph" and s.dtype == torch.float16:
+        raise ValueError("fp16 trains with a GradScaler, whose step syncs the host: capture "
+                         "needs bf16 or fp32 (dtype: bf16), or run eagerly")
+    if model.self_loops:
+        raise ValueError("self_loops adds a data-dependent number of edges per batch: add "
+                         "the loops to the dataset for captured or compiled runs")
+    if task.readout == "graph" and any(isinstance(m, torch.nn.BatchNorm1d) for m in model.modules()):
+        raise ValueError("norm: batch sees the padding nodes of padded batches in training; "
+                         "use norm: layer for captured or compiled runs")
+
+
+def _padded(task: Task, max_buckets: int) -> list:
+    """The task's batches padded to at most ``max_buckets`` static shapes
+    (collections; a single graph is one static shape already), made once."""
+    if task.readout != "graph":
+        return task.batches
+    if task._padded is None:
+        buckets = Buckets.fit([(d.num_nodes, d.edge_index.size(1), num_graphs(d))
+                               for d in task.batches], max_buckets)
+        task._padded = [buckets.pad_batch(d) for d in task.batches]
+    return task._padded
 
 
 def curve_summary(points: list[dict]) -> dict:
@@ -416,17 +564,22 @@ def curve_summary(points: list[dict]) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """``speedup_vs_pyg`` = ms/step of pyg over the row's; ``mem_vs_pyg`` =
-    the row's peak memory over pyg's (below 1: less memory). Ok rows only."""
-    base = next((r for r in rows if r["backend"] == BASELINE and r["status"] == "ok"), None)
-    if base is None:
-        return
-    for r in rows:
-        if r["status"] != "ok":
-            continue
-        r["speedup_vs_pyg"] = base["ms_median"] / r["ms_median"]
-        if r.get("peak_mem_mb") and base.get("peak_mem_mb"):
-            r["mem_vs_pyg"] = r["peak_mem_mb"] / base["peak_mem_mb"]
+    """``speedup_vs_pyg`` = ms/step of eager pyg over the row's;
+    ``speedup_vs_pyg_best`` = that of the fastest pyg run (eager or compiled)
+    over the row's; ``mem_vs_pyg`` = the row's peak memory over eager pyg's
+    (below 1: less memory). Ok rows only."""
+    ok = {r["backend"]: r for r in rows if r["status"] == "ok"}
+    base = ok.get(BASELINE)
+    peers = [ok[n] for n in _PYG_PEERS if n in ok]
+    best = min(peers, key=lambda r: r["ms_median"]) if peers else None
+    for r in ok.values():
+        if base is not None:
+            r["speedup_vs_pyg"] = base["ms_median"] / r["ms_median"]
+            if r.get("peak_mem_mb") and base.get("peak_mem_mb"):
+                r["mem_vs_pyg"] = r["peak_mem_mb"] / base["peak_mem_mb"]
+        if best is not None:
+            r["speedup_vs_pyg_best"] = best["ms_median"] / r["ms_median"]
+            r["pyg_best"] = best["backend"]
 
 
 # ------------------------------------------------------------------ output
@@ -434,8 +587,10 @@ _TABLE = [  # header, key, format
     ("backend", "backend", "{}"), ("steps", "steps", "{:d}"),
     ("first loss", "loss_first", "{:.4f}"), (f"last loss (mean {LAST_K})", "loss_last", "{:.4f}"),
     ("ms/step", "ms_median", "{:.2f}"), ("±ms", "ms_std", "{:.2f}"),
-    ("peak MB", "peak_mem_mb", "{:.0f}"), ("vs pyg", "speedup_vs_pyg", "{:.2f}x"),
-    ("mem/pyg", "mem_vs_pyg", "{:.2f}"), ("note", "note", "{}"),
+    ("kernel ms", "kernel_ms", "{:.2f}"), ("peak MB", "peak_mem_mb", "{:.0f}"),
+    ("vs pyg", "speedup_vs_pyg", "{:.2f}x"), ("vs best pyg", "speedup_vs_pyg_best", "{:.2f}x"),
+    ("mem/pyg", "mem_vs_pyg", "{:.2f}"), ("shapes", "shapes", "{}"), ("setup s", "setup_s", "{:.1f}"),
+    ("note", "note", "{}"),
 ]
 
 
@@ -443,8 +598,12 @@ def format_table(rows: list[dict]) -> str:
     """The rows as a text table (one line per backend), with a legend."""
     return common.text_table(rows, _TABLE, {"backend", "note"},
                       "ms/step: median wall time of a training step (synchronised, warmup "
-                      "steps excluded); peak MB: CUDA max allocated over those steps; vs pyg: "
-                      "pyg's ms/step over this row's; mem/pyg: this row's peak over pyg's.")
+                      "steps and the first step of each shape of captured / compiled runs "
+                      "excluded); kernel ms: GPU kernel time of a step (profiler); peak MB: CUDA "
+                      "max allocated over the timed steps; vs pyg: eager pyg's ms/step over "
+                      "this row's; vs best pyg: the fastest pyg run's (eager or compiled); "
+                      "mem/pyg: this row's peak over eager pyg's; shapes: static shapes "
+                      "(buckets) the run saw; setup s: time of the steps that captured or compiled.")
 
 
 def format_footer(rows: list[dict], task: Task) -> str:
@@ -478,6 +637,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lr", type=float, default=None, help="Adam learning rate")
     parser.add_argument("--hidden", type=int, default=None,
                         help="hidden size, overriding the config's model.hidden")
+    parser.add_argument("--eager", action="store_true",
+                        help="on a GPU, run fused3s eagerly only (default: also its whole "
+                             "training step as CUDA-graph replays, fused3s@graph)")
+    parser.add_argument("--no-compiled-peers", action="store_true",
+                        help="on a GPU, do not add pyg@compile and pyg@reduce-overhead")
 
 
 def main(args) -> int:
@@ -489,10 +653,12 @@ def main(args) -> int:
     common.apply_run_arguments(cfg, args, ("device", "dtype", "warmup", "steps", "lr"))
     if args.hidden is not None:
         cfg["model"]["hidden"] = args.hidden
+    if args.no_compiled_peers:
+        cfg["compiled_peers"] = False
     cfg = common.revalidate(cfg, validate_config)
 
     rows, curve, task = run(cfg, quick=args.quick, offline=args.offline,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, eager=args.eager)
     print(format_table(rows))
     print(format_footer(rows, task))
     if args.csv:

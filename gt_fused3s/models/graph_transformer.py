@@ -185,6 +185,8 @@ class GraphTransformer(nn.Module):
     def _span(self, kind: str, device: torch.device):
         if self._timer is not None:
             return self._timer.span(kind, device)
+        if torch.compiler.is_compiling():        # nothing to time inside a compiled region
+            return contextlib.nullcontext()
         if torch.autograd._profiler_enabled():   # named ranges for torch.profiler
             return torch.profiler.record_function(f"gt_fused3s::{kind}")
         return contextlib.nullcontext()

@@ -1,0 +1,168 @@
+"""The one timing harness of the benchmarks and the CLI tables: device time
+with CUDA events, kernel time from the profiler, and what a user waits for
+one call (wall time, host included).
+
+* :func:`time_cuda`: median / p10 / p90 milliseconds of a call with CUDA
+  events (L2 flushed before each call unless asked otherwise);
+* :func:`kernel_time`: the device time of the CUDA kernels of a call, from
+  the profiler (CUPTI): what the GPU works, without launch gaps;
+* :func:`time_wall`: what a user waits for one call on an idle GPU
+  (synchronised) and the host's share (until the call returns);
+* :func:`time_host`: synchronised wall clock of a call that may itself
+  synchronise (a format build);
+* :class:`Clock` / :func:`time_forwards`: marks on the device timeline
+  between consecutive calls (streams of forwards or steps).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+_FLUSH = None
+
+
+def _flush_l2():
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    _FLUSH.zero_()
+
+
+def time_cuda(fn, *, min_reps: int = 10, max_reps: int = 200, budget_ms: float = 400.0,
+              warmup: int = 3, flush: bool = True) -> dict:
+    """Median / p10 / p90 milliseconds of ``fn()`` with CUDA events (L2 flushed
+    before each call unless ``flush`` is False)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = max((time.perf_counter() - t0) * 1e3, 1e-3)
+    reps = int(min(max_reps, max(min_reps, budget_ms / est)))
+    events = []
+    for _ in range(reps):
+        if flush:
+            _flush_l2()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in events)
+    q = lambda f: ts[min(len(ts) - 1, int(f * (len(ts) - 1) + 0.5))]   # noqa: E731
+    return {"median": statistics.median(ts), "p10": q(0.1), "p90": q(0.9), "reps": reps}
+
+
+def kernel_time(fn, name: str = "fused3s_fwd_kernel", reps: int = 30, flush: bool = True) -> float | None:
+    """Device time (ms) of the CUDA kernels whose name contains ``name``, per
+    call of ``fn()`` (their durations summed, over ``reps`` calls), read from
+    the profiler (CUPTI): the kernels alone, without launch gaps. ``name=""``
+    counts every kernel and memset of the call (pass ``flush=False`` then).
+    None if unavailable."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # the profiler's notes on event cycles
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    if flush:
+                        _flush_l2()
+                    fn()
+                torch.cuda.synchronize()
+            events = list(prof.events())
+        total, found = 0.0, False
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name:
+                us = getattr(e, "device_time", None)
+                if us is None:
+                    us = getattr(e, "cuda_time", 0.0)
+                total += us / 1e3
+                found = True
+        return total / reps if found else None
+    except Exception:   # profiler unavailable: the column stays empty
+        return None
+
+
+def time_wall(fn, reps: int = 50) -> dict:
+    """What a user waits for one call: ``wall`` = median milliseconds from
+    calling ``fn()`` on an idle GPU to the end of its work (synchronised
+    before and after), ``host`` = median milliseconds until ``fn()`` returns
+    (the host's share: Python, checks, launches)."""
+    for _ in range(3):
+        fn()
+    walls, hosts = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        hosts.append((t1 - t0) * 1e3)
+        walls.append((t2 - t0) * 1e3)
+    return {"wall": statistics.median(walls), "host": statistics.median(hosts)}
+
+
+def time_host(fn, reps: int = 7) -> dict:
+    """Wall-clock milliseconds of ``fn()`` (which may synchronise with the host),
+    synchronised before and after; median / min / max."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return {"median": statistics.median(ts), "min": min(ts), "max": max(ts)}
+
+
+class Clock:
+    """Marks on the device's timeline: CUDA events on a GPU (read after one
+    synchronisation), ``perf_counter`` on a CPU (where every op is synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def time_forwards(forward: Callable[[int], Any], count: int, device: torch.device,
+                  on_step: Callable[[], None] | None = None) -> list[float]:
+    """Milliseconds of ``forward(r)`` for r = 0 .. count-1: a mark before and
+    after each call (:class:`Clock`), no synchronisation in between."""
+    clocks = []
+    for r in range(count):
+        clock = Clock(device)
+        clock.mark()
+        forward(r)
+        clock.mark()
+        clocks.append(clock)
+        if on_step:
+            on_step()
+    return [c.intervals_ms()[0] for c in clocks]

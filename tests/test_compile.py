@@ -1,0 +1,111 @@
+"""torch.compile on the CPU: the PyG layer and the Graph Transformer trace
+with ``fullgraph=True`` (no graph break), forward and backward equal eager,
+on the reference path and on the kernel path (the registered ops with CPU
+stand-ins: the static plan build and the fused op inside the compiled
+region); ``torch.library.opcheck`` passes on every registered op."""
+import pytest
+import torch
+
+from gt_fused3s import GraphPlan
+from gt_fused3s.bench.common import expand_runs, parse_run
+from gt_fused3s.models import GraphTransformer
+from gt_fused3s.nn import Fused3SConv
+
+N = 50
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _graph(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ei = torch.randint(0, N, (2, 200), generator=g)
+    return torch.cat([ei, ei[:, :7]], 1), torch.randn(N, 16, generator=g)   # with duplicates
+
+
+def _check_layer():
+    ei, x = _graph()
+    torch.manual_seed(0)
+    conv = Fused3SConv(16, 16, heads=2, beta=True)
+    compiled = torch.compile(conv, fullgraph=True)
+    for graph in (ei, GraphPlan.from_edge_index(ei, N).prepare(2, 16)):
+        xc, xe = (x.clone().requires_grad_() for _ in range(2))
+        out_c, out_e = compiled(xc, graph), conv(xe, ei)
+        torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
+        out_c.square().sum().backward()
+        out_e.square().sum().backward()
+        torch.testing.assert_close(xc.grad, xe.grad, atol=1e-5, rtol=1e-5)
+
+
+def _check_graph_transformer():
+    ei, x = _graph(1)
+    batch = torch.arange(N) // 25
+    torch.manual_seed(0)
+    model = GraphTransformer(16, 32, 3, num_layers=2, heads=2, readout="graph")
+    compiled = torch.compile(model, fullgraph=True)
+    out_c = compiled(x, ei, batch, num_graphs=2)
+    out_e = model(x, ei, batch, num_graphs=2)
+    torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
+    grads = []
+    for out in (out_c, out_e):
+        model.zero_grad()
+        out.square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_layer_fullgraph_reference_path():
+    _check_layer()
+
+
+def test_graph_transformer_fullgraph_reference_path():
+    _check_graph_transformer()
+
+
+def test_layer_fullgraph_kernel_path(stand_in_kernels):
+    _check_layer()
+    assert {"bsb_build", "fwd", "bwd"} <= set(stand_in_kernels.calls)
+
+
+def test_graph_transformer_fullgraph_kernel_path(stand_in_kernels):
+    _check_graph_transformer()
+    assert stand_in_kernels.calls.count("bwd") >= 2
+
+
+def test_opcheck_on_registered_ops(stand_in_kernels):
+    ei, _ = _graph(2)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(N, 2, 32, generator=g).half() for _ in range(4))
+    plan = GraphPlan.from_edge_index(ei, N, static=True).prepare(2, 32)
+    fwd, bwd = list(plan.forward_args(2, 32)), list(plan.backward_args(2, 32))
+    out, lse = torch.ops.gt_fused3s.fwd(q, k, v, *fwd, 0.3, False)
+    cases = [
+        (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False)),
+        (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out, lse, fwd[1], fwd[2], fwd[4], fwd[5], *bwd,
+                                            0.3, False)),
+        (torch.ops.gt_fused3s.bsb_build.default, (ei, N)),
+        (torch.ops.gt_fused3s.attention.default,       # the differentiable one
+         (q.clone().requires_grad_(), k.clone().requires_grad_(), v, fwd, bwd, 0.3, torch.float16, None)),
+    ]
+    for op, args in cases:
+        # fwd, bwd and bsb_build have no autograd of their own (attention
+        # carries it); the backward is not differentiable twice: no
+        # aot_dispatch check, which would try that
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",
+                                                    "test_autograd_registration"))
+
+
+def test_runs_expand_per_device():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert parse_run("pyg@compile") == ("pyg", "compile") and parse_run("dense") == ("dense", "eager")
+    assert expand_runs(["fused3s", "pyg"], cpu, eager=False, compiled_peers=True) == ["fused3s", "pyg"]
+    assert expand_runs(["fused3s", "pyg"], gpu, eager=False, compiled_peers=True) == [
+        "fused3s@graph", "fused3s", "pyg", "pyg@compile", "pyg@reduce-overhead"]
+    assert expand_runs(["fused3s", "pyg"], gpu, eager=True, compiled_peers=False) == ["fused3s", "pyg"]
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        expand_runs(["pyg@compile"], cpu, eager=False, compiled_peers=False)

@@ -1,0 +1,232 @@
+"""The host-free contract on the GPU (run on the GPU machine): given a
+prepared plan, forward and backward of the op, the layers and the Graph
+Transformer make no host synchronisation (``set_sync_debug_mode("error")``);
+a static plan builds without one too; whole steps captured in CUDA graphs
+replay on new batches of the same bucket exactly as eager; and
+``torch.compile(fullgraph=True)`` of a model using ``Fused3SConv`` equals
+eager, forward and backward."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from gt_fused3s import GraphPlan, fused3s_attention
+from gt_fused3s.backends import AttentionGraph
+from gt_fused3s.capture import CudaGraphRunner
+from gt_fused3s.data import molecules_dataset
+from gt_fused3s.data.bucket import Buckets
+from gt_fused3s.models import GraphTransformer
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops():
+    from gt_fused3s._build import load_extension
+    return load_extension()
+
+
+@contextlib.contextmanager
+def no_sync():
+    """Every synchronising CUDA call inside raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _edges(n, e, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    ei = torch.randint(0, n, (2, e), generator=g, device=DEV)
+    return torch.cat([ei, ei[:, :e // 20]], 1)                  # with duplicates
+
+
+def _molecule_batches(count=3, batch_size=32, seed=0):
+    ds = molecules_dataset(num_graphs=count * batch_size, batch_size=batch_size, num_features=8,
+                           seed=seed)
+    out = []
+    for i in range(len(ds)):
+        d = ds[i]
+        d.y = torch.randn(d.ptr.numel() - 1, generator=torch.Generator().manual_seed(i))
+        out.append(d)
+    return out
+
+
+# ------------------------------------------------------------- no host sync
+@pytest.mark.parametrize("static", [False, True])
+def test_op_forward_backward_make_no_host_sync(static):
+    n, h, d = 3001, 4, 64
+    ei = _edges(n, 12 * n, 1)
+    hub = torch.arange(0, n, 2, device=DEV)                      # a split window in each pass
+    ei = torch.cat([ei, torch.stack([hub, torch.full_like(hub, 7)]), torch.stack([torch.full_like(hub, 9), hub])], 1)
+    q, k, v, do = (torch.randn(n, h, d, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if static:                 # the static build itself makes no sync either
+        with no_sync():
+            plan = GraphPlan.from_edge_index(ei, n, static=True).prepare(h, d)
+    else:
+        plan = GraphPlan.from_edge_index(ei, n).prepare(h, d)
+    with no_sync():
+        out = fused3s_attention(*leaves, plan)
+        grads = torch.autograd.grad(out, leaves, do)
+        with torch.no_grad():
+            out2 = fused3s_attention(q, k, v, plan)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2) and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_pyg_layer_makes_no_host_sync():
+    from gt_fused3s.nn import Fused3SConv
+    n = 2000
+    ei = _edges(n, 8 * n, 2)
+    conv = Fused3SConv(32, 16, heads=4, beta=True).to(DEV)
+    plan = Fused3SConv.to_graph_format(ei, n).prepare(4, 16)
+    x = torch.randn(n, 32, device=DEV, requires_grad=True)
+    with no_sync():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = conv(x, plan)
+        out.float().square().sum().backward()
+    torch.cuda.synchronize()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_dgl_layer_makes_no_host_sync():
+    dgl = pytest.importorskip("dgl")
+    from gt_fused3s.nn.dgl import Fused3SConv
+    n = 500
+    ei = _edges(n, 4 * n, 3).cpu()
+    g = dgl.add_self_loop(dgl.graph((ei[0], ei[1]), num_nodes=n))
+    conv = Fused3SConv(16, 16, num_heads=2).to(DEV)
+    feat = torch.randn(n, 16, device=DEV, requires_grad=True)
+    Fused3SConv.to_graph_format(g, DEV).prepare(2, 16)
+    conv(g, feat)                                                # first call: graph checks (cached)
+    with no_sync():
+        conv(g, feat).sum().backward()
+    torch.cuda.synchronize()
+
+
+def test_graph_transformer_inference_and_training_step_make_no_host_sync():
+    data = _molecule_batches(1)[0].to(DEV)
+    G = data.ptr.numel() - 1
+    torch.manual_seed(0)
+    model = GraphTransformer(8, 64, 1, num_layers=4, heads=2, readout="graph").to(DEV)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    model.eval()
+    graph = model.prepare_graph(model.make_graph(data.edge_index, data.num_nodes), backward=True)
+    with no_sync(), torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model(data.x, None, data.batch, graph=graph, num_graphs=G)
+    model.train()
+    for static_graph in (graph, None):          # prebuilt, and built inside (static)
+        with no_sync():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                g = static_graph or AttentionGraph(data.edge_index, data.num_nodes, static=True)
+                out = model(data.x, None, data.batch, graph=g, num_graphs=G)
+            loss = (out.float().squeeze(-1) - data.y.to(DEV)).square().mean()
+            loss.backward()
+            opt.step()
+    torch.cuda.synchronize()
+    assert torch.isfinite(loss)
+
+
+# ------------------------------------------------------------------ capture
+def test_captured_op_replays_on_a_new_graph_of_the_same_shape():
+    n, h, d, e = 1500, 2, 64, 9000
+
+    def step(q, k, v, do, edge_index):
+        plan = GraphPlan.from_edge_index(edge_index, n, static=True).prepare(h, d)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fused3s_attention(*leaves, plan)
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    runner = CudaGraphRunner(step)
+    for seed in range(3):                       # first: eager + capture; then replays
+        ei = _edges(n, e, 10 + seed)[:, :e]
+        args = [torch.randn(n, h, d, device=DEV, dtype=torch.float16) for _ in range(4)] + [ei]
+        got = [t.clone() for t in runner(*args)]
+        want = step(*args)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert runner.captures == 1 and runner.replays == 2
+
+
+def test_captured_training_step_equals_eager_on_new_batches_of_a_bucket():
+    batches = _molecule_batches(4)
+    buckets = Buckets.fit([(d.num_nodes, d.edge_index.size(1), d.ptr.numel() - 1) for d in batches],
+                          max_buckets=1)
+    padded = [buckets.pad_batch(d).to(DEV) for d in batches]
+    assert len({p.bucket for p in padded}) == 1
+
+    def make():
+        torch.manual_seed(0)
+        model = GraphTransformer(8, 32, 1, num_layers=3, heads=2, readout="graph").to(DEV).train()
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
+
+    def loss_of(out, y, mask):
+        known = mask & ~torch.isnan(y)
+        return ((out.float().squeeze(-1) - torch.where(known, y, 0)).square() * known).sum() / known.sum()
+
+    model_c, opt_c = make()
+
+    def step(x, edge_index, batch, graph_mask, y):
+        opt_c.zero_grad(set_to_none=True)
+        graph = AttentionGraph(edge_index, x.size(0), static=True)
+        out = model_c(x, None, batch, graph=graph, num_graphs=graph_mask.numel())
+        loss = loss_of(out, y, graph_mask)
+        loss.backward()
+        opt_c.step()
+        return loss.detach()
+
+    runner = CudaGraphRunner(step)
+    model_e, opt_e = make()
+    for p in padded:
+        got = runner(p.x, p.edge_index, p.batch, p.graph_mask, p.y).clone()
+        opt_e.zero_grad(set_to_none=True)
+        out = model_e(p.x, p.edge_index, p.batch, num_graphs=p.graph_mask.numel())
+        want = loss_of(out, p.y, p.graph_mask)
+        want.backward()
+        opt_e.step()
+        torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-4)
+    assert runner.captures == 1 and runner.replays == len(padded) - 1
+    for a, b in zip(model_c.parameters(), model_e.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ compile
+def test_compile_fullgraph_of_a_fused3sconv_model_equals_eager():
+    from gt_fused3s.nn import Fused3SConv
+    torch._dynamo.reset()
+    n = 1200
+    ei = _edges(n, 6 * n, 4)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = Fused3SConv(24, 16, heads=4)
+            self.c2 = Fused3SConv(64, 32, heads=2, concat=False)
+
+        def forward(self, x, graph):
+            return self.c2(self.c1(x, graph).relu(), graph)
+
+    torch.manual_seed(0)
+    net = Net().to(DEV)
+    compiled = torch.compile(net, fullgraph=True)
+    x = torch.randn(n, 24, device=DEV)
+    plan = Fused3SConv.to_graph_format(ei, n).prepare(4, 16).prepare(2, 32)
+    for graph in (plan, ei):            # a prepared plan; an edge_index built inside (static)
+        xc, xe = (x.clone().requires_grad_() for _ in range(2))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out_c, out_e = compiled(xc, graph), net(xe, ei)
+        torch.testing.assert_close(out_c.float(), out_e.float(), atol=2e-2, rtol=2e-2)
+        out_c.float().square().sum().backward()
+        out_e.float().square().sum().backward()
+        torch.testing.assert_close(xc.grad, xe.grad, atol=5e-2 * xe.grad.abs().max().item(), rtol=0)
+    torch._dynamo.reset()
