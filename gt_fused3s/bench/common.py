@@ -130,6 +130,16 @@ def peak_memory_mb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**20
 
 
+def peak_reserved_mb(device: torch.device) -> float | None:
+    """MiB of the most GPU memory the caching allocator held since the last
+    :func:`reset_peak_memory` (tensors, cached blocks and the private pools
+    of CUDA graphs, which are allocated when a graph is captured and do not
+    show in :func:`peak_memory_mb` afterwards); None on a CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device) / 2**20
+
+
 def free_cuda_memory(device: torch.device | str = "cuda") -> None:
     """Return cached blocks after a backend ran out of memory or finished."""
     if torch.device(device).type == "cuda":
@@ -256,13 +266,15 @@ def check_backends(names: list[str]) -> None:
 
 
 def expand_runs(names: list[str], device: torch.device, *, eager: bool,
-                compiled_peers: bool) -> list[str]:
+                compiled_runs: bool) -> list[str]:
     """The runs of a config's ``backends`` on ``device``. On a GPU, unless
     ``eager``: ``fused3s`` without a mode runs as CUDA-graph replays
     (``fused3s@graph``) and its eager run is added beside it; with
-    ``compiled_peers``, ``pyg@compile`` and ``pyg@reduce-overhead`` are added
-    after ``pyg``, the peers a careful PyG user would run. On a CPU every
-    run is eager (modes other than eager are errors there)."""
+    ``compiled_runs``, ``pyg@compile`` and ``pyg@reduce-overhead`` are added
+    after ``pyg`` (the peers a careful PyG user would run), and
+    ``fused3s@reduce-overhead`` after ``fused3s`` (the same capture through
+    torch.compile, which also fuses the layers around the attention). On a
+    CPU every run is eager (modes other than eager are errors there)."""
     runs: list[str] = []
 
     def add(name):
@@ -277,8 +289,10 @@ def expand_runs(names: list[str], device: torch.device, *, eager: bool,
             continue
         if backend == "fused3s" and "@" not in name and not eager:
             add("fused3s@graph")
+            if compiled_runs:
+                add("fused3s@reduce-overhead")
         add(name)
-        if backend == "pyg" and "@" not in name and compiled_peers:
+        if backend == "pyg" and "@" not in name and compiled_runs:
             add("pyg@compile")
             add("pyg@reduce-overhead")
     return runs

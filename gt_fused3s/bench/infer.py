@@ -50,7 +50,7 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     cuda_graphs: true     # single graphs on a GPU: time CUDA-graph replays of the forward
     backends: [fused3s, pyg, reference, dense, flex]   # each may end in @eager, @graph,
                           # @compile, @reduce-overhead (see gt_fused3s.bench.common.MODES)
-    compiled_peers: true  # on a GPU: add pyg@compile and pyg@reduce-overhead
+    compiled_runs: true   # on a GPU: add pyg@compile, pyg@reduce-overhead, fused3s@reduce-overhead
     max_buckets: 4        # static shapes the captured / compiled runs pad batches to
     reference: reference  # backend the 'max diff' column compares with
     max_nodes: {dense: 4096, flex: 65536}   # skip a backend above N nodes per forward
@@ -101,6 +101,7 @@ from .common import (
     log_stderr,
     merge_config,
     peak_memory_mb,
+    peak_reserved_mb,
     progress_bar,
     read_config,
     reset_peak_memory,
@@ -118,7 +119,7 @@ from .common import (
 )
 from .common import resolve_config_path as _resolve_config_path
 from .common import write_csv as _write_csv
-from .stream import Staged, num_graphs, pin, stage, stream_batches
+from .stream import Staged, num_graphs, pin, stage, stream_batches, to_device
 from .timing import Clock, kernel_time, time_forwards
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
@@ -132,7 +133,7 @@ DEFAULTS: dict[str, Any] = {
     "prefetch": False,
     "cuda_graphs": True,
     "backends": ["fused3s", "pyg", "reference", "dense", "flex"],
-    "compiled_peers": True,
+    "compiled_runs": True,
     "max_buckets": 4,
     "reference": "reference",
     "max_nodes": {"dense": 4096, "flex": 65536},
@@ -146,7 +147,7 @@ _HARNESS_KEYS = {"max_batches", "readout"}     # dataset keys besides the loader
 COLUMNS = ["dataset", "hidden", "backend", "mode", "status", "note", "level", "structure", "source",
            "batches", "graphs_per_fwd", "nodes_per_fwd", "edges_per_fwd", "ms_median", "ms_mean",
            "ms_std", "ms_min", "ms_max", "kernel_ms", "graphs_per_s", "attn_ms", "attn_share",
-           "format_ms", "peak_mem_mb", *(f"speedup_vs_{b}" for b in BACKENDS),
+           "format_ms", "peak_mem_mb", "reserved_mb", *(f"speedup_vs_{b}" for b in BACKENDS),
            "speedup_vs_pyg@compile", "speedup_vs_pyg@reduce-overhead", "speedup_vs_fused3s@graph",
            "speedup_vs_pyg_best", "pyg_best", "max_abs_diff", "reference",
            "timing", "prefetch", "device", "device_name", "dtype", "layers", "heads", "torch", "git_sha",
@@ -229,7 +230,7 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     warmup, repeats = int(cfg["warmup"]), int(cfg["repeats"])
     if quick:
         warmup, repeats = min(warmup, 1), min(repeats, 2)
-    runs = expand_runs(cfg["backends"], device, eager=eager, compiled_peers=cfg["compiled_peers"])
+    runs = expand_runs(cfg["backends"], device, eager=eager, compiled_runs=cfg["compiled_runs"])
     if any(parse_run(r)[0] == "flex" or parse_run(r)[1] != "eager" for r in runs):
         # one compile per graph shape and head dim (flex), per bucket shape (compiled runs)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -338,7 +339,8 @@ def _measure_row(work: _Work, model, mode: str, row: dict,
     if error:
         row.update(status=status_of(error), note=error)
         return None, error
-    row.update(result, status="ok", note="", peak_mem_mb=peak_memory_mb(device))
+    row.update(result, status="ok", note="", peak_mem_mb=peak_memory_mb(device),
+               reserved_mb=peak_reserved_mb(device))
     return row.pop("outputs"), None
 
 
@@ -525,13 +527,13 @@ class _Work:
         padded = self.padded_batches()
         firsts = {(d.num_nodes, d.edge_index.size(1)): i for i, d in reversed(list(enumerate(padded)))}
         for i in [*sorted(firsts.values()), *(r % B for r in range(self.s.warmup))]:
-            fwd(padded[i].to(device, non_blocking=True))
+            fwd(to_device(padded[i], device))
             step(num_graphs(self.batches[i]))
         sync(device)
         clock, graphs = Clock(device), 0
         clock.mark()
         for r in range(self._timed_count()):
-            fwd(padded[r % B].to(device, non_blocking=True))
+            fwd(to_device(padded[r % B], device))
             clock.mark()
             graphs += num_graphs(self.batches[r % B])
             step(num_graphs(self.batches[r % B]))
@@ -553,7 +555,7 @@ class _Work:
             for i, data in enumerate(self.batches):
                 if self.streamed:
                     with torch.inference_mode():
-                        data, graph = (padded[i] if padded else data).to(device, non_blocking=True), None
+                        data, graph = to_device(padded[i] if padded else data, device), None
                 else:                    # built once, apart (timed by _build_single)
                     data, graph = staged.data, staged.graph
                 sync(device)
@@ -573,7 +575,7 @@ class _Work:
             out["format_ms"] = fmt / B
         if device.type == "cuda":
             with torch.inference_mode():
-                first = (padded[0] if padded else self.batches[0]).to(device)
+                first = to_device(padded[0] if padded else self.batches[0], device)
             one = ((lambda: fwd(first if self.streamed else staged.data)) if use_fwd or self.streamed
                    else (lambda: self.forward(model, staged.data, staged.graph)))
             out["kernel_ms"] = kernel_time(one, name="", reps=3, flush=False)
@@ -607,8 +609,8 @@ def format_table(rows: list[dict]) -> str:
                       "replays, @compile / @reduce-overhead torch.compile (padded batches).")
 
 
-def format_summary(rows: list[dict], backends: tuple[str, ...] = ("fused3s@graph", "fused3s")
-                   ) -> list[str]:
+def format_summary(rows: list[dict], backends: tuple[str, ...] = (
+        "fused3s@graph", "fused3s@reduce-overhead", "fused3s")) -> list[str]:
     """Lines for the end of a run: the geometric-mean speedup of each of
     ``backends`` (our runs) over each other run (all datasets, then
     synthetic structures only), and which datasets ran on real structures
@@ -667,8 +669,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eager", action="store_true",
                         help="on a GPU, run fused3s eagerly only (default: also as CUDA-graph "
                              "replays of whole forwards, fused3s@graph)")
-    parser.add_argument("--no-compiled-peers", action="store_true",
-                        help="on a GPU, do not add pyg@compile and pyg@reduce-overhead")
+    parser.add_argument("--no-compiled-runs", action="store_true",
+                        help="on a GPU, do not add the torch.compile runs (pyg@compile, "
+                             "pyg@reduce-overhead, fused3s@reduce-overhead)")
 
 
 def main(args) -> int:
@@ -684,8 +687,8 @@ def main(args) -> int:
         if missing:
             raise ValueError(f"datasets {sorted(missing)} are not in {cfg['config']}")
         cfg["datasets"] = [d for d in cfg["datasets"] if d.get("name", d["kind"]) in names]
-    if args.no_compiled_peers:
-        cfg["compiled_peers"] = False
+    if args.no_compiled_runs:
+        cfg["compiled_runs"] = False
     cfg = revalidate(cfg, validate_config)
 
     rows = run(cfg, quick=args.quick, offline=args.offline, progress=not args.no_progress,

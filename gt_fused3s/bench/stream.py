@@ -23,6 +23,7 @@ batch is staged inline on the current stream just before it is handed out.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from types import FunctionType, ModuleType
 from typing import Iterable, Iterator, Sequence
@@ -54,11 +55,19 @@ def num_graphs(data: Data) -> int:
     return data.ptr.numel() - 1 if "ptr" in data else 1
 
 
+def to_device(data: Data, device: torch.device) -> Data:
+    """A copy of ``data`` on ``device`` (asynchronous from pinned memory).
+    ``data`` itself stays where it is: PyG's ``Data.to`` moves a batch in
+    place, which would leave a streamed host batch on the device after its
+    first forward (and every later forward with no copy to time)."""
+    return copy.copy(data).to(device, non_blocking=True)
+
+
 def stage(data: Data, model, device: torch.device) -> Staged:
     """Copy ``data`` to ``device`` (asynchronously from pinned memory) and
     build the graph format that ``model``'s backend reads, on the current stream."""
     with torch.inference_mode():
-        d = data.to(device, non_blocking=True)
+        d = to_device(data, device)
         graph = model.prepare_graph(model.make_graph(d.edge_index, d.num_nodes))
     return Staged(d, graph)
 

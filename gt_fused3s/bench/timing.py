@@ -93,12 +93,12 @@ def kernel_time(fn, name: str = "fused3s_fwd_kernel", reps: int = 30, flush: boo
         return None
 
 
-def time_wall(fn, reps: int = 50) -> dict:
+def time_wall(fn, reps: int = 100) -> dict:
     """What a user waits for one call: ``wall`` = median milliseconds from
     calling ``fn()`` on an idle GPU to the end of its work (synchronised
     before and after), ``host`` = median milliseconds until ``fn()`` returns
     (the host's share: Python, checks, launches)."""
-    for _ in range(3):
+    for _ in range(20):         # caches, allocator, CPU clocks
         fn()
     walls, hosts = [], []
     for _ in range(reps):

@@ -30,8 +30,10 @@ once, in the first step. Batches are made once and kept on the device.
 ``fused3s`` runs its whole training step (forward, loss, backward, Adam) as
 CUDA-graph replays (``fused3s@graph``, :mod:`gt_fused3s.capture`) and
 eagerly beside it; ``--eager`` leaves only the eager run. With
-``compiled_peers`` (default) ``pyg`` is also run under ``torch.compile``,
-default mode and ``reduce-overhead``. Captured and compiled runs train on the
+``compiled_runs`` (default) ``pyg`` is also run under ``torch.compile``,
+default mode and ``reduce-overhead``, and ``fused3s`` under ``reduce-overhead``
+(torch.compile's CUDA graphs, which also fuse the layers around the
+attention; the faster of ``fused3s@graph`` and it is the one to use). Captured and compiled runs train on the
 batches padded to at most ``max_buckets`` static shapes
 (:mod:`gt_fused3s.data.bucket`; padding is masked out of the loss), so they
 capture or compile a few shapes only; the steps that capture or compile
@@ -61,7 +63,7 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     lr: 0.001             # Adam
     weight_decay: 0.0
     backends: [fused3s, pyg]   # each may end in @eager, @graph, @compile, @reduce-overhead
-    compiled_peers: true  # on a GPU: add pyg@compile and pyg@reduce-overhead
+    compiled_runs: true   # on a GPU: add pyg@compile, pyg@reduce-overhead, fused3s@reduce-overhead
     max_buckets: 4        # static shapes of the captured / compiled runs
     model: {hidden: 64, layers: 10, heads: 1, norm: layer, dropout: 0.0, self_loops: false}
     target: auto          # auto | labels | structure
@@ -115,7 +117,7 @@ DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
     "weight_decay": 0.0,
     "backends": ["fused3s", "pyg"],
-    "compiled_peers": True,
+    "compiled_runs": True,
     "max_buckets": 4,
     "model": {"hidden": 64, "layers": 10, "heads": 1, "norm": "layer", "dropout": 0.0,
               "self_loops": False},
@@ -135,6 +137,11 @@ _QUICK_BATCHES = 2
 #: columns of the per-step CSV, in order
 CURVE_COLUMNS = ["step", "backend", "loss", "ms", "timed", "dataset", "hidden", "layers",
                  "dtype", "device", "device_name", "torch", "git_sha", "config"]
+#: columns of the summary CSV (one row per run), in order
+SUMMARY_COLUMNS = ["backend", "mode", "status", "note", "steps", "loss_first", "loss_last", "ms_median",
+                   "ms_std", "kernel_ms", "peak_mem_mb", "reserved_mb", "speedup_vs_pyg",
+                   "speedup_vs_pyg_best", "pyg_best", "mem_vs_pyg", "shapes", "setup_s", "dataset",
+                   "hidden", "layers", "dtype", "device", "device_name", "torch", "git_sha", "config"]
 #: the pyg runs the "best compiled" ratio takes the fastest of
 _PYG_PEERS = ("pyg", "pyg@compile", "pyg@reduce-overhead")
 
@@ -335,7 +342,7 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     initial = copy.deepcopy(model.state_dict())
     order = step_order(len(task.batches), cfg["steps"], cfg["seed"])
     runs = common.expand_runs(cfg["backends"], device, eager=eager,
-                              compiled_peers=cfg["compiled_peers"])
+                              compiled_runs=cfg["compiled_runs"])
     rows, curve = [], []
     for name in runs:
         row, points = train_backend(model, initial, name, task, order, s)
@@ -410,6 +417,7 @@ def train_backend(model: GraphTransformer, initial: dict, name: str, task: Task,
         return {**row, "status": "error", "note": note}, points
     row.update(status="ok", note="", ms_median=statistics.median(times),
                ms_std=statistics.pstdev(times), peak_mem_mb=common.peak_memory_mb(s.device),
+               reserved_mb=common.peak_reserved_mb(s.device),
                setup_s=sum(setup_ms) / 1e3 if setup_ms else None,
                shapes=trainer.num_shapes())
     if s.device.type == "cuda":     # after training: these steps move the weights on
@@ -588,6 +596,7 @@ _TABLE = [  # header, key, format
     ("first loss", "loss_first", "{:.4f}"), (f"last loss (mean {LAST_K})", "loss_last", "{:.4f}"),
     ("ms/step", "ms_median", "{:.2f}"), ("±ms", "ms_std", "{:.2f}"),
     ("kernel ms", "kernel_ms", "{:.2f}"), ("peak MB", "peak_mem_mb", "{:.0f}"),
+    ("reserved MB", "reserved_mb", "{:.0f}"),
     ("vs pyg", "speedup_vs_pyg", "{:.2f}x"), ("vs best pyg", "speedup_vs_pyg_best", "{:.2f}x"),
     ("mem/pyg", "mem_vs_pyg", "{:.2f}"), ("shapes", "shapes", "{}"), ("setup s", "setup_s", "{:.1f}"),
     ("note", "note", "{}"),
@@ -600,7 +609,9 @@ def format_table(rows: list[dict]) -> str:
                       "ms/step: median wall time of a training step (synchronised, warmup "
                       "steps and the first step of each shape of captured / compiled runs "
                       "excluded); kernel ms: GPU kernel time of a step (profiler); peak MB: CUDA "
-                      "max allocated over the timed steps; vs pyg: eager pyg's ms/step over "
+                      "max allocated over the timed steps; reserved MB: max held by the "
+                      "allocator, CUDA-graph pools included (allocated at capture, they are "
+                      "not in peak MB); vs pyg: eager pyg's ms/step over "
                       "this row's; vs best pyg: the fastest pyg run's (eager or compiled); "
                       "mem/pyg: this row's peak over eager pyg's; shapes: static shapes "
                       "(buckets) the run saw; setup s: time of the steps that captured or compiled.")
@@ -629,7 +640,8 @@ def plot_curves(curve: list[dict], path: str | Path, title: str) -> Path:
 # --------------------------------------------------------------------- CLI
 def add_arguments(parser) -> None:
     common.add_run_arguments(parser, DEFAULT_CONFIG,
-                      csv_help="also write every step's loss and time per backend to this CSV",
+                      csv_help="also write every step's loss and time per run to this CSV (and "
+                               "the table to <name>_summary.csv beside it)",
                       plot_help="also draw the loss curves to this PNG (needs matplotlib)",
                       quick_help="smoke run: the config's 'quick' overrides (default 6 steps, "
                                  "1 warmup), the dataset's 'quick' params, at most 2 batches")
@@ -640,8 +652,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eager", action="store_true",
                         help="on a GPU, run fused3s eagerly only (default: also its whole "
                              "training step as CUDA-graph replays, fused3s@graph)")
-    parser.add_argument("--no-compiled-peers", action="store_true",
-                        help="on a GPU, do not add pyg@compile and pyg@reduce-overhead")
+    parser.add_argument("--no-compiled-runs", action="store_true",
+                        help="on a GPU, do not add the torch.compile runs (pyg@compile, "
+                             "pyg@reduce-overhead, fused3s@reduce-overhead)")
 
 
 def main(args) -> int:
@@ -653,8 +666,8 @@ def main(args) -> int:
     common.apply_run_arguments(cfg, args, ("device", "dtype", "warmup", "steps", "lr"))
     if args.hidden is not None:
         cfg["model"]["hidden"] = args.hidden
-    if args.no_compiled_peers:
-        cfg["compiled_peers"] = False
+    if args.no_compiled_runs:
+        cfg["compiled_runs"] = False
     cfg = common.revalidate(cfg, validate_config)
 
     rows, curve, task = run(cfg, quick=args.quick, offline=args.offline,
@@ -663,7 +676,9 @@ def main(args) -> int:
     print(format_footer(rows, task))
     if args.csv:
         common.write_csv(curve, CURVE_COLUMNS, args.csv)
-        print(f"wrote {args.csv}", file=sys.stderr)
+        summary = Path(args.csv).with_name(Path(args.csv).stem + "_summary.csv")
+        common.write_csv(rows, SUMMARY_COLUMNS, summary)
+        print(f"wrote {args.csv} (every step) and {summary} (one row per run)", file=sys.stderr)
     if args.plot:
         title = f"{task.name}: training loss ({rows[0]['dtype']}, {rows[0]['device_name']})"
         common.save_plot(lambda: plot_curves(curve, args.plot, title), args.plot,
