@@ -105,7 +105,7 @@ def test_runs_expand_per_device():
     assert parse_run("pyg@compile") == ("pyg", "compile") and parse_run("dense") == ("dense", "eager")
     assert expand_runs(["fused3s", "pyg"], cpu, eager=False, compiled_runs=True) == ["fused3s", "pyg"]
     assert expand_runs(["fused3s", "pyg"], gpu, eager=False, compiled_runs=True) == [
-        "fused3s@graph", "fused3s@reduce-overhead", "fused3s", "pyg", "pyg@compile", "pyg@reduce-overhead"]
+        "fused3s@graph", "fused3s@compile-graph", "fused3s", "pyg", "pyg@compile", "pyg@reduce-overhead"]
     assert expand_runs(["fused3s", "pyg"], gpu, eager=True, compiled_runs=False) == ["fused3s", "pyg"]
     with pytest.raises(ValueError, match="needs a CUDA device"):
         expand_runs(["pyg@compile"], cpu, eager=False, compiled_runs=False)

@@ -237,8 +237,14 @@ def merge_config(raw: Any, defaults: dict, *, open_keys: frozenset[str] = frozen
 #: ``eager``; ``graph``: whole forwards / training steps as CUDA-graph replays
 #: (gt_fused3s.capture, batches padded to buckets); ``compile`` and
 #: ``reduce-overhead``: ``torch.compile`` of the model in that mode (batches
-#: padded to the same buckets, so it compiles a few shapes only)
-MODES = ("eager", "graph", "compile", "reduce-overhead")
+#: padded to the same buckets, so it compiles a few shapes only);
+#: ``compile-graph``: both, the model compiled by torch.compile (default
+#: mode: its layers fused) inside whole steps captured as CUDA graphs
+MODES = ("eager", "graph", "compile", "reduce-overhead", "compile-graph")
+#: the modes whose whole step or forward is a CUDA-graph replay of our runner
+CAPTURED_MODES = ("graph", "compile-graph")
+#: the modes that run the model through torch.compile
+COMPILED_MODES = ("compile", "reduce-overhead", "compile-graph")
 
 
 def parse_run(name: str) -> tuple[str, str]:
@@ -272,9 +278,10 @@ def expand_runs(names: list[str], device: torch.device, *, eager: bool,
     (``fused3s@graph``) and its eager run is added beside it; with
     ``compiled_runs``, ``pyg@compile`` and ``pyg@reduce-overhead`` are added
     after ``pyg`` (the peers a careful PyG user would run), and
-    ``fused3s@reduce-overhead`` after ``fused3s`` (the same capture through
-    torch.compile, which also fuses the layers around the attention). On a
-    CPU every run is eager (modes other than eager are errors there)."""
+    ``fused3s@compile-graph`` after ``fused3s@graph`` (the same whole-step
+    capture around the model compiled by torch.compile, which also fuses
+    the layers around the attention). On a CPU every run is eager (modes
+    other than eager are errors there)."""
     runs: list[str] = []
 
     def add(name):
@@ -290,7 +297,7 @@ def expand_runs(names: list[str], device: torch.device, *, eager: bool,
         if backend == "fused3s" and "@" not in name and not eager:
             add("fused3s@graph")
             if compiled_runs:
-                add("fused3s@reduce-overhead")
+                add("fused3s@compile-graph")
         add(name)
         if backend == "pyg" and "@" not in name and compiled_runs:
             add("pyg@compile")

@@ -433,8 +433,9 @@ class _Trainer:
         if mode != "eager":
             _check_static_run(model, task, mode, s)
         # a captured optimizer step needs its state on the device (capturable)
+        captured = mode in common.CAPTURED_MODES
         self.opt = torch.optim.Adam(model.parameters(), lr=s.cfg["lr"],
-                                    weight_decay=s.cfg["weight_decay"], capturable=mode == "graph")
+                                    weight_decay=s.cfg["weight_decay"], capturable=captured)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 need none
         self.scaler = torch.amp.GradScaler(s.device.type, enabled=s.dtype == torch.float16)
         self.autocast = common.autocast(s.device, s.dtype, cache=mode == "eager")
@@ -442,10 +443,10 @@ class _Trainer:
         self.batches = task.batches if mode == "eager" else _padded(task, s.cfg["max_buckets"])
         self._shapes: set = set()
         self.forward = model
-        if mode in ("compile", "reduce-overhead"):
-            self.forward = torch.compile(model, mode=None if mode == "compile" else mode,
-                                         dynamic=False)
-        self.runner = CudaGraphRunner(self._step_fn()) if mode == "graph" else None
+        if mode in common.COMPILED_MODES:
+            self.forward = torch.compile(model, mode="reduce-overhead" if mode == "reduce-overhead"
+                                         else None, dynamic=False)
+        self.runner = CudaGraphRunner(self._step_fn()) if captured else None
 
     def _shape(self, index: int) -> tuple:
         d = self.batches[index]
@@ -500,8 +501,11 @@ class _Trainer:
     def _step_fn(self):
         """The whole training step as a function of the batch's tensors, for
         CUDA-graph capture: the graph format of a batch is built inside it
-        (static mode); a single graph's is built once, before, and read."""
-        model, task, opt = self.model, self.task, self.opt
+        (static mode); a single graph's is built once, before, and read.
+        ``compile-graph``: the model is the torch.compile'd one, which builds
+        the format inside the compiled region."""
+        model, task, opt = self.forward, self.task, self.opt
+        compiled = self.mode == "compile-graph"
 
         def finish(out, y, mask):
             loss = task.loss_of(out, y, mask)
@@ -513,16 +517,17 @@ class _Trainer:
             def step(x, edge_index, batch, graph_mask, y):
                 opt.zero_grad(set_to_none=True)     # the captured backward allocates the grads
                 with self.autocast:
-                    graph = AttentionGraph(edge_index, x.size(0), static=True)
-                    out = model(x, None, batch, graph=graph, num_graphs=graph_mask.numel())
+                    graph = None if compiled else AttentionGraph(edge_index, x.size(0), static=True)
+                    out = model(x, edge_index, batch, graph=graph, num_graphs=graph_mask.numel())
                 return finish(out, y, graph_mask)
             return step
-        graph = self._graph(task.batches[0], 0)
+        graph = None if compiled else self._graph(task.batches[0], 0)
+        edge_index = task.batches[0].edge_index
 
         def step(x, y):
             opt.zero_grad(set_to_none=True)
             with self.autocast:
-                out = model(x, None, None, graph=graph)
+                out = model(x, edge_index, None, graph=graph)
             return finish(out, y, None)
         return step
 
@@ -540,7 +545,7 @@ def _check_static_run(model: GraphTransformer, task: Task, mode: str, s: _Settin
     not compute what the eager one does."""
     if s.device.type != "cuda":
         raise ValueError(f"mode {mode} needs a CUDA device")
-    if mode == "graph" and s.dtype == torch.float16:
+    if mode in common.CAPTURED_MODES and s.dtype == torch.float16:
         raise ValueError("fp16 trains with a GradScaler, whose step syncs the host: capture "
                          "needs bf16 or fp32 (dtype: bf16), or run eagerly")
     if model.self_loops:
