@@ -3,9 +3,11 @@
 # ones included), compute-sanitizer on a small case, the kernel benchmark and
 # the default inference job. Logs and CSVs go to $OUT (or ./results).
 #
-#   bash scripts/gpu_check.sh            # everything (about 6-8 minutes on an H100)
+#   bash scripts/gpu_check.sh            # tests, sanitizers, benchmarks (about 8-10 minutes on an H100)
 #   bash scripts/gpu_check.sh tests      # build, tests and sanitizers only
 #   bash scripts/gpu_check.sh bench      # kernel benchmark and inference only
+#   bash scripts/gpu_check.sh hostfree   # captured / compiled GT inference and training
+#                                        # against pyg eager and compiled (about 6 minutes)
 #
 # Needs the structures of ../shared/data; on a copy of the tree without them,
 # put them in .data/ (GT_FUSED3S_DATA may point elsewhere).
@@ -21,6 +23,15 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, torch_geometric; print('torch', torch.__version__, 'pyg', torch_geometric.__version__)"
 python3 -c "from gt_fused3s._build import load_extension; load_extension(); print('extension built')" || exit 1
 
+if [ "$what" = hostfree ]; then
+  python3 -m gt_fused3s.cli infer --config configs/study.yaml --datasets zinc molhiv --hidden 64 \
+    --backends fused3s pyg --csv "$OUT/infer_batched.csv" --no-progress 2>&1 | tee "$OUT/infer_batched.txt" || status=1
+  for cfg in train train-zinc1024; do
+    python3 -m gt_fused3s.cli train --config "configs/$cfg.yaml" --csv "$OUT/$cfg.csv" --no-progress 2>&1 \
+      | tee "$OUT/$cfg.txt" || status=1
+  done
+  exit $status
+fi
 if [ "$what" != bench ]; then
   python3 -m pytest -q -rfEs 2>&1 | tee "$OUT/tests.txt" | tail -3 || status=1
   S='from gt_fused3s.bench.kernel import sanitize_case; sanitize_case()'
