@@ -48,8 +48,6 @@ class AttentionGraph:
         g._formats["plan"] = plan
         return g
 
-    from_bsb = from_plan
-
     def prepare(self, backend: str, heads: int | None = None, head_dim: int | None = None, *,
                 backward: bool = False) -> None:
         """Build what ``backend`` reads, so that it can be timed apart from the
@@ -140,7 +138,7 @@ def _pyg(q, k, v, graph: AttentionGraph, scale):
     global _pyg_module
     if _pyg_module is None:
         _pyg_module = _make_pyg_attention()
-    return _pyg_module(q, k, v, graph.edge_index, scale)
+    return _pyg_module(q, k, v, graph.edge_index.long(), scale)   # PyG's scatters take int64
 
 
 def _make_pyg_attention():

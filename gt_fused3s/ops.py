@@ -124,11 +124,13 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
         raise ValueError(f"compute_dtype must be torch.float16 or torch.bfloat16 (got {compute_dtype})")
     if not _use_kernel(q):
         # The reference reads the edges only: an edge_index needs no format.
-        edges = graph if isinstance(graph, Tensor) else as_plan(graph).edge_index
         if isinstance(graph, Tensor):
             _check_edges_for(graph, N, num_nodes, q.device)
+            edges = graph
         else:
-            _check_plan_for(as_plan(graph), N, q.device)
+            plan = as_plan(graph)
+            _check_plan_for(plan, N, q.device)
+            edges = plan.edge_index
         return attention_reference(q, k, v, edges, scale, out_dtype=out_dtype or q.dtype,
                                    compute_dtype=torch.float64 if q.dtype == torch.float64
                                    else torch.float32)

@@ -44,8 +44,8 @@ class GraphPlan:
         transposed: the BSB of the reversed graph (built by :meth:`prepare`
             with ``backward=True`` if not given).
 
-    Build it with :meth:`from_edge_index` (or :meth:`from_bsb`) and
-    :meth:`prepare` it for the heads and head dims of the model::
+    Build it with :meth:`from_edge_index` (or from a BSB: ``GraphPlan(bsb)``)
+    and :meth:`prepare` it for the heads and head dims of the model::
 
         plan = GraphPlan.from_edge_index(edge_index, num_nodes).prepare(heads=4, head_dim=32)
         out = fused3s_attention(q, k, v, plan)      # no host sync, forward and backward
@@ -71,10 +71,6 @@ class GraphPlan:
         destinations; duplicates count with their multiplicity), built on
         its device. ``static``: see :meth:`BSBGraph.from_edge_index`."""
         return cls(BSBGraph.from_edge_index(edge_index, num_nodes, static=static))
-
-    @classmethod
-    def from_bsb(cls, bsb: BSBGraph) -> "GraphPlan":
-        return cls(bsb)
 
     def prepare(self, heads: int, head_dim: int, *, backward: bool = True) -> "GraphPlan":
         """Build the kernels' schedules for ``heads`` heads of ``head_dim``

@@ -92,3 +92,17 @@ GRAPH_CASES: dict[str, Callable[[], tuple[Tensor, int]]] = {
     "single_node": single_node,
     "no_edges": no_edges,
 }
+
+
+def molecule_batches(count: int, batch_size: int, num_features: int, seed: int = 0) -> list:
+    """``count`` batches of generated molecules (PyG ``Data`` with ``batch``
+    and ``ptr``), each with a seeded random target per graph in ``y``."""
+    from gt_fused3s.data import molecules_dataset
+    ds = molecules_dataset(num_graphs=count * batch_size, batch_size=batch_size,
+                           num_features=num_features, seed=seed)
+    out = []
+    for i in range(len(ds)):
+        d = ds[i]
+        d.y = torch.randn(d.ptr.numel() - 1, generator=torch.Generator().manual_seed(i))
+        out.append(d)
+    return out

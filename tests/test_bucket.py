@@ -5,20 +5,15 @@ import pytest
 import torch
 
 from gt_fused3s.bench.train import compute_loss
-from gt_fused3s.data import molecules_dataset
 from gt_fused3s.data.bucket import Bucket, Buckets, pad_arrays
 from gt_fused3s.models import GraphTransformer
+
+from graph_cases import molecule_batches
 
 
 @pytest.fixture(scope="module")
 def batches():
-    ds = molecules_dataset(num_graphs=40, batch_size=8, num_features=6, seed=3)
-    out = []
-    for i in range(len(ds)):
-        d = ds[i]
-        d.y = torch.randn(d.ptr.numel() - 1, generator=torch.Generator().manual_seed(i))
-        out.append(d)
-    return out
+    return molecule_batches(5, 8, 6, seed=3)
 
 
 def _sizes(batches):

@@ -15,9 +15,10 @@ import torch
 from gt_fused3s import GraphPlan, fused3s_attention
 from gt_fused3s.backends import AttentionGraph
 from gt_fused3s.capture import CudaGraphRunner
-from gt_fused3s.data import molecules_dataset
 from gt_fused3s.data.bucket import Buckets
 from gt_fused3s.models import GraphTransformer
+
+from graph_cases import molecule_batches
 
 pytestmark = [
     pytest.mark.cuda,
@@ -47,17 +48,6 @@ def _edges(n, e, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     ei = torch.randint(0, n, (2, e), generator=g, device=DEV)
     return torch.cat([ei, ei[:, :e // 20]], 1)                  # with duplicates
-
-
-def _molecule_batches(count=3, batch_size=32, seed=0):
-    ds = molecules_dataset(num_graphs=count * batch_size, batch_size=batch_size, num_features=8,
-                           seed=seed)
-    out = []
-    for i in range(len(ds)):
-        d = ds[i]
-        d.y = torch.randn(d.ptr.numel() - 1, generator=torch.Generator().manual_seed(i))
-        out.append(d)
-    return out
 
 
 # ------------------------------------------------------------- no host sync
@@ -114,7 +104,7 @@ def test_dgl_layer_makes_no_host_sync():
 
 
 def test_graph_transformer_inference_and_training_step_make_no_host_sync():
-    data = _molecule_batches(1)[0].to(DEV)
+    data = molecule_batches(1, 32, 8)[0].to(DEV)
     G = data.ptr.numel() - 1
     torch.manual_seed(0)
     model = GraphTransformer(8, 64, 1, num_layers=4, heads=2, readout="graph").to(DEV)
@@ -159,7 +149,7 @@ def test_captured_op_replays_on_a_new_graph_of_the_same_shape():
 
 
 def test_captured_training_step_equals_eager_on_new_batches_of_a_bucket():
-    batches = _molecule_batches(4)
+    batches = molecule_batches(4, 32, 8)
     buckets = Buckets.fit([(d.num_nodes, d.edge_index.size(1), d.ptr.numel() - 1) for d in batches],
                           max_buckets=1)
     padded = [buckets.pad_batch(d).to(DEV) for d in batches]

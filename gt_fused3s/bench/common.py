@@ -405,6 +405,12 @@ def add_run_arguments(parser, default_config: Path, *, csv_help: str, plot_help:
     parser.add_argument("--plot", default=None, help=plot_help)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--eager", action="store_true",
+                        help="on a GPU, run fused3s eagerly only (default: also its whole "
+                             "forward or training step as CUDA-graph replays, fused3s@graph)")
+    parser.add_argument("--no-compiled-runs", action="store_true",
+                        help="on a GPU, do not add the torch.compile runs (pyg@compile, "
+                             "pyg@reduce-overhead, fused3s@compile-graph)")
 
 
 def split_args(values: list[str] | None) -> list[str] | None:
@@ -413,11 +419,13 @@ def split_args(values: list[str] | None) -> list[str] | None:
 
 
 def apply_run_arguments(cfg: dict, args, keys: tuple[str, ...]) -> None:
-    """Command-line values given (not None) for ``keys`` and ``--backends``
-    override the config's."""
+    """Command-line values given (not None) for ``keys``, ``--backends`` and
+    ``--no-compiled-runs`` override the config's."""
     for key in keys:
         if getattr(args, key, None) is not None:
             cfg[key] = getattr(args, key)
     backends = split_args(args.backends)
     if backends:
         cfg["backends"] = backends
+    if getattr(args, "no_compiled_runs", False):
+        cfg["compiled_runs"] = False

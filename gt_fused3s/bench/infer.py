@@ -49,8 +49,8 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     prefetch: false       # collections: build the next batch's format on a side stream
     cuda_graphs: true     # single graphs on a GPU: time CUDA-graph replays of the forward
     backends: [fused3s, pyg, reference, dense, flex]   # each may end in @eager, @graph,
-                          # @compile, @reduce-overhead (see gt_fused3s.bench.common.MODES)
-    compiled_runs: true   # on a GPU: add pyg@compile, pyg@reduce-overhead, fused3s@reduce-overhead
+                          # @compile, @reduce-overhead, @compile-graph (see gt_fused3s.bench.common.MODES)
+    compiled_runs: true   # on a GPU: add pyg@compile, pyg@reduce-overhead, fused3s@compile-graph
     max_buckets: 4        # static shapes the captured / compiled runs pad batches to
     reference: reference  # backend the 'max diff' column compares with
     max_nodes: {dense: 4096, flex: 65536}   # skip a backend above N nodes per forward
@@ -622,7 +622,8 @@ def format_table(rows: list[dict]) -> str:
                       "included in ms/fwd for batched graphs (a new batch is a new graph), apart "
                       "for single graphs; vs X: ms/fwd of X over this row's; vs best pyg: the "
                       "fastest pyg run's (eager or compiled). Runs name@mode: @graph CUDA-graph "
-                      "replays, @compile / @reduce-overhead torch.compile (padded batches).")
+                      "replays, @compile / @reduce-overhead torch.compile, @compile-graph "
+                      "both (padded batches).")
 
 
 def format_summary(rows: list[dict], backends: tuple[str, ...] = (
@@ -682,12 +683,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="single graphs on a GPU: time replays of a CUDA graph of the "
                              "forward (default) or eager forwards (--no-cuda-graphs)")
-    parser.add_argument("--eager", action="store_true",
-                        help="on a GPU, run fused3s eagerly only (default: also as CUDA-graph "
-                             "replays of whole forwards, fused3s@graph)")
-    parser.add_argument("--no-compiled-runs", action="store_true",
-                        help="on a GPU, do not add the torch.compile runs (pyg@compile, "
-                             "pyg@reduce-overhead, fused3s@reduce-overhead)")
 
 
 def main(args) -> int:
@@ -703,8 +698,6 @@ def main(args) -> int:
         if missing:
             raise ValueError(f"datasets {sorted(missing)} are not in {cfg['config']}")
         cfg["datasets"] = [d for d in cfg["datasets"] if d.get("name", d["kind"]) in names]
-    if args.no_compiled_runs:
-        cfg["compiled_runs"] = False
     cfg = revalidate(cfg, validate_config)
 
     rows = run(cfg, quick=args.quick, offline=args.offline, progress=not args.no_progress,

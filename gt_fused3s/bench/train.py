@@ -31,9 +31,10 @@ once, in the first step. Batches are made once and kept on the device.
 CUDA-graph replays (``fused3s@graph``, :mod:`gt_fused3s.capture`) and
 eagerly beside it; ``--eager`` leaves only the eager run. With
 ``compiled_runs`` (default) ``pyg`` is also run under ``torch.compile``,
-default mode and ``reduce-overhead``, and ``fused3s`` under ``reduce-overhead``
-(torch.compile's CUDA graphs, which also fuse the layers around the
-attention; the faster of ``fused3s@graph`` and it is the one to use). Captured and compiled runs train on the
+default mode and ``reduce-overhead``, and ``fused3s`` as ``compile-graph``
+(the model compiled by torch.compile, which fuses the layers around the
+attention, inside the same whole-step CUDA graph; the faster of it and
+``fused3s@graph`` is the one to use). Captured and compiled runs train on the
 batches padded to at most ``max_buckets`` static shapes
 (:mod:`gt_fused3s.data.bucket`; padding is masked out of the loss), so they
 capture or compile a few shapes only; the steps that capture or compile
@@ -62,8 +63,9 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     warmup: 2             # of those, the first ones left out of ms/step and peak MB
     lr: 0.001             # Adam
     weight_decay: 0.0
-    backends: [fused3s, pyg]   # each may end in @eager, @graph, @compile, @reduce-overhead
-    compiled_runs: true   # on a GPU: add pyg@compile, pyg@reduce-overhead, fused3s@reduce-overhead
+    backends: [fused3s, pyg]   # each may end in @eager, @graph, @compile, @reduce-overhead,
+                               # @compile-graph (see gt_fused3s.bench.common.MODES)
+    compiled_runs: true   # on a GPU: add pyg@compile, pyg@reduce-overhead, fused3s@compile-graph
     max_buckets: 4        # static shapes of the captured / compiled runs
     model: {hidden: 64, layers: 10, heads: 1, norm: layer, dropout: 0.0, self_loops: false}
     target: auto          # auto | labels | structure
@@ -654,12 +656,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lr", type=float, default=None, help="Adam learning rate")
     parser.add_argument("--hidden", type=int, default=None,
                         help="hidden size, overriding the config's model.hidden")
-    parser.add_argument("--eager", action="store_true",
-                        help="on a GPU, run fused3s eagerly only (default: also its whole "
-                             "training step as CUDA-graph replays, fused3s@graph)")
-    parser.add_argument("--no-compiled-runs", action="store_true",
-                        help="on a GPU, do not add the torch.compile runs (pyg@compile, "
-                             "pyg@reduce-overhead, fused3s@reduce-overhead)")
 
 
 def main(args) -> int:
@@ -671,8 +667,6 @@ def main(args) -> int:
     common.apply_run_arguments(cfg, args, ("device", "dtype", "warmup", "steps", "lr"))
     if args.hidden is not None:
         cfg["model"]["hidden"] = args.hidden
-    if args.no_compiled_runs:
-        cfg["compiled_runs"] = False
     cfg = common.revalidate(cfg, validate_config)
 
     rows, curve, task = run(cfg, quick=args.quick, offline=args.offline,
