@@ -66,6 +66,7 @@ def work_schedule(bsb: BSBGraph, heads: int, head_dim: int, *, exact: bool | Non
     exact = not bsb.static if exact is None else exact
     dev = bsb.device
     R, T_cap = bsb.num_windows, bsb.tcb_capacity
+    # a schedule built for a CPU format (tests, the CPU stand-ins) assumes an H100's 132 SMs
     C, threshold = chunk_bounds(T_cap, heads, head_dim, _num_sms(dev) if dev.type == "cuda" else 132)
     I_cap, S_cap = R + T_cap // C, T_cap // C + T_cap // (threshold + 1)
     if R == 0:

@@ -371,6 +371,12 @@ def add_speedups(rows: list[dict]) -> None:
             r["pyg_best"] = best["backend"]
 
 
+def _timing_label(mode: str) -> str:
+    """The ``timing`` column of a run of ``mode``."""
+    return {"eager": "eager", "graph": "cuda-graph",
+            "compile-graph": "cuda-graph of torch.compile"}.get(mode, f"torch.compile {mode}")
+
+
 class _Work:
     """The batches of one dataset, and how a model is measured on them."""
 
@@ -453,9 +459,7 @@ class _Work:
             if timed:
                 times, graphs = self._time_stream(model, mode, fwd, step)
                 out["graphs_per_s"] = graphs / (sum(times) / 1e3)
-                out["timing"] = ("eager" if mode == "eager" else "cuda-graph" if mode == "graph"
-                                 else "cuda-graph of torch.compile" if mode == "compile-graph"
-                                 else f"torch.compile {mode}")
+                out["timing"] = _timing_label(mode)
         else:
             out["format_ms"], staged = self._build_single(model)
             if timed:
@@ -485,15 +489,16 @@ class _Work:
         backend, out of the times), compiled, or eagerly."""
         device = self.s.device
         eager = mode == "eager"
-        run = (lambda: self.forward(model, staged.data, staged.graph)) if eager else (
-            lambda: fwd(staged.data))
-        if mode == "graph":                # the captured forward reads the prebuilt format
+        # eager and graph runs read the prebuilt format (graph: captured below)
+        if mode in ("eager", "graph"):
             run = lambda: self.forward(model, staged.data, staged.graph)   # noqa: E731
+        else:
+            run = lambda: fwd(staged.data)   # noqa: E731
         for _ in range(self.s.warmup):
             run()
             step(1)
         sync(device)
-        forward, timing = (lambda r: run()), ("eager" if eager else f"torch.compile {mode}")
+        forward, timing = (lambda r: run()), _timing_label(mode)
         if device.type == "cuda" and (mode == "graph" or (eager and self.s.cfg["cuda_graphs"])):
             try:
                 graph = self._capture(model, staged)
