@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -90,14 +91,49 @@ void check_index(const at::Tensor& t, const char* name, at::ScalarType dtype, co
     TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-template <typename T>
+// An [E, H] fp32 contiguous per-edge array on q's device, if given.
+void check_edge_array(const std::optional<at::Tensor>& t, const char* name, int64_t E, const at::Tensor& q) {
+    if (!t.has_value()) return;
+    TORCH_CHECK(t->device() == q.device(), name, " must be on the device of q (", q.device().str(), "), got ",
+                t->device().str());
+    TORCH_CHECK(t->scalar_type() == at::kFloat, name, " must be float32 (got ", dtype_name(t->scalar_type()), ")");
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == E && t->size(1) == q.size(1), name, " must have shape [E, H] = ",
+                shape({E, q.size(1)}), " (got ", shape(t->sizes()), ")");
+    TORCH_CHECK(t->is_contiguous(), name, " must be contiguous");
+}
+
+// The edge slots of one pass (nnz_offset [T + 1], slot_edge [E], int32), which
+// every per-edge term needs. Returns whether given (then E = slot_edge's size).
+bool check_slots(const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
+                 const at::Tensor& bitmap, const at::Tensor& q, const char* which) {
+    const std::string pre = which;
+    TORCH_CHECK(nnz_offset.has_value() == slot_edge.has_value(), pre,
+                "nnz_offset and slot_edge come together (GraphPlan.bias_args)");
+    if (!slot_edge.has_value()) return false;
+    check_index(*nnz_offset, (pre + "nnz_offset").c_str(), at::kInt, q);
+    check_index(*slot_edge, (pre + "slot_edge").c_str(), at::kInt, q);
+    TORCH_CHECK(nnz_offset->dim() == 1 && nnz_offset->numel() == bitmap.size(0) + 1, pre, "nnz_offset must have T + 1 = ",
+                num(bitmap.size(0) + 1), " entries (got ", num(nnz_offset->numel()), ")");
+    TORCH_CHECK(slot_edge->dim() == 1, pre, "slot_edge must be 1-D");
+    return true;
+}
+
+const float* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
+
+EdgeBiasArgs edge_args(const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
+                       const std::optional<at::Tensor>& bias, float* grad, const std::optional<at::Tensor>& dp_bias) {
+    if (!slot_edge.has_value()) return EdgeBiasArgs{};
+    return {opt_ptr(bias), grad, opt_ptr(dp_bias), nnz_offset->data_ptr<int32_t>(), slot_edge->data_ptr<int32_t>()};
+}
+
+template <typename T, bool kBias>
 void launch_for_head_dim(int64_t d, const Fused3SParams& params, cudaStream_t stream) {
     switch (d) {
-        case 16: run_fused3s_fwd<T, 16>(params, stream); break;
-        case 32: run_fused3s_fwd<T, 32>(params, stream); break;
-        case 64: run_fused3s_fwd<T, 64>(params, stream); break;
-        case 128: run_fused3s_fwd<T, 128>(params, stream); break;
-        case 256: run_fused3s_fwd<T, 256>(params, stream); break;
+        case 16: run_fused3s_fwd<T, 16, kBias>(params, stream); break;
+        case 32: run_fused3s_fwd<T, 32, kBias>(params, stream); break;
+        case 64: run_fused3s_fwd<T, 64, kBias>(params, stream); break;
+        case 128: run_fused3s_fwd<T, 128, kBias>(params, stream); break;
+        case 256: run_fused3s_fwd<T, 256, kBias>(params, stream); break;
         default: TORCH_CHECK(false, "head dim ", num(d), " is not compiled (16, 32, 64, 128, 256)");
     }
 }
@@ -106,7 +142,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                                             const at::Tensor& rw_offset, const at::Tensor& cols,
                                             const at::Tensor& bitmap, const at::Tensor& window_order,
                                             const at::Tensor& items, const at::Tensor& slots, double scale,
-                                            bool out_fp32) {
+                                            bool out_fp32, const std::optional<at::Tensor>& edge_bias,
+                                            const std::optional<at::Tensor>& nnz_offset,
+                                            const std::optional<at::Tensor>& slot_edge) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
     const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q_in),
@@ -144,6 +182,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                 num(items.size(0)), " x ", num(H), " heads)");
     TORCH_CHECK(slots.size(0) * H * 16 * D < (int64_t(1) << 40), "partial workspace too large");
     TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
+    const bool has_bias = check_slots(nnz_offset, slot_edge, bitmap, q, "");
+    TORCH_CHECK(has_bias == edge_bias.has_value(), "an edge_bias needs the graph's nnz_offset and slot_edge, "
+                "and they need an edge_bias");
+    if (has_bias) check_edge_array(edge_bias, "edge_bias", slot_edge->numel(), q);
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     auto out = at::empty({N, H, D}, q.options().dtype(out_fp32 ? at::kFloat : q.scalar_type()));
@@ -183,12 +225,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     p.num_nodes = static_cast<int32_t>(N);
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    p.bias = edge_args(nnz_offset, slot_edge, edge_bias, nullptr, std::nullopt);
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-    if (q.scalar_type() == at::kHalf) {
-        launch_for_head_dim<__half>(D, p, stream);
+    const bool half = q.scalar_type() == at::kHalf;
+    if (has_bias) {
+        half ? launch_for_head_dim<__half, true>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, true>(D, p, stream);
     } else {
-        launch_for_head_dim<__nv_bfloat16>(D, p, stream);
+        half ? launch_for_head_dim<__half, false>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, false>(D, p, stream);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {out, lse};
@@ -196,15 +240,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
 
 // ---- Backward ------------------------------------------------------------------
 
-template <typename T>
+template <typename T, bool kBias>
 cudaError_t launch_bwd_for_head_dim(int64_t d, const Fused3SBwdParams& dq, const Fused3SBwdParams& dkv,
                                     cudaStream_t stream) {
     switch (d) {
-        case 16: return run_fused3s_bwd<T, 16>(dq, dkv, stream);
-        case 32: return run_fused3s_bwd<T, 32>(dq, dkv, stream);
-        case 64: return run_fused3s_bwd<T, 64>(dq, dkv, stream);
-        case 128: return run_fused3s_bwd<T, 128>(dq, dkv, stream);
-        case 256: return run_fused3s_bwd<T, 256>(dq, dkv, stream);
+        case 16: return run_fused3s_bwd<T, 16, kBias>(dq, dkv, stream);
+        case 32: return run_fused3s_bwd<T, 32, kBias>(dq, dkv, stream);
+        case 64: return run_fused3s_bwd<T, 64, kBias>(dq, dkv, stream);
+        case 128: return run_fused3s_bwd<T, 128, kBias>(dq, dkv, stream);
+        case 256: return run_fused3s_bwd<T, 256, kBias>(dq, dkv, stream);
         default: TORCH_CHECK(false, "head dim ", num(d), " is not compiled (16, 32, 64, 128, 256)");
     }
     return cudaSuccess;   // not reached
@@ -239,13 +283,20 @@ void check_pass(const char* which, const at::Tensor& cols, const at::Tensor& bit
 // Gradients of fwd with respect to q, k, v. `cols`, `bitmap`, `items`, `slots`
 // are the graph's BSB and schedule (dQ pass), `t_*` those of the transposed
 // graph (dKV pass). out and lse are the forward's outputs (out in q's dtype or
-// fp32). The gradients are in q's dtype, or fp32 if grad_fp32.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+// fp32). The gradients are in q's dtype, or fp32 if grad_fp32. Per-edge
+// terms need each pass's nnz_offset / slot_edge: the edge_bias of the
+// forward (its gradient dS [E, H] fp32 comes fourth; else an empty tensor),
+// dp_bias [E, H] added to dP and delta_extra [N, H] added to delta (the
+// gradient of returned probabilities, see ops.py).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in,
     const at::Tensor& lse, const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& items,
     const at::Tensor& slots, const at::Tensor& t_cols, const at::Tensor& t_bitmap, const at::Tensor& t_items,
-    const at::Tensor& t_slots, double scale, bool grad_fp32) {
+    const at::Tensor& t_slots, double scale, bool grad_fp32, const std::optional<at::Tensor>& edge_bias,
+    const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
+    const std::optional<at::Tensor>& t_nnz_offset, const std::optional<at::Tensor>& t_slot_edge,
+    const std::optional<at::Tensor>& dp_bias, const std::optional<at::Tensor>& delta_extra) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
     const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q_in),
@@ -267,13 +318,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     check_pass("graph", cols, bitmap, items, slots, q);
     check_pass("transposed graph", t_cols, t_bitmap, t_items, t_slots, q);
     TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
+    const bool has_edges = check_slots(nnz_offset, slot_edge, bitmap, q, "");
+    TORCH_CHECK(check_slots(t_nnz_offset, t_slot_edge, t_bitmap, q, "transposed graph ") == has_edges,
+                "the edge slots of the graph and of the transposed graph come together");
+    TORCH_CHECK(has_edges || !(edge_bias.has_value() || dp_bias.has_value() || delta_extra.has_value()),
+                "edge_bias, dp_bias and delta_extra need the edge slots of both graphs (GraphPlan.bias_args)");
+    const int64_t E = has_edges ? slot_edge->numel() : 0;
+    TORCH_CHECK(!has_edges || t_slot_edge->numel() == E, "transposed graph slot_edge must have E = ", num(E),
+                " entries, as slot_edge");
+    check_edge_array(edge_bias, "edge_bias", E, q);
+    check_edge_array(dp_bias, "dp_bias", E, q);
+    if (delta_extra.has_value()) {
+        TORCH_CHECK(delta_extra->device() == q.device() && delta_extra->scalar_type() == at::kFloat &&
+                        delta_extra->dim() == 2 && delta_extra->size(0) == N && delta_extra->size(1) == H &&
+                        delta_extra->is_contiguous(),
+                    "delta_extra must be a contiguous float32 [N, H] tensor on the device of q");
+    }
+    const bool has_bias = edge_bias.has_value();
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     const auto grad_opts = q.options().dtype(grad_fp32 ? at::kFloat : q.scalar_type());
     auto dq = at::empty({N, H, D}, grad_opts);
     auto dk = at::empty({N, H, D}, grad_opts);
     auto dv = at::empty({N, H, D}, grad_opts);
-    if (N == 0) return {dq, dk, dv};
+    // every edge's score lies in one chunk of the dQ pass, which writes it once
+    auto dbias = has_bias ? at::empty_like(*edge_bias) : at::empty({0}, q.options().dtype(at::kFloat));
+    if (N == 0) return {dq, dk, dv, dbias};
     const auto f32 = q.options().dtype(at::kFloat);
     auto stats = at::empty({N, H, 2}, f32);   // (lse log2e, delta) per row, from the dQ pass
     const int64_t S = slots.size(0), St = t_slots.size(0);
@@ -296,6 +366,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     common.num_heads = static_cast<int32_t>(H);
     common.scale = static_cast<float>(scale);
     common.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    common.delta_extra_ptr = opt_ptr(delta_extra);
 
     Fused3SBwdParams dq_pass = common;
     dq_pass.a1 = operand(q);
@@ -311,6 +382,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dq_pass.num_slots = static_cast<int32_t>(S);
     dq_pass.counters_ptr = S + St > 0 ? counters.data_ptr<int32_t>() : nullptr;
     dq_pass.part1_ptr = S > 0 ? part_q.data_ptr<float>() : nullptr;
+    dq_pass.bias = edge_args(nnz_offset, slot_edge, edge_bias, has_bias ? dbias.data_ptr<float>() : nullptr, dp_bias);
 
     Fused3SBwdParams dkv_pass = common;
     dkv_pass.a1 = operand(k);
@@ -328,13 +400,78 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dkv_pass.counters_ptr = S + St > 0 ? counters.data_ptr<int32_t>() + S * H : nullptr;
     dkv_pass.part1_ptr = St > 0 ? part_k.data_ptr<float>() : nullptr;
     dkv_pass.part2_ptr = St > 0 ? part_v.data_ptr<float>() : nullptr;
+    dkv_pass.bias = edge_args(t_nnz_offset, t_slot_edge, edge_bias, nullptr, dp_bias);
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-    const cudaError_t err = q.scalar_type() == at::kHalf
-                                ? launch_bwd_for_head_dim<__half>(D, dq_pass, dkv_pass, stream)
-                                : launch_bwd_for_head_dim<__nv_bfloat16>(D, dq_pass, dkv_pass, stream);
+    const bool half = q.scalar_type() == at::kHalf;
+    const cudaError_t err =
+        has_edges ? (half ? launch_bwd_for_head_dim<__half, true>(D, dq_pass, dkv_pass, stream)
+                          : launch_bwd_for_head_dim<__nv_bfloat16, true>(D, dq_pass, dkv_pass, stream))
+                  : (half ? launch_bwd_for_head_dim<__half, false>(D, dq_pass, dkv_pass, stream)
+                          : launch_bwd_for_head_dim<__nv_bfloat16, false>(D, dq_pass, dkv_pass, stream));
     C10_CUDA_CHECK(err);
-    return {dq, dk, dv};
+    return {dq, dk, dv, dbias};
+}
+
+// ---- Probabilities per edge ------------------------------------------------------
+
+// P [E, H] fp32 in the caller's edge order: exp(scale q_i.k_j + bias_e - lse_i)
+// for every edge e = j -> i, from the forward's lse, over the forward's BSB
+// and schedule and the graph's edge slots.
+at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& lse,
+                      const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& items,
+                      const at::Tensor& nnz_offset, const at::Tensor& slot_edge, double scale,
+                      const std::optional<at::Tensor>& edge_bias) {
+    TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
+    TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
+    const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q_in);
+    const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+    TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256,
+                "head dim D must be 16, 32, 64, 128 or 256 (got ", num(D), "); pad other multiples of 8");
+    TORCH_CHECK(lse.defined() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
+                    lse.dim() == 2 && lse.size(0) == N && lse.size(1) == H,
+                "lse must be a float32 [N, H] = ", shape({N, H}), " tensor on the device of q");
+    const at::Tensor slots_unused = at::empty({0, 4}, items.options());
+    check_pass("graph", cols, bitmap, items, slots_unused, q);
+    check_slots(nnz_offset, slot_edge, bitmap, q, "");
+    const int64_t E = slot_edge.numel();
+    check_edge_array(edge_bias, "edge_bias", E, q);
+    TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
+
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    auto probs = at::empty({E, H}, q.options().dtype(at::kFloat));
+    if (N == 0 || E == 0) return probs;
+    Fused3SParams p{};
+    p.q_ptr = q.data_ptr();
+    p.k_ptr = k.data_ptr();
+    p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
+    p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
+    p.lse_ptr = const_cast<float*>(lse.data_ptr<float>());   // read only in this pass
+    p.lse_row_stride = lse.stride(0); p.lse_head_stride = lse.stride(1);
+    p.cols_ptr = cols.data_ptr<int32_t>();
+    p.bitmap_ptr = reinterpret_cast<const uint64_t*>(bitmap.data_ptr<int64_t>());
+    p.items_ptr = reinterpret_cast<const Fused3SItem*>(items.data_ptr<int32_t>());
+    p.num_items = static_cast<int32_t>(items.size(0));
+    p.num_nodes = static_cast<int32_t>(N);
+    p.num_heads = static_cast<int32_t>(H);
+    p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    p.bias = edge_args(nnz_offset, slot_edge, edge_bias, nullptr, std::nullopt);
+    p.probs_ptr = probs.data_ptr<float>();
+
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    auto launch = [&](auto tag) {
+        using T = decltype(tag);
+        switch (D) {
+            case 16: run_fused3s_probs<T, 16>(p, stream); break;
+            case 32: run_fused3s_probs<T, 32>(p, stream); break;
+            case 64: run_fused3s_probs<T, 64>(p, stream); break;
+            case 128: run_fused3s_probs<T, 128>(p, stream); break;
+            default: run_fused3s_probs<T, 256>(p, stream); break;
+        }
+    };
+    if (q.scalar_type() == at::kHalf) launch(__half{}); else launch(__nv_bfloat16{});
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return probs;
 }
 
 // ---- BSB builder -------------------------------------------------------------
@@ -401,4 +538,5 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("fwd", &gt_fused3s::fwd_cuda);
     m.impl("bwd", &gt_fused3s::bwd_cuda);
     m.impl("bsb_build", &gt_fused3s::bsb_build_cuda);
+    m.impl("probs", &gt_fused3s::probs_cuda);
 }

@@ -248,30 +248,8 @@ class BSBGraph:
         E = src.numel()
         N = num_nodes
         R = (N + ROWS_PER_WINDOW - 1) // ROWS_PER_WINDOW
-        # One sort: key = ((window, source), row in window). Equal keys are
-        # copies of one edge; equal key >> 4 is one (window, source) pair.
-        key = torch.sort((dst >> 4) * N * ROWS_PER_WINDOW + src * ROWS_PER_WINDOW + (dst & 15)).values
-        idx = torch.arange(E, device=device)
-        first = torch.ones(E, dtype=torch.bool, device=device)
-        first[1:] = key[1:] != key[:-1]
-        copy = idx - torch.cummax(torch.where(first, idx, 0), 0).values if E else idx  # copy number
-        pair = key >> 4                       # window * N + source
-        row_in = key & 15
-        win = torch.div(pair, N, rounding_mode="floor") if N else pair
-        src = pair - win * N
-        new_pair = torch.ones(E, dtype=torch.bool, device=device)
-        new_pair[1:] = pair[1:] != pair[:-1]
-        pair_id = torch.cumsum(new_pair, 0) - 1
-        num_pairs = int(new_pair.sum())
-        # A pair (window, source) has as many columns as its most repeated edge.
-        pair_cols = torch.zeros(num_pairs, dtype=torch.long, device=device)
-        pair_cols.scatter_reduce_(0, pair_id, copy + 1, reduce="amax")
-        pair_base = torch.cumsum(pair_cols, 0) - pair_cols          # first column of each pair
-        col_id = pair_base[pair_id] + copy                           # global column of the edge
-        cols_per_win = torch.zeros(R, dtype=torch.long, device=device)
-        cols_per_win.index_add_(0, win[new_pair], pair_cols)
-        first_col = torch.cumsum(cols_per_win, 0) - cols_per_win
-        rank = col_id - first_col[win]                               # column within its window
+        key = torch.sort(_edge_keys(src, dst, N)).values
+        first, win, src, row_in, rank, cols_per_win = _window_columns(key, N)
         tcb_per_win = (cols_per_win + COLS_PER_TCB - 1) // COLS_PER_TCB
         rw_offset = torch.zeros(R + 1, dtype=torch.long, device=device)
         torch.cumsum(tcb_per_win, 0, out=rw_offset[1:])
@@ -429,3 +407,72 @@ def _check_num_nodes(num_nodes: Any) -> int:
     if num_nodes > 2**31 - 1:
         raise ValueError(f"num_nodes={num_nodes} exceeds the int32 indices of the format")
     return num_nodes
+
+
+def _edge_keys(src: Tensor, dst: Tensor, num_nodes: int) -> Tensor:
+    """The builder's sort key of each edge: ((window, source), row in window).
+    Equal keys are copies of one edge; equal ``key >> 4`` is one (window,
+    source) pair."""
+    return (dst >> 4) * num_nodes * ROWS_PER_WINDOW + src * ROWS_PER_WINDOW + (dst & 15)
+
+
+def _window_columns(key: Tensor, num_nodes: int) -> tuple[Tensor, ...]:
+    """Where each edge of the sorted ``key`` goes: (first copy?, window,
+    source, row in window, column within the window) per edge, and the
+    column count of each window. Shapes depend only on E and N (no host
+    synchronisation), so :func:`edge_slots` can run inside a capture."""
+    device = key.device
+    E = key.numel()
+    N = num_nodes
+    R = (N + ROWS_PER_WINDOW - 1) // ROWS_PER_WINDOW
+    idx = torch.arange(E, device=device)
+    first = torch.ones(E, dtype=torch.bool, device=device)
+    first[1:] = key[1:] != key[:-1]
+    copy = idx - torch.cummax(torch.where(first, idx, 0), 0).values if E else idx  # copy number
+    pair = key >> 4                       # window * N + source
+    row_in = key & 15
+    win = torch.div(pair, N, rounding_mode="floor") if N else pair
+    src = pair - win * N
+    new_pair = torch.ones(E, dtype=torch.bool, device=device)
+    new_pair[1:] = pair[1:] != pair[:-1]
+    pair_id = torch.cumsum(new_pair, 0) - 1
+    # A pair (window, source) has as many columns as its most repeated edge.
+    pair_cols = torch.zeros(E, dtype=torch.long, device=device)
+    pair_cols.scatter_reduce_(0, pair_id, copy + 1, reduce="amax")
+    pair_base = torch.cumsum(pair_cols, 0) - pair_cols          # first column of each pair
+    col_id = pair_base[pair_id] + copy                           # global column of the edge
+    cols_per_win = torch.zeros(R, dtype=torch.long, device=device)
+    cols_per_win.index_add_(0, win, torch.where(new_pair, pair_cols[pair_id], 0))
+    first_col = torch.cumsum(cols_per_win, 0) - cols_per_win
+    rank = col_id - first_col[win]                               # column within its window
+    return first, win, src, row_in, rank, cols_per_win
+
+
+def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor]:
+    """Where the edges of ``edge_index`` (the graph ``bsb`` was built from,
+    in any order) sit in the format's non-zero order: TCBs in order, inside
+    a TCB word 0 then word 1 of the bitmap, bits ascending.
+
+    Returns ``nnz_offset`` int32 [T + 1] (first non-zero of each TCB, over
+    the capacity in static mode) and ``slot_edge`` int32 [E] (the index in
+    ``edge_index`` of each non-zero). Copies of one edge take its columns in
+    the order they are listed. Built once per graph with vectorised ops and
+    static shapes (no host synchronisation), for the kernels' edge bias.
+    """
+    _check_edge_index(edge_index)
+    if edge_index.size(1) != bsb.num_edges:
+        raise ValueError(f"edge_index has {edge_index.size(1)} edges but the BSB graph was built "
+                         f"from {bsb.num_edges}")
+    src, dst = edge_index[0].long(), edge_index[1].long()
+    key, order = torch.sort(_edge_keys(src, dst, bsb.num_nodes), stable=True)
+    _, win, _, row_in, rank, _ = _window_columns(key, bsb.num_nodes)
+    tcb = bsb.rw_offset.long()[win] + (rank >> 3)
+    word = row_in >> 3
+    bit = ((row_in & 7) << 3) | (rank & 7)
+    counts = _popcount64(bsb.bitmap)                              # [T, 2]
+    nnz_offset = torch.zeros(bsb.tcb_capacity + 1, dtype=torch.long, device=bsb.device)
+    torch.cumsum(counts.sum(1), 0, out=nnz_offset[1:])
+    below = _popcount64(bsb.bitmap[tcb, word] & ((torch.ones_like(bit) << bit) - 1))
+    nnz = nnz_offset[tcb] + below + torch.where(word == 1, counts[tcb, 0], 0)
+    slot_edge = torch.empty_like(order, dtype=torch.int32).scatter_(0, nnz, order.int())
+    return nnz_offset.int(), slot_edge

@@ -6,7 +6,9 @@ import; the CUDA implementations come with the extension, compiled on first
 use, see ``_build``):
 
 * ``fwd``        the fused forward kernel: (out, lse) from q, k, v and a plan's arrays
-* ``bwd``        the fused backward kernels: (dq, dk, dv)
+                 (and an optional edge bias with the plan's edge slots)
+* ``bwd``        the fused backward kernels: (dq, dk, dv, d edge_bias)
+* ``probs``      the attention probabilities per edge [E, H], from the forward's lse
 * ``bsb_build``  the CUDA builder of the BSB format, at capacity, no host sync
 * ``attention``  fwd with autograd (bwd), the one op ``torch.compile`` sees
 
@@ -35,17 +37,24 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 # ----------------------------------------------------------- op schemas + fakes
 _LIB = torch.library.Library("gt_fused3s", "FRAGMENT")
 _LIB.define("fwd(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
-            "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32) "
+            "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32, "
+            "Tensor? edge_bias=None, Tensor? nnz_offset=None, Tensor? slot_edge=None) "
             "-> (Tensor out, Tensor lse)")
 _LIB.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cols, "
             "Tensor bitmap, Tensor items, Tensor slots, Tensor t_cols, Tensor t_bitmap, Tensor t_items, "
-            "Tensor t_slots, float scale, bool grad_fp32) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)")
+            "Tensor t_slots, float scale, bool grad_fp32, Tensor? edge_bias=None, "
+            "Tensor? nnz_offset=None, Tensor? slot_edge=None, Tensor? t_nnz_offset=None, "
+            "Tensor? t_slot_edge=None, Tensor? dp_bias=None, Tensor? delta_extra=None) "
+            "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_bias)")
+_LIB.define("probs(Tensor q, Tensor k, Tensor lse, Tensor cols, Tensor bitmap, Tensor items, "
+            "Tensor nnz_offset, Tensor slot_edge, float scale, Tensor? edge_bias=None) -> Tensor")
 _LIB.define("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor rw_offset, Tensor cols, "
             "Tensor bitmap, Tensor window_order, Tensor edges, Tensor counters)")
 
 
 @torch.library.register_fake("gt_fused3s::fwd")
-def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32):
+def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
+              edge_bias=None, nnz_offset=None, slot_edge=None):
     N, H, D = q.shape
     return (q.new_empty((N, H, D), dtype=torch.float32 if out_fp32 else q.dtype),
             q.new_empty((N, H), dtype=torch.float32))
@@ -53,9 +62,17 @@ def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scal
 
 @torch.library.register_fake("gt_fused3s::bwd")
 def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items,
-              t_slots, scale, grad_fp32):
+              t_slots, scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None,
+              t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None):
     dtype = torch.float32 if grad_fp32 else q.dtype
-    return tuple(q.new_empty(q.shape, dtype=dtype) for _ in range(3))
+    grad_bias = (torch.empty_like(edge_bias) if edge_bias is not None
+                 else q.new_empty((0,), dtype=torch.float32))
+    return (*(q.new_empty(q.shape, dtype=dtype) for _ in range(3)), grad_bias)
+
+
+@torch.library.register_fake("gt_fused3s::probs")
+def _probs_fake(q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, scale, edge_bias=None):
+    return q.new_empty((slot_edge.size(0), q.size(1)), dtype=torch.float32)
 
 
 @torch.library.register_fake("gt_fused3s::bsb_build")
@@ -78,18 +95,19 @@ def bsb_build(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, ...]:
 
 # ------------------------------------------------------------------ public API
 def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor,
-                      scale: float | None = None, *, num_nodes: int | None = None,
+                      scale: float | None = None, *, edge_bias: Tensor | None = None,
+                      return_weights: bool = False, num_nodes: int | None = None,
                       out_dtype: torch.dtype | None = None,
-                      compute_dtype: torch.dtype | None = None) -> Tensor:
+                      compute_dtype: torch.dtype | None = None) -> Tensor | tuple[Tensor, Tensor]:
     r"""Sparse graph attention fused into one kernel (SDDMM, softmax, SpMM).
 
     .. math::
-        \mathbf{o}_{i,h} = \sum_{j \in \mathcal{N}(i)}
-        \mathrm{softmax}_j\left(s \langle \mathbf{q}_{i,h}, \mathbf{k}_{j,h} \rangle\right)
-        \mathbf{v}_{j,h}
+        \mathbf{o}_{i,h} = \sum_{e = (j \to i)}
+        \mathrm{softmax}_e\left(s \langle \mathbf{q}_{i,h}, \mathbf{k}_{j,h} \rangle
+        + b_{e,h}\right) \mathbf{v}_{j,h}
 
     Every edge is a term: an edge listed ``m`` times counts ``m`` times, as
-    in PyG's and DGL's message passing.
+    in PyG's and DGL's message passing (each copy with its own bias).
 
     Args:
         q, k, v: [N, H, D] node queries, keys and values (fp16 or bf16 for
@@ -102,20 +120,32 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
             (source, destination) whose plan is built once and cached for as
             long as that tensor lives.
         scale: the score scale :math:`s`, default ``1 / sqrt(D)``.
+        edge_bias: optional [E, H] additive attention bias :math:`b`, in the
+            order of the plan's :attr:`~gt_fused3s.plan.GraphPlan.edge_index`
+            (the ``edge_index`` it was built from), added to the scaled score
+            before the softmax. Differentiable (its gradient is the score
+            gradient, in the same order). The kernel reads it in fp32.
+        return_weights: also return the attention weights (the softmax
+            probabilities) [E, H] fp32, in the same edge order, computed
+            from the forward's log-sum-exp in one score pass. They are
+            differentiable: their gradient enters the fused backward.
         num_nodes: with an ``edge_index``, the node count (default ``N``).
         out_dtype: dtype of the output, default ``q.dtype``.
         compute_dtype: operand precision of the kernel for fp32 inputs,
             ``torch.float16`` (default) or ``torch.bfloat16``.
 
     Returns:
-        [N, H, D]; rows without in-neighbours are 0. Differentiable once
+        [N, H, D] (and the weights [E, H] with ``return_weights``); rows
+        without in-neighbours are 0. Differentiable once
         (double backward raises): the kernel path's gradients come from the
-        fused backward kernels, which recompute the scores from q, k and the
-        forward's per-row log-sum-exp over the graph's BSB and its transpose.
+        fused backward kernels, which recompute the scores from q, k (and
+        the bias) and the forward's per-row log-sum-exp over the graph's
+        BSB and its transpose.
     """
-    out = _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype)
-    if out is not None:
-        return out
+    if edge_bias is None and not return_weights:
+        out = _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype)
+        if out is not None:
+            return out
     N, H, D = _check_qkv(q, k, v)
     if v.shape != q.shape:
         raise ValueError(f"v must have the shape of q {tuple(q.shape)} (got {tuple(v.shape)})")
@@ -131,23 +161,47 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
             plan = as_plan(graph)
             _check_plan_for(plan, N, q.device)
             edges = plan.edge_index
-        return attention_reference(q, k, v, edges, scale, out_dtype=out_dtype or q.dtype,
+        _check_edge_bias(edge_bias, edges.size(1), H, q.device)
+        return attention_reference(q, k, v, edges, scale, edge_bias=edge_bias,
+                                   return_weights=return_weights, out_dtype=out_dtype or q.dtype,
                                    compute_dtype=torch.float64 if q.dtype == torch.float64
                                    else torch.float32)
     plan = as_plan(graph, N if num_nodes is None else num_nodes)
     _check_plan_for(plan, N, q.device)
     _check_kernel_inputs(q, k, v)
+    _check_edge_bias(edge_bias, plan.num_edges, H, q.device)
     Dp = padded_head_dim(D)
     fwd_args = plan.forward_args(H, Dp)
     out_dtype = out_dtype or q.dtype
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        args = (q, k, v, fwd_args, plan.backward_args(H, Dp), scale, out_dtype, compute_dtype)
-        if torch.compiler.is_compiling():
-            return _attention_op(q, k, v, list(fwd_args), list(args[4]), scale, out_dtype, compute_dtype)[0]
-        return _FusedAttention.apply(*args)
+    # the bias in the kernel's fp32 (a no-op for an fp32 bias); the edge slots
+    bias = None if edge_bias is None else edge_bias.float().contiguous()
+    slots = plan.bias_args() if bias is not None or return_weights else ()
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    bwd_args = plan.backward_args(H, Dp) if grad else ()
+    dst = plan.edge_index[1] if return_weights else None
     if torch.compiler.is_compiling():
-        return _attention_op(q, k, v, list(fwd_args), [], scale, out_dtype, compute_dtype)[0]
-    return _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype)[0]
+        out, _, probs = _attention_op(q, k, v, list(fwd_args), list(bwd_args), scale, out_dtype,
+                                      compute_dtype, bias, list(slots), dst)
+    elif grad:
+        out, probs = _FusedAttention.apply(q, k, v, bias, fwd_args, bwd_args, slots, dst, scale,
+                                           out_dtype, compute_dtype)
+    else:
+        out, _, probs = _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype, bias, slots,
+                                        return_weights)
+    return (out, probs) if return_weights else out
+
+
+def _check_edge_bias(edge_bias: Tensor | None, E: int, H: int, device: torch.device) -> None:
+    if edge_bias is None:
+        return
+    if not isinstance(edge_bias, Tensor) or not edge_bias.is_floating_point():
+        raise ValueError(f"edge_bias must be a floating-point tensor (got "
+                         f"{getattr(edge_bias, 'dtype', type(edge_bias).__name__)})")
+    if tuple(edge_bias.shape) != (E, H):
+        raise ValueError(f"edge_bias must have shape [E, H] = [{E}, {H}] (got {tuple(edge_bias.shape)})")
+    if edge_bias.device != device:
+        raise ValueError(f"edge_bias is on {edge_bias.device} but q, k, v are on {device}")
 
 
 def _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype) -> Tensor | None:
@@ -168,7 +222,7 @@ def _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype) -> Tensor | None
         bwd_args = graph._bwd_args.get((H, D))
         if bwd_args is None:
             return None
-        return _FusedAttention.apply(q, k, v, fwd_args, bwd_args, scale, q.dtype, None)
+        return _FusedAttention.apply(q, k, v, None, fwd_args, bwd_args, (), None, scale, q.dtype, None)[0]
     return _op("fwd")(q, k, v, *fwd_args, scale, False)[0]
 
 
@@ -255,65 +309,92 @@ def _kernel_operand(t: Tensor, cdt: torch.dtype, Dp: int) -> Tensor:
 
 
 def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: float,
-                    out_dtype: torch.dtype, compute_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+                    out_dtype: torch.dtype, compute_dtype: torch.dtype | None,
+                    bias: Tensor | None = None, slots: tuple = (),
+                    return_probs: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """Run the forward kernel on validated inputs: (out [N, H, D] in
-    ``out_dtype``, lse [N, H] fp32).
+    ``out_dtype``, lse [N, H] fp32, probabilities [E, H] fp32 or None).
 
     fp32 inputs are cast to ``compute_dtype`` (default fp16); head dims other
     than 16/32/64/128/256 are zero-padded up to the next one (the scale is the
-    caller's, so padding changes nothing) and sliced back.
+    caller's, so padding changes nothing) and sliced back. ``bias``: None or
+    the fp32 [E, H] edge bias; ``slots``: the plan's ``bias_args()`` (needed
+    by a bias and by ``return_probs``).
     """
     cdt = _compute_dtype(q, compute_dtype)
     D = q.size(-1)
     Dp = padded_head_dim(D)
     if q.dtype != cdt or D != Dp:
         q, k, v = (_kernel_operand(t, cdt, Dp) for t in (q, k, v))
-    out, lse = _op("fwd")(q, k, v, *fwd_args, scale, out_dtype != cdt)
+    edge = (bias, *slots[:2]) if bias is not None else ()
+    out, lse = _op("fwd")(q, k, v, *fwd_args, scale, out_dtype != cdt, *edge)
+    probs = None
+    if return_probs:
+        _, cols, bitmap, _, items, _ = fwd_args
+        probs = _op("probs")(q, k, lse, cols, bitmap, items, *slots[:2], scale, bias)
     if Dp != D:
         out = out[..., :D].contiguous()
-    return (out if out.dtype == out_dtype else out.to(out_dtype)), lse
+    return (out if out.dtype == out_dtype else out.to(out_dtype)), lse, probs
 
 
 def _kernel_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                      fwd_args: tuple, bwd_args: tuple, scale: float,
-                     compute_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor]:
+                     compute_dtype: torch.dtype | None, edge: tuple = ()) -> tuple[Tensor, ...]:
     """Gradients of :func:`_kernel_forward` with respect to q, k, v, in their
-    dtype (fp32 inputs get fp32 gradients straight from the fp32 accumulators)."""
+    dtype (fp32 inputs get fp32 gradients straight from the fp32 accumulators),
+    and to the edge bias (fp32 [E, H]; empty without a bias). ``edge``: ()
+    or the bwd op's per-edge arguments (edge_bias or None, the four slot
+    arrays, dp_bias or None, delta_extra or None)."""
     _, cols, bitmap, _, items, slots = fwd_args
     dtype = q.dtype
     if dtype in _KERNEL_DTYPES and grad_out.dtype == dtype and out.dtype == dtype and q.size(-1) in _KERNEL_DIMS:
         # the kernel's own operands: nothing to convert (the common case)
-        return _op("bwd")(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, *bwd_args, scale, False)
+        return _op("bwd")(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, *bwd_args, scale, False,
+                          *edge)
     cdt = _compute_dtype(q, compute_dtype)
     D = q.size(-1)
     Dp = padded_head_dim(D)
     grad_out, q, k, v = (_kernel_operand(t, cdt, Dp) for t in (grad_out, q, k, v))
     # O enters only delta = rowsum(dO * O): in the compute dtype or fp32
     out = _kernel_operand(out, out.dtype if out.dtype in (cdt, torch.float32) else torch.float32, Dp)
-    grads = _op("bwd")(grad_out, q, k, v, out, lse, cols, bitmap, items, slots,
-                       *bwd_args, scale, dtype not in _KERNEL_DTYPES)
-    if Dp == D and grads[0].dtype == dtype:
-        return grads
-    return tuple((g[..., :D] if Dp != D else g).to(dtype) for g in grads)
+    *grads, grad_bias = _op("bwd")(grad_out, q, k, v, out, lse, cols, bitmap, items, slots,
+                                   *bwd_args, scale, dtype not in _KERNEL_DTYPES, *edge)
+    if Dp != D or grads[0].dtype != dtype:
+        grads = [(g[..., :D] if Dp != D else g).to(dtype) for g in grads]
+    return (*grads, grad_bias)
 
 
-def _grads_from_saved(ctx, grad_out) -> tuple:
-    """(dq, dk, dv), None where not needed, from what the forward saved."""
+def _grads_from_saved(ctx, grad_out, grad_probs) -> tuple:
+    """(dq, dk, dv, d edge_bias), None where not needed, from what the
+    forward saved. The gradient of returned probabilities P enters the
+    kernel as an extra dP per edge (dp_bias) with its share of delta,
+    sum_j P_ij dP_ij (delta_extra)."""
     if torch.is_grad_enabled():
         raise RuntimeError("gt_fused3s: double backward through fused3s_attention is not supported "
                            "(the fused backward kernels are not differentiable)")
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, bias, probs = ctx.saved_tensors
+    if grad_out is None:     # only the weights were used
+        grad_out = torch.zeros_like(out)
+    edge = ()
+    if ctx.slots:
+        dp_bias = delta_extra = None
+        if grad_probs is not None:
+            dp_bias = grad_probs.float().contiguous()
+            delta_extra = torch.zeros_like(lse).index_add_(0, ctx.dst, probs * dp_bias)
+        edge = (bias if ctx.has_bias else None, *ctx.slots, dp_bias, delta_extra)
     grads = _kernel_backward(grad_out, q, k, v, out, lse, ctx.fwd_args, ctx.bwd_args, ctx.scale,
-                             ctx.compute_dtype)
+                             ctx.compute_dtype, edge)
     need = ctx.needs_input_grad
-    return (grads[0] if need[0] else None, grads[1] if need[1] else None, grads[2] if need[2] else None)
+    return (grads[0] if need[0] else None, grads[1] if need[1] else None,
+            grads[2] if need[2] else None, grads[3] if ctx.has_bias and need[3] else None)
 
 
-def _save(ctx, q, k, v, fwd_args, bwd_args, scale, compute_dtype, out, lse) -> None:
+def _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dtype, out, lse, probs) -> None:
     # The graph arrays are constants of the plan (never modified, no
     # gradient): kept as attributes, which is cheaper than saving them.
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.fwd_args, ctx.bwd_args = tuple(fwd_args), tuple(bwd_args)
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(q, k, v, out, lse, bias, probs)
+    ctx.fwd_args, ctx.bwd_args, ctx.slots, ctx.dst = tuple(fwd_args), tuple(bwd_args), tuple(slots), dst
     ctx.scale, ctx.compute_dtype = scale, compute_dtype
 
 
@@ -322,44 +403,55 @@ def _save(ctx, q, k, v, fwd_args, bwd_args, scale, compute_dtype, out, lse) -> N
 # opaque op for torch.compile, through the fake below) and as a plain
 # autograd.Function, which eager mode takes because its host time is much
 # lower (the custom op flattens its list inputs through pytrees on every call).
+# Without a gradient, torch.compile calls the op with an empty bwd_graph.
+# ``edge_bias`` (fp32) and ``dst`` (the destination of each edge, given to
+# return the weights) need ``edge_slots``, the plan's bias_args().
 @torch.library.custom_op("gt_fused3s::attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, fwd_graph: list[Tensor], bwd_graph: list[Tensor],
-                  scale: float, out_dtype: torch.dtype,
-                  compute_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+                  scale: float, out_dtype: torch.dtype, compute_dtype: torch.dtype | None,
+                  edge_bias: Tensor | None, edge_slots: list[Tensor],
+                  dst: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     _build.load_extension()
-    out, lse = _kernel_forward(q, k, v, fwd_graph, scale, out_dtype, compute_dtype)
-    return out, lse
+    out, lse, probs = _kernel_forward(q, k, v, fwd_graph, scale, out_dtype, compute_dtype, edge_bias,
+                                      tuple(edge_slots), dst is not None)
+    return out, lse, probs if probs is not None else lse.new_empty((0, q.size(1)))
 
 
 @_attention_op.register_fake
-def _(q, k, v, fwd_graph, bwd_graph, scale, out_dtype, compute_dtype):
-    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
+def _(q, k, v, fwd_graph, bwd_graph, scale, out_dtype, compute_dtype, edge_bias, edge_slots, dst):
+    E = dst.size(0) if dst is not None else 0
+    return (q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=torch.float32),
+            q.new_empty((E, q.size(1)), dtype=torch.float32))
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, fwd_graph, bwd_graph, scale, _out_dtype, compute_dtype = inputs
+    q, k, v, fwd_graph, bwd_graph, scale, _out_dtype, compute_dtype, edge_bias, edge_slots, dst = inputs
     ctx.mark_non_differentiable(output[1])
-    _save(ctx, q, k, v, fwd_graph, bwd_graph, scale, compute_dtype, *output)
+    _save(ctx, q, k, v, edge_bias, fwd_graph, bwd_graph, edge_slots, dst, scale, compute_dtype, *output)
 
 
-def _attention_backward(ctx, grad_out, _grad_lse):
+def _attention_backward(ctx, grad_out, _grad_lse, grad_probs):
     # one entry per input, a list of them for each list input (the graph arrays)
-    return (*_grads_from_saved(ctx, grad_out), [None] * len(ctx.fwd_args), [None] * len(ctx.bwd_args),
-            None, None, None)
+    dq, dk, dv, grad_bias = _grads_from_saved(ctx, grad_out, grad_probs if ctx.dst is not None else None)
+    return (dq, dk, dv, [None] * len(ctx.fwd_args), [None] * len(ctx.bwd_args), None, None, None,
+            grad_bias, [None] * len(ctx.slots), None)
 
 
 _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
 
 
 class _FusedAttention(torch.autograd.Function):
-    """Eager-mode twin of the ``gt_fused3s::attention`` custom op."""
+    """Eager-mode twin of the ``gt_fused3s::attention`` custom op: returns
+    (out, probabilities or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fwd_args, bwd_args, scale, out_dtype, compute_dtype):
-        out, lse = _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype)
-        _save(ctx, q, k, v, fwd_args, bwd_args, scale, compute_dtype, out, lse)
-        return out
+    def forward(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, out_dtype, compute_dtype):
+        out, lse, probs = _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype, bias, slots,
+                                          dst is not None)
+        _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dtype, out, lse, probs)
+        ctx.set_materialize_grads(False)      # an unused output's gradient stays None
+        return out, probs
 
     @staticmethod
-    def backward(ctx, grad_out):
-        return (*_grads_from_saved(ctx, grad_out), None, None, None, None, None)
+    def backward(ctx, grad_out, grad_probs):
+        return (*_grads_from_saved(ctx, grad_out, grad_probs), None, None, None, None, None, None, None)

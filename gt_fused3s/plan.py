@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .graph import BSBGraph, _check_edge_index, _check_num_nodes, _in_capture_or_compile
+from .graph import BSBGraph, _check_edge_index, _check_num_nodes, _in_capture_or_compile, edge_slots
 from .schedule import work_schedule
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -43,6 +43,8 @@ class GraphPlan:
         bsb: the graph's BSB format.
         transposed: the BSB of the reversed graph (built by :meth:`prepare`
             with ``backward=True`` if not given).
+        edge_index: the edges [2, E] ``bsb`` was built from, in the order
+            an ``edge_bias`` [E, H] follows (default: ``bsb.edge_index``).
 
     Build it with :meth:`from_edge_index` (or from a BSB: ``GraphPlan(bsb)``)
     and :meth:`prepare` it for the heads and head dims of the model::
@@ -51,14 +53,24 @@ class GraphPlan:
         out = fused3s_attention(q, k, v, plan)      # no host sync, forward and backward
     """
 
-    def __init__(self, bsb: BSBGraph, transposed: BSBGraph | None = None):
+    def __init__(self, bsb: BSBGraph, transposed: BSBGraph | None = None,
+                 edge_index: Tensor | None = None):
         if not isinstance(bsb, BSBGraph):
             raise ValueError(f"bsb must be a BSBGraph (got {type(bsb).__name__})")
         if transposed is not None and (transposed.num_nodes != bsb.num_nodes
                                        or transposed.device != bsb.device):
             raise ValueError("transposed must be the BSB of the same graph reversed, on its device")
+        if edge_index is not None:
+            _check_edge_index(edge_index)
+            if edge_index.size(1) != bsb.num_edges or edge_index.device != bsb.device:
+                raise ValueError(f"edge_index must be the {bsb.num_edges} edges the BSB was built "
+                                 f"from, on {bsb.device} (got {tuple(edge_index.shape)} on "
+                                 f"{edge_index.device})")
         self.bsb = bsb
         self.transposed = transposed
+        self._edges = edge_index if edge_index is not None else bsb.edge_index
+        # nnz_offset, slot_edge of the BSB and of the transposed BSB (edge bias)
+        self._bias_args: tuple[Tensor, ...] | None = None
         # (heads, padded head dim) -> (forward arguments, backward arguments)
         self._fwd_args: dict[tuple[int, int], tuple[Tensor, ...]] = {}
         self._bwd_args: dict[tuple[int, int], tuple[Tensor, ...]] = {}
@@ -69,17 +81,23 @@ class GraphPlan:
                         static: bool | None = None) -> "GraphPlan":
         """The plan of ``edge_index`` [2, E] (row 0 sources, row 1
         destinations; duplicates count with their multiplicity), built on
-        its device. ``static``: see :meth:`BSBGraph.from_edge_index`."""
-        return cls(BSBGraph.from_edge_index(edge_index, num_nodes, static=static))
+        its device. ``static``: see :meth:`BSBGraph.from_edge_index`. An
+        ``edge_bias`` follows the order of ``edge_index``."""
+        return cls(BSBGraph.from_edge_index(edge_index, num_nodes, static=static),
+                   edge_index=edge_index)
 
-    def prepare(self, heads: int, head_dim: int, *, backward: bool = True) -> "GraphPlan":
+    def prepare(self, heads: int, head_dim: int, *, backward: bool = True,
+                edge_bias: bool = False) -> "GraphPlan":
         """Build the kernels' schedules for ``heads`` heads of ``head_dim``
-        (and, with ``backward``, the transposed BSB and its schedule), so
-        that a call of :func:`~gt_fused3s.ops.fused3s_attention` on this
-        plan builds nothing. Idempotent; returns ``self``."""
+        (and, with ``backward``, the transposed BSB and its schedule; with
+        ``edge_bias``, where each edge sits in both formats), so that a call
+        of :func:`~gt_fused3s.ops.fused3s_attention` on this plan builds
+        nothing. Idempotent; returns ``self``."""
         self.forward_args(heads, padded_head_dim(head_dim))
         if backward:
             self.backward_args(heads, padded_head_dim(head_dim))
+        if edge_bias:
+            self.bias_args()
         return self
 
     def forward_args(self, heads: int, head_dim: int) -> tuple[Tensor, ...]:
@@ -104,6 +122,15 @@ class GraphPlan:
             args = self._bwd_args[heads, head_dim] = (t.cols, t.bitmap, items, slots)
         return args
 
+    def bias_args(self) -> tuple[Tensor, ...]:
+        """The kernels' edge-bias arguments: ``nnz_offset`` and ``slot_edge``
+        of the BSB and of the transposed BSB (:func:`~gt_fused3s.graph.edge_slots`),
+        for an ``edge_bias`` in the order of :attr:`edge_index`."""
+        if self._bias_args is None:
+            self._bias_args = (*edge_slots(self.bsb, self._edges),
+                               *edge_slots(self._transposed(), self._edges.flip(0)))
+        return self._bias_args
+
     def _transposed(self) -> BSBGraph:
         if self.transposed is None:
             b = self.bsb
@@ -126,8 +153,13 @@ class GraphPlan:
 
     @property
     def edge_index(self) -> Tensor:
-        """The graph's edges [2, E] (duplicates included), for unfused paths."""
-        return self.bsb.edge_index
+        """The graph's edges [2, E] (duplicates included), in the order an
+        ``edge_bias`` follows: as given to :meth:`from_edge_index`."""
+        return self._edges
+
+    @property
+    def num_edges(self) -> int:
+        return self.bsb.num_edges
 
     def to(self, device: torch.device | str) -> "GraphPlan":
         """A copy on ``device`` (``self`` if already there), to be prepared there."""
@@ -135,7 +167,8 @@ class GraphPlan:
         if device == self.device:
             return self
         return GraphPlan(self.bsb.to(device),
-                         self.transposed.to(device) if self.transposed is not None else None)
+                         self.transposed.to(device) if self.transposed is not None else None,
+                         self._edges.to(device))
 
     def __repr__(self) -> str:
         prepared = sorted(self._fwd_args)
@@ -186,6 +219,8 @@ def cached_plan(edge_index: Tensor, num_nodes: int | None = None) -> GraphPlan:
     hit = _CACHE.get(key)
     if hit is not None and hit[0]() is edge_index and hit[1] == sig:
         return hit[2]
-    plan = GraphPlan.from_edge_index(edge_index, num_nodes)
+    # The plan keeps a view of the edges (their order is the edge bias's),
+    # not the tensor itself, whose death clears the entry.
+    plan = GraphPlan.from_edge_index(edge_index.detach()[:], num_nodes)
     _CACHE[key] = (weakref.ref(edge_index, lambda _, k=key: _CACHE.pop(k, None)), sig, plan)
     return plan

@@ -1,7 +1,7 @@
 """The 3S attention in plain PyTorch: the ground truth of every test, the CPU
 path and the fallback of the fused kernel.
 
-    out[i, h] = sum_{j -> i} softmax_j(scale * <q[i, h], k[j, h]>) * v[j, h]
+    out[i, h] = sum_{e = j -> i} softmax_e(scale * <q[i, h], k[j, h]> + bias[e, h]) * v[j, h]
 
 Edges follow PyG: ``edge_index[0]`` = source ``j``, ``edge_index[1]`` =
 destination ``i``. Rows without in-neighbours give 0. Every edge is a term:
@@ -38,8 +38,8 @@ def default_scale(head_dim: int) -> float:
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
-                        scale: float | None = None, *,
-                        compute_dtype: torch.dtype = torch.float32,
+                        scale: float | None = None, *, edge_bias: Tensor | None = None,
+                        return_weights: bool = False, compute_dtype: torch.dtype = torch.float32,
                         out_dtype: torch.dtype | None = None) -> Tensor:
     """Unfused 3S: gather, max-stabilised segment softmax, scatter-sum.
 
@@ -47,6 +47,10 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
         q, k, v: [N, H, D] (v may have its own last dim), any float dtype.
         edge_index: [2, E] int64, sources in row 0, destinations in row 1.
         scale: score scale, default ``1 / sqrt(D)``.
+        edge_bias: optional [E, H] bias added to the scaled scores, one row
+            per edge of ``edge_index``.
+        return_weights: also return the softmax weights [E, H] (in
+            ``compute_dtype``'s accumulation precision, fp32 or fp64).
         compute_dtype: ``float32`` (default) or ``float64`` computes every step
             in that precision. ``float16`` / ``bfloat16`` gives the reference
             *in low precision*: the rounding points of a tensor-core kernel
@@ -55,7 +59,8 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
         out_dtype: dtype of the result, default ``q.dtype``.
 
     Returns:
-        [N, H, Dv]. Differentiable with respect to q, k and v.
+        [N, H, Dv] (and the weights [E, H] with ``return_weights``).
+        Differentiable with respect to q, k, v and edge_bias.
     """
     N, H, D = _check_qkv(q, k, v)
     scale = default_scale(D) if scale is None else float(scale)
@@ -70,6 +75,8 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
     score = (qc.index_select(0, dst) * kc.index_select(0, src)).sum(-1) * scale   # [E, H]
     if low:
         score = score.to(compute_dtype).to(acc)
+    if edge_bias is not None:   # the kernel adds it in fp32 to its fp32 scores
+        score = score + edge_bias.to(acc)
     idx = dst.unsqueeze(-1).expand_as(score)
     row_max = torch.full((N, H), float("-inf"), dtype=acc, device=q.device)
     row_max = row_max.scatter_reduce(0, idx, score, reduce="amax", include_self=True)
@@ -81,7 +88,10 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
     out = torch.zeros((N, H, v.size(-1)), dtype=acc, device=q.device).index_add(0, dst, msg)
     has_nbr = (denom > 0).unsqueeze(-1)
     out = torch.where(has_nbr, out / torch.where(has_nbr, denom.unsqueeze(-1), 1), 0)
-    return out.to(out_dtype or q.dtype)
+    out = out.to(out_dtype or q.dtype)
+    if return_weights:    # every edge's row has a positive denominator
+        return out, p / denom.index_select(0, dst)
+    return out
 
 
 def attention_dense(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,

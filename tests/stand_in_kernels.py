@@ -19,9 +19,13 @@ from gt_fused3s.reference import attention_reference
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
-def decode(items: torch.Tensor, cols: torch.Tensor, bitmap: torch.Tensor) -> torch.Tensor:
+def decode(items: torch.Tensor, cols: torch.Tensor, bitmap: torch.Tensor,
+           nnz_offset: torch.Tensor | None = None, slot_edge: torch.Tensor | None = None):
     """Edges [2, E] (source, destination) of a BSB as the kernels read it:
-    the TCBs the items cover, in their windows."""
+    the TCBs the items cover, in their windows, in the format's non-zero
+    order. With ``nnz_offset`` and ``slot_edge``: also the caller's edge id
+    of each, found as the kernels find it (first non-zero of the TCB + the
+    TCB's set bits below)."""
     it = items[items[:, 0] >= 0].long()
     T = bitmap.size(0)
     tcb_win = torch.full((T,), -1, dtype=torch.long)
@@ -34,33 +38,61 @@ def decode(items: torch.Tensor, cols: torch.Tensor, bitmap: torch.Tensor) -> tor
     rows = tcb_win[t] * 16 + word * 8 + (b >> 3)
     srcs = cols.long()[t * 8 + (b & 7)]
     assert torch.all(srcs >= 0), "an edge bit in a padding column"
-    return torch.stack([srcs, rows])
+    edges = torch.stack([srcs, rows])
+    if slot_edge is None:
+        return edges
+    first = torch.searchsorted(t, t)                            # first non-zero of each TCB
+    nnz = nnz_offset.long()[t] + torch.arange(t.numel()) - first
+    return edges, slot_edge.long()[nnz]
 
 
-def _lse(q, k, edge_index, scale):
+def _scores(q, k, edge_index, scale, bias=None):
     src, dst = edge_index
     s = (q.float()[dst] * k.float()[src]).sum(-1) * scale
+    return s if bias is None else s + bias
+
+
+def _lse(q, k, edge_index, scale, bias=None):
+    dst = edge_index[1]
+    s = _scores(q, k, edge_index, scale, bias)
     mx = torch.full(q.shape[:2], float("-inf")).scatter_reduce(0, dst[:, None].expand_as(s), s, "amax")
     se = torch.zeros(q.shape[:2]).index_add(0, dst, torch.exp(s - mx[dst]))
     return mx + torch.log(se)
 
 
-def _reference_backward(q, k, v, do, edge_index, scale):
-    """dq, dk, dv of the attention over ``edge_index`` in fp32, written out
-    (P = softmax, dS = P (dO.v - rowsum(dO * O)), dq = s dS k, dk = s dS^T q,
-    dv = P^T dO), without autograd, so it also runs under dispatch modes."""
+def _reference_backward(q, k, v, do, edge_index, scale, bias=None, dp_bias=None):
+    """dq, dk, dv, dS of the attention over ``edge_index`` in fp32, written
+    out (P = softmax, dS = P (dO.v - rowsum(dO * O)), dq = s dS k,
+    dk = s dS^T q, dv = P^T dO; dp_bias: an extra dP per edge), without
+    autograd, so it also runs under dispatch modes."""
     q, k, v, do = (t.float() for t in (q, k, v, do))
     src, dst = edge_index
     N, H, _ = q.shape
     s = (q[dst] * k[src]).sum(-1) * scale                                   # [E, H]
-    p = torch.exp(s - _lse(q, k, edge_index, scale)[dst])
+    if bias is not None:
+        s = s + bias
+    p = torch.exp(s - _lse(q, k, edge_index, scale, bias)[dst])
     o = torch.zeros_like(v).index_add(0, dst, p.unsqueeze(-1) * v[src])
-    delta = (do * o).sum(-1)                                                # [N, H]
-    ds = p * ((do[dst] * v[src]).sum(-1) - delta[dst])
+    dp = (do[dst] * v[src]).sum(-1)
+    if dp_bias is not None:
+        dp = dp + dp_bias
+    delta = torch.zeros_like(o[..., 0]).index_add(0, dst, p * dp)             # [N, H]
+    ds = p * (dp - delta[dst])
     dq = torch.zeros_like(q).index_add(0, dst, ds.unsqueeze(-1) * k[src]) * scale
     dk = torch.zeros_like(k).index_add(0, src, ds.unsqueeze(-1) * q[dst]) * scale
     dv = torch.zeros_like(v).index_add(0, src, p.unsqueeze(-1) * do[dst])
-    return dq, dk, dv
+    return dq, dk, dv, ds
+
+
+def _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge):
+    """The decoded edges and, with a bias, each one's bias row ([E', H] fp32)."""
+    if edge_bias is None:
+        return decode(items, cols, bitmap), None
+    assert edge_bias.dtype == torch.float32 and edge_bias.is_contiguous()
+    assert nnz_offset.dtype == slot_edge.dtype == torch.int32
+    assert nnz_offset.numel() == bitmap.size(0) + 1
+    ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge)
+    return ei, edge_bias[ids]
 
 
 def _check_operands(*ts):
@@ -80,27 +112,59 @@ class StandIns:
     def __init__(self):
         self.calls: list[str] = []
 
-    def fwd(self, q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32):
+    def fwd(self, q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
+            edge_bias=None, nnz_offset=None, slot_edge=None):
         _check_operands(q, k, v)
         assert items.size(0) >= rw_offset.numel() - 1
         self.calls.append("fwd")
-        ei = decode(items, cols, bitmap)
-        out = attention_reference(q, k, v, ei, scale, out_dtype=torch.float32)
-        return (out if out_fp32 else out.to(q.dtype)), _lse(q, k, ei, scale)
+        ei, bias = _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge)
+        out = attention_reference(q, k, v, ei, scale, edge_bias=bias, out_dtype=torch.float32)
+        return (out if out_fp32 else out.to(q.dtype)), _lse(q, k, ei, scale, bias)
 
     def bwd(self, do, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items, t_slots,
-            scale, grad_fp32):
+            scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None, t_nnz_offset=None,
+            t_slot_edge=None, dp_bias=None, delta_extra=None):
         _check_operands(q, k, v, do)
-        ei = decode(items, cols, bitmap)
-        # the transposed format holds exactly the reversed edges
-        assert torch.equal(_sorted(decode(t_items, t_cols, t_bitmap).flip(0)), _sorted(ei))
+        ei, bias = _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge)
+        # the transposed format holds exactly the reversed edges (and, with
+        # edge terms, finds each under the same edge id)
+        t_ei, t_bias = _decode_with_bias(t_items, t_cols, t_bitmap, edge_bias, t_nnz_offset, t_slot_edge)
+        assert torch.equal(_sorted(t_ei.flip(0)), _sorted(ei))
+        ids = None
+        if slot_edge is not None:
+            ids = decode(items, cols, bitmap, nnz_offset, slot_edge)[1]
+            t_ids = decode(t_items, t_cols, t_bitmap, t_nnz_offset, t_slot_edge)[1]
+            assert torch.equal(torch.sort(ids).values, torch.arange(slot_edge.numel()))
+            by_id = torch.empty_like(ei)
+            by_id[:, ids] = ei
+            assert torch.equal(by_id[:, t_ids], t_ei.flip(0))
         # the saved forward output and lse come back unchanged
-        expect = attention_reference(q, k, v, ei, scale, out_dtype=torch.float32)
+        expect = attention_reference(q, k, v, ei, scale, edge_bias=bias, out_dtype=torch.float32)
         torch.testing.assert_close(out.float(), expect, atol=1e-2, rtol=0)
-        torch.testing.assert_close(lse, _lse(q, k, ei, scale))
+        torch.testing.assert_close(lse, _lse(q, k, ei, scale, bias))
         self.calls.append("bwd")
-        grads = _reference_backward(q, k, v, do, ei, scale)
-        return tuple(g if grad_fp32 else g.to(q.dtype) for g in grads)
+        dp = None
+        if dp_bias is not None:
+            # delta_extra is sum_j P_ij dp_bias_ij, which the caller computed
+            dp = dp_bias[ids]
+            p = torch.exp(_scores(q, k, ei, scale, bias) - lse[ei[1]])
+            torch.testing.assert_close(delta_extra, torch.zeros_like(lse).index_add(0, ei[1], p * dp))
+        *grads, ds = _reference_backward(q, k, v, do, ei, scale, bias, dp)
+        grad_bias = torch.empty(0)
+        if edge_bias is not None:
+            grad_bias = torch.zeros_like(edge_bias)
+            grad_bias[ids] = ds
+        return (*(g if grad_fp32 else g.to(q.dtype) for g in grads), grad_bias)
+
+    def probs(self, q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, scale, edge_bias=None):
+        _check_operands(q, k)
+        self.calls.append("probs")
+        ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge)
+        bias = edge_bias[ids] if edge_bias is not None else None
+        torch.testing.assert_close(lse, _lse(q, k, ei, scale, bias))   # the forward's lse
+        out = torch.empty(slot_edge.numel(), q.size(1))
+        out[ids] = torch.exp(_scores(q, k, ei, scale, bias) - lse[ei[1]])
+        return out
 
     def bsb_build(self, edge_index, num_nodes):
         self.calls.append("bsb_build")
@@ -129,7 +193,7 @@ def install(monkeypatch) -> StandIns:
 
     stand_ins = StandIns()
     lib = torch.library.Library("gt_fused3s", "IMPL")
-    for name in ("fwd", "bwd", "bsb_build"):
+    for name in ("fwd", "bwd", "bsb_build", "probs"):
         lib.impl(name, getattr(stand_ins, name), "CPU")
     monkeypatch.setattr(ops_mod, "kernel_available", lambda device: True)
     monkeypatch.setattr(ops_mod, "_use_kernel", lambda q: True)

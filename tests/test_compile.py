@@ -81,16 +81,26 @@ def test_opcheck_on_registered_ops(stand_in_kernels):
     ei, _ = _graph(2)
     g = torch.Generator().manual_seed(3)
     q, k, v, do = (torch.randn(N, 2, 32, generator=g).half() for _ in range(4))
-    plan = GraphPlan.from_edge_index(ei, N, static=True).prepare(2, 32)
+    plan = GraphPlan.from_edge_index(ei, N, static=True).prepare(2, 32, edge_bias=True)
     fwd, bwd = list(plan.forward_args(2, 32)), list(plan.backward_args(2, 32))
+    slots = list(plan.bias_args())
+    bias = torch.randn(ei.size(1), 2, generator=g)
     out, lse = torch.ops.gt_fused3s.fwd(q, k, v, *fwd, 0.3, False)
+    out_b, lse_b = torch.ops.gt_fused3s.fwd(q, k, v, *fwd, 0.3, False, bias, *slots[:2])
+    bwd_graph = (fwd[1], fwd[2], fwd[4], fwd[5], *bwd)
     cases = [
         (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False)),
-        (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out, lse, fwd[1], fwd[2], fwd[4], fwd[5], *bwd,
-                                            0.3, False)),
+        (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False, bias, *slots[:2])),
+        (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out, lse, *bwd_graph, 0.3, False)),
+        (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out_b, lse_b, *bwd_graph, 0.3, False, bias, *slots)),
         (torch.ops.gt_fused3s.bsb_build.default, (ei, N)),
+        (torch.ops.gt_fused3s.probs.default, (q, k, lse_b, fwd[1], fwd[2], fwd[4], *slots[:2], 0.3, bias)),
         (torch.ops.gt_fused3s.attention.default,       # the differentiable one
-         (q.clone().requires_grad_(), k.clone().requires_grad_(), v, fwd, bwd, 0.3, torch.float16, None)),
+         (q.clone().requires_grad_(), k.clone().requires_grad_(), v, fwd, bwd, 0.3, torch.float16, None, None,
+          [], None)),
+        (torch.ops.gt_fused3s.attention.default,       # with a bias, returning the weights
+         (q.clone().requires_grad_(), k, v, fwd, bwd, 0.3, torch.float16, None, bias.clone().requires_grad_(),
+          slots, ei[1])),
     ]
     for op, args in cases:
         # fwd, bwd and bsb_build have no autograd of their own (attention

@@ -96,8 +96,9 @@ def test_gradients_through_the_torch_library_op(stand_in_kernels):
     bsb = _graph()
     q, k, v, do = _inputs(bsb.num_nodes, 2, 24, torch.float32)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    args = (list(bsb.forward_args(2, 32)), list(bsb.backward_args(2, 32)), 0.3, torch.float32, None)
-    out, lse = torch.ops.gt_fused3s.attention(*leaves, *args)
+    args = (list(bsb.forward_args(2, 32)), list(bsb.backward_args(2, 32)), 0.3, torch.float32, None, None, [], None)
+    out, lse, probs = torch.ops.gt_fused3s.attention(*leaves, *args)
+    assert probs.numel() == 0              # no weights asked for
     assert not lse.requires_grad
     grads = torch.autograd.grad(out, leaves, do)
     eager = torch.autograd.grad(fused3s_attention(*leaves, bsb, 0.3), leaves, do)
@@ -109,5 +110,5 @@ def test_gradients_through_the_torch_library_op(stand_in_kernels):
 
 def test_custom_op_is_registered_with_a_schema():
     schema = str(torch.ops.gt_fused3s.attention.default._schema)
-    assert "Tensor[] fwd_graph" in schema and "-> (Tensor, Tensor)" in schema
+    assert "Tensor[] fwd_graph" in schema and "-> (Tensor, Tensor, Tensor)" in schema
     assert isinstance(ops_mod._attention_op, torch._library.custom_ops.CustomOpDef)

@@ -9,8 +9,11 @@
 // Per TCB pair (a, b), with the window's 16 rows as the mma M dimension:
 //   S  [16, 16] = A1 G1^T        scores, recomputed
 //   dP [16, 16] = A2 G2^T
-//   P  = exp2(S * scale log2e - lse log2e)   (bitmap mask -> 0)
-//   dS = P * (dP - delta)
+//   P  = exp2(S * scale log2e + bias log2e - lse log2e)   (bitmap mask -> 0;
+//        bias: the edge bias, in instances that have one, edge_bias.cuh)
+//   dS = P * (dP + dp_bias - delta)           (dp_bias: an extra dP per edge,
+//        the gradient of the probabilities if they were returned; the dQ
+//        pass writes dS per edge as the bias gradient)
 //   out1 [16, D] += dS G1        (dQ pass: dQ; dKV pass: dK)
 //   out2 [16, D] += P  G2        (dKV pass: dV)
 // G1 and G2 serve both as B^T (scores) and as B (accumulation), so their
@@ -25,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include "fused3s_bwd_params.h"
+#include "edge_bias.cuh"
 #include "mma_utils.cuh"
 #include "smem_tile.cuh"
 #include "tcb_pair.cuh"
@@ -110,7 +114,7 @@ __device__ __forceinline__ float row_delta(const Fused3SBwdParams& p, int row, i
     return acc;
 }
 
-template <typename T, int kHeadDim, bool kDKV>
+template <typename T, int kHeadDim, bool kDKV, bool kBias>
 __global__ void __launch_bounds__(BwdConfig<kHeadDim, kDKV>::kThreads, BwdConfig<kHeadDim, kDKV>::kMinBlocks)
 fused3s_bwd_kernel(const Fused3SBwdParams p) {
     using Cfg = BwdConfig<kHeadDim, kDKV>;
@@ -171,7 +175,10 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             for (int r = 0; r < 2; ++r) {
                 const int row = r ? row1 : row0;
                 row_dl[r] = row_delta<T, kHeadDim>(p, row, head, t);
-                if (row < p.num_nodes) row_lse2[r] = __ldg(p.lse_ptr + row * H + head) * kLog2e;
+                if (row < p.num_nodes) {
+                    row_lse2[r] = __ldg(p.lse_ptr + row * H + head) * kLog2e;
+                    if (kBias && p.delta_extra_ptr != nullptr) row_dl[r] += __ldg(p.delta_extra_ptr + row * H + head);
+                }
             }
         }
     };
@@ -206,6 +213,8 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
         PairRaw raw;
         load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin, tcb_end, lane);
         PairMeta cur = decode_pair(raw, lane);
+        PairBias<kBias, kBias> bcur, bnxt;
+        bcur.load(raw, tcb_begin, tcb_end, p.bias, lane, head, p.num_heads);
         Tile::load_async(tile_g(0, 0), g1, p.g1.row_stride, tile_g(0, 1), g2, p.g2.row_stride, raw.c, lane);
         cp_async_commit();
         load_row_stats();
@@ -232,6 +241,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
                 Tile::load_async(tile_g(stage ^ 1, 0), g1, p.g1.row_stride, tile_g(stage ^ 1, 1), g2,
                                  p.g2.row_stride, raw.c, lane);
                 if constexpr (kDKV) load_col_stats(nxt, nxt_st);
+                bnxt.load(raw, base + 2, tcb_end, p.bias, lane, head, p.num_heads);
                 if (base + 4 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, base + 4, tcb_end, lane);
             }
             cp_async_commit();
@@ -295,8 +305,21 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
                     const bool on = (cur.mask >> (4 * x + i)) & 1u;
                     const float lse2 = kDKV ? cur_st[2 * x + (i & 1)].x : row_lse2[i >> 1];
                     const float dl = kDKV ? cur_st[2 * x + (i & 1)].y : row_dl[i >> 1];
-                    pv[x][i] = on ? fast_exp2(s[x][i] * p.scale_log2 - lse2) : 0.f;
-                    ds[x][i] = pv[x][i] * (dp[x][i] - dl);
+                    pv[x][i] = on ? fast_exp2(bcur.add(s[x][i] * p.scale_log2, x, i) - lse2) : 0.f;
+                    ds[x][i] = pv[x][i] * (bcur.add_dp(dp[x][i], x, i) - dl);
+                }
+            }
+            if constexpr (kBias && !kDKV) {
+                // d loss / d bias_e = dS_ij: each edge is one score of one chunk, written once.
+                if (p.bias.grad != nullptr && part == 0) {
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int e = bcur.ids[x][i];
+                            if (e >= 0) p.bias.grad[static_cast<int64_t>(e) * H + head] = ds[x][i];
+                        }
+                    }
                 }
             }
             // As A operands [16, 16]: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
@@ -323,6 +346,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             if (!has_next) break;
             __syncwarp();   // every lane is done with this stage before it is refilled
             cur = nxt;
+            bcur = bnxt;
             if constexpr (kDKV) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) cur_st[i] = nxt_st[i];
@@ -399,7 +423,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     }
 }
 
-template <typename T, int kHeadDim, bool kDKV>
+template <typename T, int kHeadDim, bool kDKV, bool kBias>
 cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t stream) {
     using Cfg = BwdConfig<kHeadDim, kDKV>;
     const int64_t work = static_cast<int64_t>(params.num_items) * params.num_heads;
@@ -409,7 +433,7 @@ cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t
         const cudaError_t err = cudaMemsetAsync(params.counters_ptr, 0, bytes, stream);
         if (err != cudaSuccess) return err;
     }
-    auto kernel = fused3s_bwd_kernel<T, kHeadDim, kDKV>;
+    auto kernel = fused3s_bwd_kernel<T, kHeadDim, kDKV, kBias>;
     if (Cfg::kSmemBytes > 48 * 1024) {
         const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
         if (err != cudaSuccess) return err;
@@ -418,12 +442,12 @@ cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t
     return cudaGetLastError();
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kBias>
 cudaError_t run_fused3s_bwd(const Fused3SBwdParams& dq_pass, const Fused3SBwdParams& dkv_pass, cudaStream_t stream) {
     // The dQ pass writes delta, which the dKV pass reads: same stream, in order.
-    const cudaError_t err = launch_fused3s_bwd_pass<T, kHeadDim, false>(dq_pass, stream);
+    const cudaError_t err = launch_fused3s_bwd_pass<T, kHeadDim, false, kBias>(dq_pass, stream);
     if (err != cudaSuccess) return err;
-    return launch_fused3s_bwd_pass<T, kHeadDim, true>(dkv_pass, stream);
+    return launch_fused3s_bwd_pass<T, kHeadDim, true, kBias>(dkv_pass, stream);
 }
 
 }  // namespace gt_fused3s

@@ -42,6 +42,9 @@ struct Fused3SBwdParams {
     // 8-byte load for both).
     const float* lse_ptr;
     float2* stats_ptr;
+    // dQ pass, optional [N, H] fp32: added to delta (the dp_bias terms'
+    // share, sum_j P_ij dp_bias_ij, computed by the caller).
+    const float* delta_extra_ptr;
 
     // Gradients [N, H, D], contiguous, in the input dtype or fp32 (grad_fp32):
     // out1 = dQ or dK, out2 = dV (dKV pass only).
@@ -68,12 +71,17 @@ struct Fused3SBwdParams {
     int32_t num_heads;
     float scale;        // s
     float scale_log2;   // s * log2(e)
+
+    // Edge bias of this pass's BSB (grad: dQ pass only); read by the
+    // instances with a bias.
+    EdgeBiasArgs bias;
 };
 
 // Zeroes the arrival counters and launches the dQ pass, then the dKV pass, on
-// `stream`. T is __half or __nv_bfloat16; HeadDim in {16, 32, 64, 128, 256}.
-// Returns the first CUDA error of the launches.
-template <typename T, int HeadDim>
+// `stream`. T is __half or __nv_bfloat16; HeadDim in {16, 32, 64, 128, 256};
+// kBias: the scores get each pass's bias. Returns the first CUDA error of the
+// launches.
+template <typename T, int HeadDim, bool kBias>
 cudaError_t run_fused3s_bwd(const Fused3SBwdParams& dq_pass, const Fused3SBwdParams& dkv_pass, cudaStream_t stream);
 
 }  // namespace gt_fused3s

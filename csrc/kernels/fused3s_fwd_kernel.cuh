@@ -14,7 +14,8 @@
 // Within a team (one warp; two warps for D = 256, each owning half of the head
 // dim), the window's 16 rows are the mma M dimension. Per TCB pair (a, b):
 //   SDDMM   S_a, S_b [16, 8] = Q_win K_cols^T      (mma, K gathered from global)
-//   softmax online, fp32, log2 domain, -inf masking (bitmap)
+//   softmax online, fp32, log2 domain, -inf masking (bitmap), plus the edge
+//           bias if the instance has one (loaded one pair ahead, edge_bias.cuh)
 //   SpMM    O[16, D] += [P_a P_b] [16, 16] V[16, D] (P reused from registers)
 // K and V rows of the next pair are loaded while the current pair is computed.
 #pragma once
@@ -24,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include "fused3s_params.h"
+#include "edge_bias.cuh"
 #include "mma_utils.cuh"
 #include "sddmm_tile.cuh"
 #include "online_softmax.cuh"
@@ -81,7 +83,7 @@ __device__ __forceinline__ void store_row(void* dst, bool out_fp32, const float 
     }
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kBias>
 __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads, FwdConfig<kHeadDim>::kMinBlocks)
 fused3s_fwd_kernel(const Fused3SParams p) {
     using Cfg = FwdConfig<kHeadDim>;
@@ -149,6 +151,8 @@ fused3s_fwd_kernel(const Fused3SParams p) {
             PairRaw raw;
             load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin, tcb_end, lane);
             PairMeta cur = decode_pair(raw, lane);
+            PairBias<kBias> bcur, bnxt;
+            bcur.load(raw, tcb_begin, tcb_end, p.bias, lane, head, p.num_heads);
             if (tcb_begin + 2 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin + 2, tcb_end, lane);
 
             KFragment<kDW> kf[2];
@@ -197,14 +201,16 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                 if (has_next) {
                     nxt = decode_pair(raw, lane);
                     load_k(nxt);   // K of the next pair flies during softmax + SpMM
+                    bnxt.load(raw, base + 2, tcb_end, p.bias, lane, head, p.num_heads);   // its bias too
                     if (base + 4 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, base + 4, tcb_end, lane);
                 }
                 uint32_t pa[4];
-                online_softmax_pair<T, kNT>(s, cur.mask, p.scale_log2, st, o, pa);
+                online_softmax_pair<T, kNT>(s, cur.mask, p.scale_log2, bcur, st, o, pa);
                 spmm_pair<T, kDW>(o, pa, vf);
                 if (!has_next) break;
                 load_v(nxt);       // V of the next pair flies during the next SDDMM
                 cur = nxt;
+                bcur = bnxt;
             }
         }
         softmax_finish(st);   // st.l: full row sums
@@ -303,7 +309,7 @@ fused3s_fwd_kernel(const Fused3SParams p) {
     }
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kBias>
 void run_fused3s_fwd(const Fused3SParams& params, cudaStream_t stream) {
     using Cfg = FwdConfig<kHeadDim>;
     const int64_t work = static_cast<int64_t>(params.num_items) * params.num_heads;
@@ -312,7 +318,7 @@ void run_fused3s_fwd(const Fused3SParams& params, cudaStream_t stream) {
         const size_t bytes = sizeof(int32_t) * static_cast<size_t>(params.num_slots) * params.num_heads;
         if (cudaMemsetAsync(params.counters_ptr, 0, bytes, stream) != cudaSuccess) return;   // error stays set
     }
-    fused3s_fwd_kernel<T, kHeadDim><<<static_cast<unsigned>(work), Cfg::kThreads, 0, stream>>>(params);
+    fused3s_fwd_kernel<T, kHeadDim, kBias><<<static_cast<unsigned>(work), Cfg::kThreads, 0, stream>>>(params);
 }
 
 }  // namespace gt_fused3s

@@ -34,6 +34,18 @@ struct Fused3SSlot {
     int32_t pad_;
 };
 
+// Per-edge terms of one pass over a BSB, read by the kernel instances with
+// edge terms (kBias; edge_bias.cuh says how they find an edge's id). Every
+// [E, H] array is fp32, contiguous, in the caller's edge order; null = absent.
+struct EdgeBiasArgs {
+    const float* bias;            // added to the scaled score before the softmax
+    float* grad;                  // dS per edge (written by the backward's dQ pass)
+    const float* dp_bias;         // backward: added to dP = dO.v (the gradient of the
+                                  // returned probabilities, or of terms built on them)
+    const int32_t* nnz_offset;    // [T + 1] first non-zero of each TCB of this pass's BSB
+    const int32_t* slot_edge;     // [E] the caller's edge id of each non-zero, in the BSB's order
+};
+
 struct Fused3SParams {
     // q, k, v: [N, H, D], fp16 or bf16, last dim contiguous. Strides are in
     // elements; every row/head start must be 16-byte aligned.
@@ -77,11 +89,27 @@ struct Fused3SParams {
     int32_t num_nodes;   // N
     int32_t num_heads;   // H
     float scale_log2;    // scale * log2(e)
+
+    // Edge terms (the kernel instance with edge terms reads them; the one
+    // without ignores them).
+    EdgeBiasArgs bias;
+
+    // Probability pass only (run_fused3s_probs): lse is read, not written,
+    // and P [E, H] fp32 is written in the caller's edge order.
+    float* probs_ptr;
 };
 
 // Zeroes the arrival counters and launches the forward kernel on `stream`.
-// T is __half or __nv_bfloat16; HeadDim in {16, 32, 64, 128, 256}.
-template <typename T, int HeadDim>
+// T is __half or __nv_bfloat16; HeadDim in {16, 32, 64, 128, 256}; with
+// kBias, the scores get params.bias.
+template <typename T, int HeadDim, bool kBias>
 void run_fused3s_fwd(const Fused3SParams& params, cudaStream_t stream);
+
+// The attention probabilities P_e = exp(scale q_i.k_j + bias_e - lse_i) of
+// every edge e = j -> i, from the forward's lse, into params.probs_ptr (one
+// score pass over the forward's schedule; needs the edge slots, the bias is
+// optional). Same T and HeadDim as the forward.
+template <typename T, int HeadDim>
+void run_fused3s_probs(const Fused3SParams& params, cudaStream_t stream);
 
 }  // namespace gt_fused3s

@@ -28,11 +28,13 @@ __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
 
 // s: raw scores of TCBs a, b (mma C layout). mask: 8 bits, bits 2x..2x+1 = row g
 // cols 2t, 2t+1 of TCB x (x = 0: a, 1: b) at bit 4x, row g+8 at bit 4x + 2.
+// bias: the pair's edge bias (edge_bias.cuh: PairBias), added in log2 units.
 // On return p holds the A fragment (packed T) of P[16, 16] for the SpMM, and
 // o[kNT][4] (the SpMM accumulator of this thread) has been rescaled.
-template <typename T, int kNT>
+template <typename T, int kNT, typename Bias>
 __device__ __forceinline__ void online_softmax_pair(const float (&s)[2][4], uint32_t mask, float scale_log2,
-                                                    SoftmaxState& st, float (&o)[kNT][4], uint32_t (&p)[4]) {
+                                                    const Bias& bias, SoftmaxState& st, float (&o)[kNT][4],
+                                                    uint32_t (&p)[4]) {
     // x[x][i]: scaled, masked score. i = 0,1: row g; i = 2,3: row g+8.
     float x[2][4];
 #pragma unroll
@@ -40,7 +42,7 @@ __device__ __forceinline__ void online_softmax_pair(const float (&s)[2][4], uint
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const bool on = (mask >> (4 * b + i)) & 1u;
-            x[b][i] = on ? s[b][i] * scale_log2 : -INFINITY;
+            x[b][i] = on ? bias.add(s[b][i] * scale_log2, b, i) : -INFINITY;
         }
     }
     float alpha[2];

@@ -1,0 +1,167 @@
+"""Benchmark of the per-edge terms (the work behind ``scripts/bench_edge.py``),
+side by side in one process on one GPU.
+
+Two tables:
+
+* ``attention``: ``fused3s_attention`` on a prepared plan, fp16, without and
+  with an ``edge_bias`` [E, H] and with ``return_weights``; forward and
+  forward + backward, GPU time of the call (CUDA events, L2 flushed,
+  median) and the ratio to the plain attention.
+* ``layer``: ``Fused3SConv`` against ``TransformerConv`` with the same
+  weights (``heads``, ``out_channels``, ``edge_dim``), fp32 features, forward
+  + backward of the layer: what a user waits (``wall_ms``, synchronised),
+  the GPU time of the step (``gpu_ms``, CUDA events), the peak memory the
+  step allocates above what it starts with, and the ratios.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import platform
+
+import torch
+
+from .common import free_cuda_memory, git_sha, short_error
+from .kernel import load_graph
+from .timing import time_cuda, time_wall
+
+GRAPHS = ("zinc", "github", "powerlaw200k")
+ATTENTION_SETTINGS = ((4, 16), (1, 64), (8, 32))     # (heads, head dim)
+
+
+def _env() -> dict:
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "git": git_sha(),
+            "host": platform.node()}
+
+
+def attention_rows(graphs=GRAPHS, settings=ATTENTION_SETTINGS, seed: int = 0) -> list[dict]:
+    from ..ops import fused3s_attention
+    from ..plan import GraphPlan
+    rows = []
+    for name in graphs:
+        ei, n = load_graph(name, "cuda")
+        E = ei.size(1)
+        for H, D in settings:
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            q, k, v, do = (torch.randn(n, H, D, device="cuda", generator=g, dtype=torch.float16)
+                           for _ in range(4))
+            bias = torch.randn(E, H, device="cuda", generator=g)
+            plan = GraphPlan.from_edge_index(ei, n).prepare(H, D, edge_bias=True)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+            dw = torch.randn(E, H, device="cuda", generator=g)
+
+            def fwd(b=None, w=False):
+                with torch.no_grad():
+                    return fused3s_attention(q, k, v, plan, edge_bias=b, return_weights=w)
+
+            def fb(b=None, w=False):
+                out = fused3s_attention(*leaves[:3], plan, edge_bias=b, return_weights=w)
+                if w:
+                    out, wt = out
+                    torch.autograd.backward([out, wt], [do, dw])
+                else:
+                    out.backward(do)
+
+            row = {"graph": name, "N": n, "E": E, "H": H, "D": D, **_env()}
+            cases = {"fwd": lambda: fwd(), "fwd_bias": lambda: fwd(bias),
+                     "fwd_weights": lambda: fwd(bias, True),
+                     "fb": lambda: fb(), "fb_bias": lambda: fb(leaves[3]),
+                     "fb_weights": lambda: fb(leaves[3], True)}
+            for key, fn in cases.items():
+                row[f"{key}_ms"] = time_cuda(fn)["median"]
+            for key in ("fwd_bias", "fwd_weights"):
+                row[f"{key}_x"] = row[f"{key}_ms"] / row["fwd_ms"]
+            for key in ("fb_bias", "fb_weights"):
+                row[f"{key}_x"] = row[f"{key}_ms"] / row["fb_ms"]
+            rows.append(row)
+            print(format_attention_row(row), flush=True)
+            free_cuda_memory()
+    return rows
+
+
+def format_attention_row(r: dict) -> str:
+    return (f"{r['graph']:>13} H={r['H']} D={r['D']:>3} | fwd {r['fwd_ms']:.4f} bias {r['fwd_bias_ms']:.4f} "
+            f"({r['fwd_bias_x']:.2f}x) +weights {r['fwd_weights_ms']:.4f} ({r['fwd_weights_x']:.2f}x) | "
+            f"fwd+bwd {r['fb_ms']:.4f} bias {r['fb_bias_ms']:.4f} ({r['fb_bias_x']:.2f}x) "
+            f"+weights {r['fb_weights_ms']:.4f} ({r['fb_weights_x']:.2f}x)")
+
+
+def _layer_step(conv, x, ei, edge_attr, grad):
+    def step():
+        out = conv(x, ei, edge_attr)
+        out.backward(grad)
+    return step
+
+
+def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, heads: int = 4,
+               edge_dim: int | None = 16, seed: int = 0) -> list[dict]:
+    from torch_geometric.nn import TransformerConv
+
+    from ..nn.pyg import Fused3SConv
+    rows = []
+    for name in graphs:
+        ei, n = load_graph(name, "cuda")
+        E = ei.size(1)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(n, in_channels, device="cuda", generator=g).requires_grad_()
+        edge_attr = (torch.randn(E, edge_dim, device="cuda", generator=g).requires_grad_()
+                     if edge_dim else None)
+        ref = TransformerConv(in_channels, out_channels, heads=heads, edge_dim=edge_dim).cuda()
+        fused = Fused3SConv(in_channels, out_channels, heads=heads, edge_dim=edge_dim).cuda()
+        fused.load_state_dict(ref.state_dict(), strict=True)
+        grad = torch.randn(n, heads * out_channels, device="cuda", generator=g)
+        row = {"graph": name, "N": n, "E": E, "heads": heads, "out_channels": out_channels,
+               "edge_dim": edge_dim, **_env()}
+        # the plan is built once per graph and cached, as in training
+        with torch.no_grad():
+            err = (fused(x, ei, edge_attr) - ref(x, ei, edge_attr)).abs().max().item()
+        row["max_abs_diff"] = err
+        for label, conv in (("fused3s", fused), ("pyg", ref)):
+            step = _layer_step(conv, x, ei, edge_attr, grad)
+            try:
+                step()
+                torch.cuda.synchronize()
+                free_cuda_memory()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                row[f"{label}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                row[f"{label}_gpu_ms"] = time_cuda(step, flush=False, max_reps=50)["median"]
+                row[f"{label}_wall_ms"] = time_wall(step, reps=30)["wall"]
+            except torch.cuda.OutOfMemoryError as e:
+                row[f"{label}_error"] = short_error(e)
+                free_cuda_memory()
+            x.grad = None
+            conv.zero_grad(set_to_none=True)
+        for key, ratio in (("gpu_ms", "gpu_x"), ("wall_ms", "wall_x"), ("peak_mb", "memory_x")):
+            if f"pyg_{key}" in row and f"fused3s_{key}" in row:    # pyg / fused3s: > 1 is a gain
+                row[ratio] = row[f"pyg_{key}"] / row[f"fused3s_{key}"]
+        rows.append(row)
+        print(format_layer_row(row), flush=True)
+        del fused, ref
+        free_cuda_memory()
+    return rows
+
+
+def format_layer_row(r: dict) -> str:
+    def cell(label):
+        if f"{label}_error" in r:
+            return f"{label}: {r[f'{label}_error']}"
+        return (f"{label} wall {r[f'{label}_wall_ms']:.3f} gpu {r[f'{label}_gpu_ms']:.3f} ms "
+                f"peak {r[f'{label}_peak_mb']:.0f} MB")
+    ratios = " ".join(f"{k} {r[k]:.2f}x" for k in ("wall_x", "gpu_x", "memory_x") if k in r)
+    return f"{r['graph']:>13} E={r['E']} | {cell('fused3s')} | {cell('pyg')} | {ratios} | diff {r['max_abs_diff']:.2e}"
+
+
+def geometric_mean(values) -> float:
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)

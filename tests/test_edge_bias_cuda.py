@@ -1,0 +1,141 @@
+"""The fused kernels with an edge bias against the fp32 reference (run on
+the GPU machine): output, attention weights (return_weights, with their
+gradient in the loss) and the gradients of q, k, v and the bias, fp16 and
+bf16, H in {1, 4, 8}, D in {16, 32, 64, 128, 256}, on the edge cases of
+graph_cases.py, a graph with split windows in both passes and a shared
+real graph, exact and static plans.
+
+Tolerance, per tensor (as in test_backward_cuda.py): the max abs error
+against the fp32 reference is at most twice the error of the reference
+computed in the same low precision, plus 1e-3 times the tensor's largest
+magnitude.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gt_fused3s import GraphPlan, fused3s_attention
+from gt_fused3s.reference import attention_reference
+
+from graph_cases import GRAPH_CASES
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEV = "cuda"
+LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops():
+    from gt_fused3s._build import load_extension
+    return load_extension()
+
+
+def _shuffled(ei, seed):
+    g = torch.Generator().manual_seed(seed)
+    return ei[:, torch.randperm(ei.size(1), generator=g)].to(DEV)
+
+
+def _reference(q, k, v, bias, do, dw, ei, scale, compute_dtype):
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v, bias)]
+    out, w = attention_reference(*leaves[:3], ei, scale, edge_bias=leaves[3], compute_dtype=compute_dtype,
+                                 out_dtype=torch.float32, return_weights=True)
+    loss = (out * do.float()).sum() + (0 if dw is None else (w * dw).sum())
+    return (out.detach(), w.detach(), *torch.autograd.grad(loss, leaves))
+
+
+def _check(plan, ei, h, d, dtype, seed, label, weights=True):
+    """Output, weights (with ``weights``: returned, and their gradient
+    part of the loss) and the gradients of q, k, v and the bias."""
+    n = plan.num_nodes
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q, k, v, do = (torch.randn(n, h, d, generator=g, device=DEV).to(dtype) for _ in range(4))
+    bias = 2 * torch.randn(ei.size(1), h, generator=g, device=DEV)   # large enough to move the softmax
+    dw = torch.randn(ei.size(1), h, generator=g, device=DEV) if weights else None
+    scale = 1 / math.sqrt(d)
+    torch.full((4, n, h, d), float("nan"), dtype=dtype, device=DEV)   # unwritten output shows up as NaN
+    torch.full((3 * ei.size(1), h), float("nan"), device=DEV)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    if weights:
+        out, w = fused3s_attention(*leaves[:3], plan, scale, edge_bias=leaves[3], return_weights=True)
+        ((out.float() * do.float()).sum() + (w * dw).sum()).backward()
+    else:
+        out, w = fused3s_attention(*leaves[:3], plan, scale, edge_bias=leaves[3]), None
+        out.backward(do)
+    got = (out.detach(), w, *(t.grad for t in leaves))
+    ref = _reference(q, k, v, bias, do, dw, ei, scale, torch.float32)
+    low = _reference(q, k, v, bias, do, dw, ei, scale, dtype)
+    for name, x, r, lo in zip(("out", "weights", "dq", "dk", "dv", "dbias"), got, ref, low):
+        if name == "weights" and not weights:
+            continue
+        assert x is not None and x.shape == r.shape, f"{label}: {name}"
+        if x.numel() == 0:
+            continue
+        assert torch.isfinite(x).all(), f"{label}: non-finite {name}"
+        err = (x.float() - r).abs().max().item()
+        err_low = (lo - r).abs().max().item()
+        mag = r.abs().max().item()
+        tol = 2 * err_low + 1e-3 * max(1.0, mag)
+        assert err <= tol, f"{label}: {name} max err {err:.3e} > tol {tol:.3e} (low ref {err_low:.3e})"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", sorted(GRAPH_CASES))
+def test_graph_cases(name, dtype):
+    ei, n = GRAPH_CASES[name]()
+    ei = _shuffled(ei, seed=1)
+    plan = GraphPlan.from_edge_index(ei, n)
+    for h, d in ((1, 64), (4, 32), (8, 16), (1, 128)):
+        _check(plan, ei, h, d, LOW[dtype], seed=h + d, label=f"{name} H={h} D={d}", weights=h != 4)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("h", [1, 4, 8])
+def test_heads_and_head_dims_with_split_windows(h, d, dtype):
+    """A hub with 600 in-neighbours and one with 600 out-neighbours: split
+    windows in the forward, the dQ pass and the dK/dV pass."""
+    n = 1003
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randperm(n, generator=g)[:600], torch.randperm(n, generator=g)[:600]
+    src = torch.cat([torch.randint(0, n, (3 * n,), generator=g), a, torch.full_like(b, 29), a[:50]])
+    dst = torch.cat([torch.randint(0, n, (3 * n,), generator=g), torch.full_like(a, 17), b, torch.full((50,), 17)])
+    ei = _shuffled(torch.stack([src, dst]), seed=2)     # with duplicates into the hub
+    plan = GraphPlan.from_edge_index(ei, n)
+    assert plan.forward_args(h, d)[5].size(0) > 0, "the in-hub window should be split"
+    _check(plan, ei, h, d, LOW[dtype], seed=3, label=f"hubs H={h} D={d}", weights=h != 4)
+
+
+def test_static_plan_and_shared_graphs():
+    from gt_fused3s.bench.kernel import available_graphs, load_graph
+    names = [x for x in ("cora", "github") if x in available_graphs()]
+    if not names:
+        pytest.skip("no graph data (../shared/data, .data/ or $GT_FUSED3S_DATA)")
+    for name in names:
+        ei, n = load_graph(name, "cpu")
+        ei = _shuffled(ei, seed=4)
+        for static in (False, True):
+            plan = GraphPlan.from_edge_index(ei, n, static=static)
+            _check(plan, ei, 4, 32, torch.float16, seed=5, label=f"{name} static={static}")
+
+
+def test_bias_and_weights_are_free_of_host_syncs():
+    ei, n = GRAPH_CASES["duplicates"]()
+    ei = ei.to(DEV)
+    plan = GraphPlan.from_edge_index(ei, n).prepare(2, 32, edge_bias=True)
+    q, k, v = (torch.randn(n, 2, 32, device=DEV, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    bias = torch.randn(ei.size(1), 2, device=DEV, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, w = fused3s_attention(q, k, v, plan, edge_bias=bias, return_weights=True)
+        (out.float().sum() + w.sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bias.grad is not None and q.grad is not None
