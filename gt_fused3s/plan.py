@@ -123,12 +123,13 @@ class GraphPlan:
         return args
 
     def bias_args(self) -> tuple[Tensor, ...]:
-        """The kernels' edge-bias arguments: ``nnz_offset`` and ``slot_edge``
-        of the BSB and of the transposed BSB (:func:`~gt_fused3s.graph.edge_slots`),
-        for an ``edge_bias`` in the order of :attr:`edge_index`."""
+        """The kernels' per-edge arguments (:func:`~gt_fused3s.graph.edge_slots`),
+        for an ``edge_bias`` or weights in the order of :attr:`edge_index`:
+        ``nnz_offset``, ``slot_edge`` and ``edge_slot`` of the BSB, then
+        ``nnz_offset`` and ``slot_edge`` of the transposed BSB."""
         if self._bias_args is None:
             self._bias_args = (*edge_slots(self.bsb, self._edges),
-                               *edge_slots(self._transposed(), self._edges.flip(0)))
+                               *edge_slots(self._transposed(), self._edges.flip(0))[:2])
         return self._bias_args
 
     def _transposed(self) -> BSBGraph:

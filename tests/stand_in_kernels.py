@@ -95,6 +95,12 @@ def _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge):
     return ei, edge_bias[ids]
 
 
+def _check_inverse(slot_edge, edge_slot):
+    """edge_slot is the inverse permutation of slot_edge."""
+    assert edge_slot is not None and edge_slot.dtype == torch.int32
+    assert torch.equal(edge_slot.long()[slot_edge.long()], torch.arange(slot_edge.numel()))
+
+
 def _check_operands(*ts):
     q = ts[0]
     assert q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) in KERNEL_HEAD_DIMS
@@ -122,8 +128,8 @@ class StandIns:
         return (out if out_fp32 else out.to(q.dtype)), _lse(q, k, ei, scale, bias)
 
     def bwd(self, do, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items, t_slots,
-            scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None, t_nnz_offset=None,
-            t_slot_edge=None, dp_bias=None, delta_extra=None):
+            scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None, edge_slot=None,
+            t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None):
         _check_operands(q, k, v, do)
         ei, bias = _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge)
         # the transposed format holds exactly the reversed edges (and, with
@@ -132,6 +138,7 @@ class StandIns:
         assert torch.equal(_sorted(t_ei.flip(0)), _sorted(ei))
         ids = None
         if slot_edge is not None:
+            _check_inverse(slot_edge, edge_slot)
             ids = decode(items, cols, bitmap, nnz_offset, slot_edge)[1]
             t_ids = decode(t_items, t_cols, t_bitmap, t_nnz_offset, t_slot_edge)[1]
             assert torch.equal(torch.sort(ids).values, torch.arange(slot_edge.numel()))
@@ -156,8 +163,9 @@ class StandIns:
             grad_bias[ids] = ds
         return (*(g if grad_fp32 else g.to(q.dtype) for g in grads), grad_bias)
 
-    def probs(self, q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, scale, edge_bias=None):
+    def probs(self, q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, edge_slot, scale, edge_bias=None):
         _check_operands(q, k)
+        _check_inverse(slot_edge, edge_slot)
         self.calls.append("probs")
         ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge)
         bias = edge_bias[ids] if edge_bias is not None else None

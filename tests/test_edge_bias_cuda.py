@@ -7,8 +7,10 @@ real graph, exact and static plans.
 
 Tolerance, per tensor (as in test_backward_cuda.py): the max abs error
 against the fp32 reference is at most twice the error of the reference
-computed in the same low precision, plus 1e-3 times the tensor's largest
-magnitude.
+computed in the same low precision (three times in bf16: the kernels also
+round dS to bf16 for its mma, which the reference's backward does not; a
+bias of std 2 makes rows peaked and dS large), plus 1e-3 times the
+tensor's largest magnitude.
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def _check(plan, ei, h, d, dtype, seed, label, weights=True):
         err = (x.float() - r).abs().max().item()
         err_low = (lo - r).abs().max().item()
         mag = r.abs().max().item()
-        tol = 2 * err_low + 1e-3 * max(1.0, mag)
+        tol = (3 if dtype == torch.bfloat16 else 2) * err_low + 1e-3 * max(1.0, mag)
         assert err <= tol, f"{label}: {name} max err {err:.3e} > tol {tol:.3e} (low ref {err_low:.3e})"
 
 

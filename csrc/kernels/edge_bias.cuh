@@ -1,15 +1,17 @@
 // Terms per edge: an additive attention bias, score_ij = scale q_i.k_j +
-// bias[e, h] for the edge e = j -> i (and, in the backward, its gradient and
-// an additive dP term), [E, H] fp32 arrays in the caller's edge order.
+// bias_e,h for the edge e = j -> i (and, in the backward, its gradient dS and
+// an additive dP term; the probability pass writes P per edge).
 //
 // Each non-zero of a BSB is one edge (a duplicate has a column of its own).
 // Its place in the format's non-zero order (TCBs in order; inside a TCB,
 // word 0 then word 1 of the bitmap, bits ascending) is
-//     nnz = nnz_offset[tcb] + (set bits of the TCB below it),
-// and slot_edge[nnz] is the caller's edge id (both built once per graph,
-// gt_fused3s/graph.py: edge_slots). A kernel finds the edge ids of a TCB
-// pair's scores from the pair's bitmap words (PairRaw) and loads the bias of
-// the next pair while the current one computes.
+//     nnz = nnz_offset[tcb] + (set bits of the TCB below it).
+// The kernels read and write per-edge arrays in that order, head-major
+// ([H, E]: element nnz of head h at h * E + nnz), so the values of one TCB
+// are contiguous; the binding permutes them from and to the caller's edge
+// order with the graph's slot arrays (gt_fused3s/graph.py: edge_slots). A
+// kernel finds the nnz of a TCB pair's scores from the pair's bitmap words
+// (PairRaw) and loads the next pair's values while the current one computes.
 #pragma once
 
 #include <cstdint>
@@ -20,57 +22,55 @@
 
 namespace gt_fused3s {
 
-// Caller's edge ids of this thread's 8 scores of the pair (tcb, tcb + 1), in
-// the mma C layout of the tiles (ids[x][i]: TCB x; i = 0, 1 row g, cols 2t,
+// Non-zero indices of this thread's 8 scores of the pair (tcb, tcb + 1), in
+// the mma C layout of the tiles (nnz[x][i]: TCB x; i = 0, 1 row g, cols 2t,
 // 2t+1; i = 2, 3 row g+8), -1 where there is no edge. `r` is the pair's raw
 // data (before it is overwritten by the pair after next).
-__device__ __forceinline__ void pair_edge_ids(int32_t (&ids)[2][4], const PairRaw& r, int tcb, int tcb_end,
-                                              const EdgeBiasArgs& eb, int lane) {
+__device__ __forceinline__ void pair_nnz(int32_t (&nnz)[2][4], const PairRaw& r, int tcb, int tcb_end,
+                                         const EdgeBiasArgs& eb, int lane) {
     const int sh = 2 * lane;   // bits 2L, 2L+1 of word 0 (row g) and word 1 (row g+8)
     const uint64_t below = (uint64_t(1) << sh) - 1u;
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
         const uint4 w = x ? r.wb : r.wa;
         const uint64_t w0 = (uint64_t(w.y) << 32) | w.x, w1 = (uint64_t(w.w) << 32) | w.z;
-        const bool real = tcb + x < tcb_end;
-        const int base = real ? __ldg(eb.nnz_offset + tcb + x) : 0;
+        const int base = tcb + x < tcb_end ? __ldg(eb.nnz_offset + tcb + x) : 0;
         const int r0 = base + __popcll(w0 & below);
         const int r1 = base + __popcll(w0) + __popcll(w1 & below);
         const uint32_t b0 = static_cast<uint32_t>(w0 >> sh) & 3u, b1 = static_cast<uint32_t>(w1 >> sh) & 3u;
-        ids[x][0] = (b0 & 1u) ? __ldg(eb.slot_edge + r0) : -1;
-        ids[x][1] = (b0 & 2u) ? __ldg(eb.slot_edge + r0 + (b0 & 1u)) : -1;
-        ids[x][2] = (b1 & 1u) ? __ldg(eb.slot_edge + r1) : -1;
-        ids[x][3] = (b1 & 2u) ? __ldg(eb.slot_edge + r1 + (b1 & 1u)) : -1;
+        nnz[x][0] = (b0 & 1u) ? r0 : -1;
+        nnz[x][1] = (b0 & 2u) ? r0 + static_cast<int>(b0 & 1u) : -1;
+        nnz[x][2] = (b1 & 1u) ? r1 : -1;
+        nnz[x][3] = (b1 & 2u) ? r1 + static_cast<int>(b1 & 1u) : -1;
     }
 }
 
 // Per-edge values of the pair's scores (0 where there is no edge, or no
-// array): src[e * H + head] * mul.
-__device__ __forceinline__ void pair_edge_values(float (&out)[2][4], const int32_t (&ids)[2][4], const float* src,
-                                                 float mul, int head, int num_heads) {
+// array): src[head * E + nnz] * mul.
+__device__ __forceinline__ void pair_edge_values(float (&out)[2][4], const int32_t (&nnz)[2][4], const float* src,
+                                                 float mul, int head, int64_t num_edges) {
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int e = ids[x][i];
-            out[x][i] = (src != nullptr && e >= 0) ? __ldg(src + static_cast<int64_t>(e) * num_heads + head) * mul
-                                                   : 0.f;
+            const int e = nnz[x][i];
+            out[x][i] = (src != nullptr && e >= 0) ? __ldg(src + head * num_edges + e) * mul : 0.f;
         }
     }
 }
 
-// The edge data a pass keeps per pair: the edge ids (for the outputs per
-// edge), the bias in log2 units and, in the backward, the dP bias.
+// The edge data a pass keeps per pair: the non-zero indices (for the outputs
+// per edge), the bias in log2 units and, in the backward, the dP bias.
 template <bool kEdges, bool kDpBias = false>
 struct PairBias {
-    int32_t ids[2][4];
+    int32_t nnz[2][4];
     float b2[2][4];
     float c[kDpBias ? 2 : 1][4];
     __device__ __forceinline__ void load(const PairRaw& r, int tcb, int tcb_end, const EdgeBiasArgs& eb, int lane,
-                                         int head, int num_heads) {
-        pair_edge_ids(ids, r, tcb, tcb_end, eb, lane);
-        pair_edge_values(b2, ids, eb.bias, 1.4426950408889634f, head, num_heads);
-        if constexpr (kDpBias) pair_edge_values(c, ids, eb.dp_bias, 1.f, head, num_heads);
+                                         int head) {
+        pair_nnz(nnz, r, tcb, tcb_end, eb, lane);
+        pair_edge_values(b2, nnz, eb.bias, 1.4426950408889634f, head, eb.num_edges);
+        if constexpr (kDpBias) pair_edge_values(c, nnz, eb.dp_bias, 1.f, head, eb.num_edges);
     }
     // score (log2 units) of element (x, i) plus its bias
     __device__ __forceinline__ float add(float v, int x, int i) const { return v + b2[x][i]; }
@@ -79,13 +79,17 @@ struct PairBias {
         if constexpr (kDpBias) return v + c[x][i];
         else return v;
     }
+    // out[head * E + nnz] = v for element (x, i), if it is an edge
+    __device__ __forceinline__ void store(float* out, int64_t num_edges, int head, int x, int i, float v) const {
+        if (nnz[x][i] >= 0) out[head * num_edges + nnz[x][i]] = v;
+    }
 };
 
 // Without edge terms: nothing stored, nothing loaded (the compiler removes
 // every trace of it).
 template <>
 struct PairBias<false, false> {
-    __device__ __forceinline__ void load(const PairRaw&, int, int, const EdgeBiasArgs&, int, int, int) {}
+    __device__ __forceinline__ void load(const PairRaw&, int, int, const EdgeBiasArgs&, int, int) {}
     __device__ __forceinline__ float add(float v, int, int) const { return v; }
     __device__ __forceinline__ float add_dp(float v, int, int) const { return v; }
 };

@@ -214,7 +214,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
         load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin, tcb_end, lane);
         PairMeta cur = decode_pair(raw, lane);
         PairBias<kBias, kBias> bcur, bnxt;
-        bcur.load(raw, tcb_begin, tcb_end, p.bias, lane, head, p.num_heads);
+        bcur.load(raw, tcb_begin, tcb_end, p.bias, lane, head);
         Tile::load_async(tile_g(0, 0), g1, p.g1.row_stride, tile_g(0, 1), g2, p.g2.row_stride, raw.c, lane);
         cp_async_commit();
         load_row_stats();
@@ -241,7 +241,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
                 Tile::load_async(tile_g(stage ^ 1, 0), g1, p.g1.row_stride, tile_g(stage ^ 1, 1), g2,
                                  p.g2.row_stride, raw.c, lane);
                 if constexpr (kDKV) load_col_stats(nxt, nxt_st);
-                bnxt.load(raw, base + 2, tcb_end, p.bias, lane, head, p.num_heads);
+                bnxt.load(raw, base + 2, tcb_end, p.bias, lane, head);
                 if (base + 4 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, base + 4, tcb_end, lane);
             }
             cp_async_commit();
@@ -315,10 +315,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
 #pragma unroll
                     for (int x = 0; x < 2; ++x) {
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const int e = bcur.ids[x][i];
-                            if (e >= 0) p.bias.grad[static_cast<int64_t>(e) * H + head] = ds[x][i];
-                        }
+                        for (int i = 0; i < 4; ++i) bcur.store(p.bias.grad, p.bias.num_edges, head, x, i, ds[x][i]);
                     }
                 }
             }

@@ -152,7 +152,7 @@ fused3s_fwd_kernel(const Fused3SParams p) {
             load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin, tcb_end, lane);
             PairMeta cur = decode_pair(raw, lane);
             PairBias<kBias> bcur, bnxt;
-            bcur.load(raw, tcb_begin, tcb_end, p.bias, lane, head, p.num_heads);
+            bcur.load(raw, tcb_begin, tcb_end, p.bias, lane, head);
             if (tcb_begin + 2 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin + 2, tcb_end, lane);
 
             KFragment<kDW> kf[2];
@@ -201,7 +201,7 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                 if (has_next) {
                     nxt = decode_pair(raw, lane);
                     load_k(nxt);   // K of the next pair flies during softmax + SpMM
-                    bnxt.load(raw, base + 2, tcb_end, p.bias, lane, head, p.num_heads);   // its bias too
+                    bnxt.load(raw, base + 2, tcb_end, p.bias, lane, head);   // its bias too
                     if (base + 4 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, base + 4, tcb_end, lane);
                 }
                 uint32_t pa[4];

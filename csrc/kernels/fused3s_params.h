@@ -35,15 +35,15 @@ struct Fused3SSlot {
 };
 
 // Per-edge terms of one pass over a BSB, read by the kernel instances with
-// edge terms (kBias; edge_bias.cuh says how they find an edge's id). Every
-// [E, H] array is fp32, contiguous, in the caller's edge order; null = absent.
+// edge terms (kBias). Every per-edge array is fp32 [H, E], contiguous, in
+// this BSB's non-zero order (edge_bias.cuh); null = absent.
 struct EdgeBiasArgs {
     const float* bias;            // added to the scaled score before the softmax
     float* grad;                  // dS per edge (written by the backward's dQ pass)
     const float* dp_bias;         // backward: added to dP = dO.v (the gradient of the
                                   // returned probabilities, or of terms built on them)
     const int32_t* nnz_offset;    // [T + 1] first non-zero of each TCB of this pass's BSB
-    const int32_t* slot_edge;     // [E] the caller's edge id of each non-zero, in the BSB's order
+    int64_t num_edges;            // E: the stride between heads
 };
 
 struct Fused3SParams {
@@ -95,7 +95,7 @@ struct Fused3SParams {
     EdgeBiasArgs bias;
 
     // Probability pass only (run_fused3s_probs): lse is read, not written,
-    // and P [E, H] fp32 is written in the caller's edge order.
+    // and P is written as [H, E] fp32 in the BSB's non-zero order.
     float* probs_ptr;
 };
 

@@ -1,7 +1,8 @@
 // Attention probabilities per edge from the forward's log-sum-exp: one score
 // pass, P_e = exp2(S_ij scale log2e + bias_e log2e - lse_i log2e) for every
-// edge e = j -> i, written in the caller's edge order (return_attention_weights,
-// and terms built on the probabilities such as TransformerConv's edge features).
+// edge e = j -> i, written [H, E] in the BSB's non-zero order (the binding
+// permutes them to the caller's edge order): return_attention_weights, and
+// terms built on the probabilities such as TransformerConv's edge features.
 //
 // Work: the forward's schedule (chunks of a row window, heaviest first), one
 // warp per (chunk, head); chunks are independent here (nothing accumulates
@@ -45,19 +46,26 @@ __global__ void __launch_bounds__(32) fused3s_probs_kernel(const Fused3SParams p
     const uint16_t* k = reinterpret_cast<const uint16_t*>(p.k_ptr) + head * p.k_head_stride;
     const uint4* bitmap = reinterpret_cast<const uint4*>(p.bitmap_ptr);
 
+    // Q of the window: held for the whole chunk when one slice covers D.
+    QFragment<kDW> qf;
+    auto load_q = [&](int u) {
+        load_q_fragment<kDW>(qf, q + static_cast<int64_t>(in0 ? row0 : 0) * p.q_row_stride + u * kDW, in0,
+                             q + static_cast<int64_t>(in1 ? row1 : 0) * p.q_row_stride + u * kDW, in1, t);
+    };
+    if constexpr (kSlices == 1) load_q(0);
+
+    PairRaw raw;
+    load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin, tcb_end, lane);
     for (int base = tcb_begin; base < tcb_end; base += 2) {
-        PairRaw raw;
-        load_pair_raw(raw, p.cols_ptr, bitmap, base, tcb_end, lane);
         const PairMeta m = decode_pair(raw, lane);
         PairBias<true> eb;
-        eb.load(raw, base, tcb_end, p.bias, lane, head, p.num_heads);
+        eb.load(raw, base, tcb_end, p.bias, lane, head);
+        if (base + 2 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, base + 2, tcb_end, lane);   // one ahead
 
         float s[2][4] = {};
 #pragma unroll
         for (int u = 0; u < kSlices; ++u) {
-            QFragment<kDW> qf;
-            load_q_fragment<kDW>(qf, q + static_cast<int64_t>(in0 ? row0 : 0) * p.q_row_stride + u * kDW, in0,
-                                 q + static_cast<int64_t>(in1 ? row1 : 0) * p.q_row_stride + u * kDW, in1, t);
+            if constexpr (kSlices > 1) load_q(u);
             KFragment<kDW> kf[2];
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
@@ -77,11 +85,8 @@ __global__ void __launch_bounds__(32) fused3s_probs_kernel(const Fused3SParams p
         for (int x = 0; x < 2; ++x) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int e = eb.ids[x][i];
-                if (e >= 0) {
-                    p.probs_ptr[static_cast<int64_t>(e) * p.num_heads + head] =
-                        fast_exp2(eb.add(s[x][i] * p.scale_log2, x, i) - lse2[i >> 1]);
-                }
+                eb.store(p.probs_ptr, p.bias.num_edges, head, x, i,
+                         fast_exp2(eb.add(s[x][i] * p.scale_log2, x, i) - lse2[i >> 1]));
             }
         }
     }
