@@ -22,19 +22,25 @@
 
 namespace gt_fused3s {
 
+// The pair's first non-zeros, loaded with its columns and bitmap (two pairs
+// ahead of use), so that the values of a pair need one dependent load only.
+__device__ __forceinline__ void load_pair_offsets(PairRaw& r, const EdgeBiasArgs& eb, int tcb, int tcb_end) {
+    r.off[0] = tcb < tcb_end ? __ldg(eb.nnz_offset + tcb) : 0;
+    r.off[1] = tcb + 1 < tcb_end ? __ldg(eb.nnz_offset + tcb + 1) : 0;
+}
+
 // Non-zero indices of this thread's 8 scores of the pair (tcb, tcb + 1), in
 // the mma C layout of the tiles (nnz[x][i]: TCB x; i = 0, 1 row g, cols 2t,
 // 2t+1; i = 2, 3 row g+8), -1 where there is no edge. `r` is the pair's raw
-// data (before it is overwritten by the pair after next).
-__device__ __forceinline__ void pair_nnz(int32_t (&nnz)[2][4], const PairRaw& r, int tcb, int tcb_end,
-                                         const EdgeBiasArgs& eb, int lane) {
+// data with its offsets (before it is overwritten by the pair after next).
+__device__ __forceinline__ void pair_nnz(int32_t (&nnz)[2][4], const PairRaw& r, int lane) {
     const int sh = 2 * lane;   // bits 2L, 2L+1 of word 0 (row g) and word 1 (row g+8)
     const uint64_t below = (uint64_t(1) << sh) - 1u;
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
         const uint4 w = x ? r.wb : r.wa;
         const uint64_t w0 = (uint64_t(w.y) << 32) | w.x, w1 = (uint64_t(w.w) << 32) | w.z;
-        const int base = tcb + x < tcb_end ? __ldg(eb.nnz_offset + tcb + x) : 0;
+        const int base = r.off[x];
         const int r0 = base + __popcll(w0 & below);
         const int r1 = base + __popcll(w0) + __popcll(w1 & below);
         const uint32_t b0 = static_cast<uint32_t>(w0 >> sh) & 3u, b1 = static_cast<uint32_t>(w1 >> sh) & 3u;
@@ -66,9 +72,8 @@ struct PairBias {
     int32_t nnz[2][4];
     float b2[2][4];
     float c[kDpBias ? 2 : 1][4];
-    __device__ __forceinline__ void load(const PairRaw& r, int tcb, int tcb_end, const EdgeBiasArgs& eb, int lane,
-                                         int head) {
-        pair_nnz(nnz, r, tcb, tcb_end, eb, lane);
+    __device__ __forceinline__ void load(const PairRaw& r, const EdgeBiasArgs& eb, int lane, int head) {
+        pair_nnz(nnz, r, lane);
         pair_edge_values(b2, nnz, eb.bias, 1.4426950408889634f, head, eb.num_edges);
         if constexpr (kDpBias) pair_edge_values(c, nnz, eb.dp_bias, 1.f, head, eb.num_edges);
     }
@@ -89,7 +94,7 @@ struct PairBias {
 // every trace of it).
 template <>
 struct PairBias<false, false> {
-    __device__ __forceinline__ void load(const PairRaw&, int, int, const EdgeBiasArgs&, int, int) {}
+    __device__ __forceinline__ void load(const PairRaw&, const EdgeBiasArgs&, int, int) {}
     __device__ __forceinline__ float add(float v, int, int) const { return v; }
     __device__ __forceinline__ float add_dp(float v, int, int) const { return v; }
 };

@@ -114,8 +114,12 @@ __device__ __forceinline__ float row_delta(const Fused3SBwdParams& p, int row, i
     return acc;
 }
 
+// Instances with edge terms ask for half the resident blocks: their extra
+// registers spill at 3/4 (ptxas, sm_90a, D = 64).
 template <typename T, int kHeadDim, bool kDKV, bool kBias>
-__global__ void __launch_bounds__(BwdConfig<kHeadDim, kDKV>::kThreads, BwdConfig<kHeadDim, kDKV>::kMinBlocks)
+__global__ void __launch_bounds__(BwdConfig<kHeadDim, kDKV>::kThreads,
+                                  kBias ? (BwdConfig<kHeadDim, kDKV>::kMinBlocks + 1) / 2
+                                        : BwdConfig<kHeadDim, kDKV>::kMinBlocks)
 fused3s_bwd_kernel(const Fused3SBwdParams p) {
     using Cfg = BwdConfig<kHeadDim, kDKV>;
     using Tile = typename Cfg::Tile;
@@ -211,10 +215,14 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
         cp_async_commit();
 
         PairRaw raw;
-        load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin, tcb_end, lane);
+        auto load_raw = [&](int tcb) {   // columns, bitmap (and non-zero offsets) of a pair
+            load_pair_raw(raw, p.cols_ptr, bitmap, tcb, tcb_end, lane);
+            if constexpr (kBias) load_pair_offsets(raw, p.bias, tcb, tcb_end);
+        };
+        load_raw(tcb_begin);
         PairMeta cur = decode_pair(raw, lane);
         PairBias<kBias, kBias> bcur, bnxt;
-        bcur.load(raw, tcb_begin, tcb_end, p.bias, lane, head);
+        bcur.load(raw, p.bias, lane, head);
         Tile::load_async(tile_g(0, 0), g1, p.g1.row_stride, tile_g(0, 1), g2, p.g2.row_stride, raw.c, lane);
         cp_async_commit();
         load_row_stats();
@@ -229,7 +237,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
         }
         float2 cur_st[4];
         if constexpr (kDKV) load_col_stats(cur, cur_st);
-        if (tcb_begin + 2 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin + 2, tcb_end, lane);
+        if (tcb_begin + 2 < tcb_end) load_raw(tcb_begin + 2);
 
         int stage = 0, buf = 0;
         for (int base = tcb_begin;; base += 2) {
@@ -241,8 +249,8 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
                 Tile::load_async(tile_g(stage ^ 1, 0), g1, p.g1.row_stride, tile_g(stage ^ 1, 1), g2,
                                  p.g2.row_stride, raw.c, lane);
                 if constexpr (kDKV) load_col_stats(nxt, nxt_st);
-                bnxt.load(raw, base + 2, tcb_end, p.bias, lane, head);
-                if (base + 4 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, base + 4, tcb_end, lane);
+                bnxt.load(raw, p.bias, lane, head);
+                if (base + 4 < tcb_end) load_raw(base + 4);
             }
             cp_async_commit();
             cp_async_wait<1>();   // this pair's rows (and the window tiles) have landed

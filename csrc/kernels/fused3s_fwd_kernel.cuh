@@ -83,8 +83,11 @@ __device__ __forceinline__ void store_row(void* dst, bool out_fp32, const float 
     }
 }
 
+// Instances with edge terms carry a few more registers per pair: they ask
+// for 3/4 of the resident blocks (else they spill).
 template <typename T, int kHeadDim, bool kBias>
-__global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads, FwdConfig<kHeadDim>::kMinBlocks)
+__global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads,
+                                  kBias ? FwdConfig<kHeadDim>::kMinBlocks * 3 / 4 : FwdConfig<kHeadDim>::kMinBlocks)
 fused3s_fwd_kernel(const Fused3SParams p) {
     using Cfg = FwdConfig<kHeadDim>;
     constexpr int kDW = Cfg::kDW;
@@ -149,11 +152,15 @@ fused3s_fwd_kernel(const Fused3SParams p) {
 
         if (tcb_begin < tcb_end) {
             PairRaw raw;
-            load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin, tcb_end, lane);
+            auto load_raw = [&](int tcb) {   // columns, bitmap (and non-zero offsets) of a pair
+                load_pair_raw(raw, p.cols_ptr, bitmap, tcb, tcb_end, lane);
+                if constexpr (kBias) load_pair_offsets(raw, p.bias, tcb, tcb_end);
+            };
+            load_raw(tcb_begin);
             PairMeta cur = decode_pair(raw, lane);
             PairBias<kBias> bcur, bnxt;
-            bcur.load(raw, tcb_begin, tcb_end, p.bias, lane, head);
-            if (tcb_begin + 2 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin + 2, tcb_end, lane);
+            bcur.load(raw, p.bias, lane, head);
+            if (tcb_begin + 2 < tcb_end) load_raw(tcb_begin + 2);
 
             KFragment<kDW> kf[2];
             VFragment<kDW> vf;
@@ -201,8 +208,8 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                 if (has_next) {
                     nxt = decode_pair(raw, lane);
                     load_k(nxt);   // K of the next pair flies during softmax + SpMM
-                    bnxt.load(raw, base + 2, tcb_end, p.bias, lane, head);   // its bias too
-                    if (base + 4 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, base + 4, tcb_end, lane);
+                    bnxt.load(raw, p.bias, lane, head);   // its bias too
+                    if (base + 4 < tcb_end) load_raw(base + 4);
                 }
                 uint32_t pa[4];
                 online_softmax_pair<T, kNT>(s, cur.mask, p.scale_log2, bcur, st, o, pa);

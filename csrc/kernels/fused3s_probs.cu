@@ -55,12 +55,16 @@ __global__ void __launch_bounds__(32) fused3s_probs_kernel(const Fused3SParams p
     if constexpr (kSlices == 1) load_q(0);
 
     PairRaw raw;
-    load_pair_raw(raw, p.cols_ptr, bitmap, tcb_begin, tcb_end, lane);
+    auto load_raw = [&](int tcb) {
+        load_pair_raw(raw, p.cols_ptr, bitmap, tcb, tcb_end, lane);
+        load_pair_offsets(raw, p.bias, tcb, tcb_end);
+    };
+    load_raw(tcb_begin);
     for (int base = tcb_begin; base < tcb_end; base += 2) {
         const PairMeta m = decode_pair(raw, lane);
         PairBias<true> eb;
-        eb.load(raw, base, tcb_end, p.bias, lane, head);
-        if (base + 2 < tcb_end) load_pair_raw(raw, p.cols_ptr, bitmap, base + 2, tcb_end, lane);   // one ahead
+        eb.load(raw, p.bias, lane, head);
+        if (base + 2 < tcb_end) load_raw(base + 2);   // one ahead
 
         float s[2][4] = {};
 #pragma unroll

@@ -6,7 +6,9 @@ Two tables:
 * ``attention``: ``fused3s_attention`` on a prepared plan, fp16, without and
   with an ``edge_bias`` [E, H] and with ``return_weights``; forward and
   forward + backward, GPU time of the call (CUDA events, L2 flushed,
-  median) and the ratio to the plain attention.
+  median) and the ratio to the plain attention; the profiler's device time
+  of the fused kernels alone and of every kernel of the call (the
+  permutations to and from the format's edge order included).
 * ``layer``: ``Fused3SConv`` against ``TransformerConv`` with the same
   weights (``heads``, ``out_channels``, ``edge_dim``), fp32 features, forward
   + backward of the layer: what a user waits (``wall_ms``, synchronised),
@@ -23,7 +25,7 @@ import torch
 
 from .common import free_cuda_memory, git_sha, short_error
 from .kernel import load_graph
-from .timing import time_cuda, time_wall
+from .timing import kernel_time, time_cuda, time_wall
 
 GRAPHS = ("zinc", "github", "powerlaw200k")
 ATTENTION_SETTINGS = ((4, 16), (1, 64), (8, 32))     # (heads, head dim)
@@ -69,6 +71,9 @@ def attention_rows(graphs=GRAPHS, settings=ATTENTION_SETTINGS, seed: int = 0) ->
                      "fb_weights": lambda: fb(leaves[3], True)}
             for key, fn in cases.items():
                 row[f"{key}_ms"] = time_cuda(fn)["median"]
+                # the fused kernels alone, and every kernel of the call (permutations included)
+                row[f"{key}_fused_kernels_ms"] = kernel_time(fn, "fused3s_", reps=10)
+                row[f"{key}_all_kernels_ms"] = kernel_time(fn, "", reps=10, flush=False)
             for key in ("fwd_bias", "fwd_weights"):
                 row[f"{key}_x"] = row[f"{key}_ms"] / row["fwd_ms"]
             for key in ("fb_bias", "fb_weights"):
@@ -80,7 +85,9 @@ def attention_rows(graphs=GRAPHS, settings=ATTENTION_SETTINGS, seed: int = 0) ->
 
 
 def format_attention_row(r: dict) -> str:
-    return (f"{r['graph']:>13} H={r['H']} D={r['D']:>3} | fwd {r['fwd_ms']:.4f} bias {r['fwd_bias_ms']:.4f} "
+    kern = " ".join(f"{k} {r[f'{k}_fused_kernels_ms'] or float('nan'):.4f}/{r[f'{k}_all_kernels_ms'] or float('nan'):.4f}"
+                    for k in ("fwd", "fwd_bias", "fwd_weights", "fb", "fb_bias", "fb_weights"))
+    return (f"  kernels (fused/all) {kern}\n" + f"{r['graph']:>13} H={r['H']} D={r['D']:>3} | fwd {r['fwd_ms']:.4f} bias {r['fwd_bias_ms']:.4f} "
             f"({r['fwd_bias_x']:.2f}x) +weights {r['fwd_weights_ms']:.4f} ({r['fwd_weights_x']:.2f}x) | "
             f"fwd+bwd {r['fb_ms']:.4f} bias {r['fb_bias_ms']:.4f} ({r['fb_bias_x']:.2f}x) "
             f"+weights {r['fb_weights_ms']:.4f} ({r['fb_weights_x']:.2f}x)")
