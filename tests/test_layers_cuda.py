@@ -88,3 +88,33 @@ def test_graph_transformer_fused3s_backend_on_cuda(kernel_calls):
     err_fused = (fused - exact).abs().max().item()
     assert torch.isfinite(fused).all()
     assert err_fused <= 2 * err_ref + 1e-2, (err_fused, err_ref)
+
+
+@pytest.mark.parametrize("heads,out_channels,edge_dim", [(4, 16, 16), (1, 64, 8)])
+def test_pyg_layer_edge_features_and_weights_on_cuda(kernel_calls, heads, out_channels, edge_dim):
+    """edge_dim and return_attention_weights on the kernel path (edge bias,
+    probabilities pass, their gradients) against TransformerConv in fp32:
+    outputs, weights and the gradients of x, edge_attr and every parameter."""
+    from torch_geometric.nn import TransformerConv
+    from gt_fused3s.nn import Fused3SConv
+    torch.manual_seed(0)
+    n = 1003
+    ei = _graph(n, 6 * n, 3)
+    x = torch.randn(n, 48, device="cuda")
+    ea = torch.randn(ei.size(1), edge_dim, device="cuda")
+    ref = TransformerConv(48, out_channels, heads=heads, edge_dim=edge_dim, beta=True).cuda()
+    fused = Fused3SConv(48, out_channels, heads=heads, edge_dim=edge_dim, beta=True).cuda()
+    fused.load_state_dict(ref.state_dict())
+    results = []
+    for conv in (ref, fused):
+        xg, eag = x.clone().requires_grad_(), ea.clone().requires_grad_()
+        out, (_, alpha) = conv(xg, ei, eag, return_attention_weights=True)
+        (out.square().sum() + (alpha * torch.linspace(0, 1, alpha.numel(), device="cuda").view_as(alpha)).sum()
+         ).backward()
+        results.append({"out": out.detach(), "alpha": alpha.detach(), "x": xg.grad, "edge_attr": eag.grad,
+                        **{k: p.grad for k, p in conv.named_parameters()}})
+    assert len(kernel_calls) == 1
+    for name, expect in results[0].items():
+        got = results[1][name]
+        tol = 5e-3 * max(expect.abs().max().item(), 1e-3)   # fp16 tensor-core operands
+        assert (got.float() - expect).abs().max().item() <= tol, name

@@ -204,25 +204,117 @@ def test_duplicate_edges_count_as_in_transformer_conv():
 
 # ------------------------------------------------------------ fallbacks
 
-def test_fallback_edge_features(fused_calls):
-    edge_index, n = GRAPH_CASES["random_1003"]()
-    ref, ours = make_pair(heads=4, edge_dim=5, beta=True)
-    x = random_x(n)
-    edge_attr = torch.randn(edge_index.size(1), 5, generator=torch.Generator().manual_seed(2))
-    assert_close(ours(x, edge_index, edge_attr), ref(x, edge_index, edge_attr))
-    assert len(fused_calls) == 0
+def _edge_case_graph():
+    """N = 40: duplicates (with their own edge features), self loops,
+    isolated nodes 35..39, edges in no particular order."""
+    g = torch.Generator().manual_seed(9)
+    src, dst = torch.randint(0, 35, (2, 150), generator=g)
+    i = torch.arange(0, 35, 3)
+    ei = torch.stack([torch.cat([src, src[:20], i]), torch.cat([dst, dst[:20], i])])
+    return ei[:, torch.randperm(ei.size(1), generator=g)], 40
 
 
-def test_fallback_return_attention_weights(fused_calls):
-    edge_index, n = GRAPH_CASES["empty_rows"]()
-    ref, ours = make_pair(heads=4)
+def _loss_grads(conv, x, edge_index, edge_attr, **kw):
+    x = x.clone().requires_grad_()
+    ea = edge_attr.clone().requires_grad_() if edge_attr is not None else None
+    out = conv(x, edge_index, ea, **kw)
+    alpha = None
+    if isinstance(out, tuple):
+        out, (_, alpha) = out
+    loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum()
+    if alpha is not None:
+        loss = loss + (alpha * torch.linspace(1, 2, alpha.numel(), dtype=alpha.dtype).view_as(alpha)).sum()
+    loss.backward()
+    grads = {"x": x.grad, **{k: p.grad for k, p in conv.named_parameters()}}
+    if ea is not None:
+        grads["edge_attr"] = ea.grad
+    return out, alpha, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("heads,concat,beta,root_weight,bias",
+                         [(1, True, False, True, True), (4, True, True, True, False),
+                          (4, False, False, False, True), (2, False, True, True, True),
+                          (3, True, False, False, False)])
+def test_edge_features_fused_outputs_and_gradients(heads, concat, beta, root_weight, bias, dtype, fused_calls):
+    """edge_dim on the fused path equals TransformerConv: outputs and the
+    gradients of x, edge_attr and every parameter, float32 and float64, on a
+    graph with duplicate edges (different features), self loops and
+    isolated nodes."""
+    edge_index, n = _edge_case_graph()
+    ref, ours = make_pair(heads=heads, concat=concat, beta=beta, root_weight=root_weight, bias=bias,
+                          edge_dim=6)
+    ref, ours = ref.to(dtype), ours.to(dtype)
+    x = random_x(n).to(dtype)
+    edge_attr = torch.randn(edge_index.size(1), 6, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out_ref, _, g_ref = _loss_grads(ref, x, edge_index, edge_attr)
+    out, _, g = _loss_grads(ours, x, edge_index, edge_attr)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-9)
+    torch.testing.assert_close(out, out_ref, **tol)
+    assert g.keys() == g_ref.keys()
+    for name in g:
+        torch.testing.assert_close(g[name], g_ref[name], **tol, msg=lambda m, name=name: f"grad of {name}: {m}")
+    assert len(fused_calls) == 1
+
+
+@pytest.mark.parametrize("edge_dim", [None, 5])
+@pytest.mark.parametrize("graph_kind", ["edge_index", "plan"])
+def test_return_attention_weights_fused(edge_dim, graph_kind, fused_calls):
+    """The weights, in the given edge order (a plan keeps it), and their
+    gradient, as TransformerConv's."""
+    edge_index, n = _edge_case_graph()
+    ref, ours = make_pair(heads=4, beta=True, edge_dim=edge_dim)
     x = random_x(n)
-    out, (ei, alpha) = ours(x, edge_index, return_attention_weights=True)
-    out_ref, (ei_ref, alpha_ref) = ref(x, edge_index, return_attention_weights=True)
+    edge_attr = (torch.randn(edge_index.size(1), edge_dim, generator=torch.Generator().manual_seed(3))
+                 if edge_dim else None)
+    graph = GraphPlan.from_edge_index(edge_index, n) if graph_kind == "plan" else edge_index
+    out_ref, alpha_ref, g_ref = _loss_grads(ref, x, edge_index, edge_attr, return_attention_weights=True)
+    out, alpha, g = _loss_grads(ours, x, graph, edge_attr, return_attention_weights=True)
     assert_close(out, out_ref)
     assert_close(alpha, alpha_ref)
-    assert torch.equal(ei, ei_ref)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], atol=1e-5, rtol=1e-4)
+    returned = ours(x, graph, edge_attr, return_attention_weights=False)[1][0]
+    assert torch.equal(returned, edge_index)
+    assert len(fused_calls) == 2
+
+
+def test_edge_features_and_weights_on_the_kernel_path(stand_in_kernels, fused_calls):
+    """The same through the kernel path (the registered ops, with CPU stand-ins
+    in fp16): edge bias, weights and the weights' gradient in the backward."""
+    edge_index, n = _edge_case_graph()
+    ref, ours = make_pair(out_channels=16, heads=2, edge_dim=4)
+    x = random_x(n)
+    edge_attr = torch.randn(edge_index.size(1), 4, generator=torch.Generator().manual_seed(4))
+    out_ref, alpha_ref, g_ref = _loss_grads(ref, x, edge_index, edge_attr, return_attention_weights=True)
+    out, alpha, g = _loss_grads(ours, x, edge_index, edge_attr, return_attention_weights=True)
+    assert {"fwd", "probs", "bwd"} <= set(stand_in_kernels.calls)
+    torch.testing.assert_close(out, out_ref, atol=3e-3, rtol=3e-3)       # fp16 operands
+    torch.testing.assert_close(alpha, alpha_ref, atol=3e-3, rtol=3e-3)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], atol=3e-2, rtol=3e-2)
+
+
+def test_fallback_edge_attr_without_edge_dim_and_sparse_weights(fused_calls):
+    """TransformerConv adds a raw edge_attr to the values when edge_dim is
+    None, and returns a SparseTensor of weights for a SparseTensor input:
+    both stay on its own path."""
+    from torch_geometric.typing import SparseTensor
+    edge_index, n = GRAPH_CASES["random_1003"]()
+    ref, ours = make_pair(heads=2)
+    x = random_x(n)
+    raw = torch.randn(edge_index.size(1), 2, D, generator=torch.Generator().manual_seed(2))
+    assert_close(ours(x, edge_index, raw), ref(x, edge_index, raw))
     assert len(fused_calls) == 0
+    if SparseTensor is not None and hasattr(SparseTensor, "from_edge_index"):
+        try:
+            adj = SparseTensor.from_edge_index(edge_index, sparse_sizes=(n, n)).t()
+        except Exception:   # torch_sparse not installed: nothing to check
+            return
+        out, adj_w = ours(x, adj, return_attention_weights=True)
+        out_ref, adj_ref = ref(x, adj, return_attention_weights=True)
+        assert_close(out, out_ref)
+        assert len(fused_calls) == 0
 
 
 def test_fallback_dropout_in_training_only(fused_calls):
@@ -313,16 +405,32 @@ def test_bad_input_raises_value_error(make, match):
         ours(x, ei)
 
 
-def test_bad_input_on_unfused_path():
+def test_bad_input_with_edge_features():
     edge_index, n = GRAPH_CASES["self_loops"]()
     _, ours = make_pair(heads=2, edge_dim=3)
     x = random_x(n)
     bad = torch.cat([edge_index, torch.tensor([[40], [3]])], 1)
-    with pytest.raises(ValueError, match=r"edge_index\[0\] has index 40 out of range"):
+    with pytest.raises(ValueError, match=r"edge_index has index 40 out of range"):
         ours(x, bad, torch.randn(bad.size(1), 3))
     bsb = BSBGraph.from_edge_index(edge_index, n)
     with pytest.raises(ValueError, match=r"edge_attr cannot be used with a BSBGraph"):
         ours(x, bsb, torch.randn(bsb.num_edges, 3))
+    E = edge_index.size(1)
+    for attr, match in ((None, r"edge_dim=3: edge_attr must be a tensor"),
+                        (torch.randn(E, 4), r"edge_attr must have shape \[E, edge_dim\] = \[66, 3\]"),
+                        (torch.randn(E - 1, 3), r"edge_attr must have shape"),
+                        (torch.ones(E, 3, dtype=torch.long), r"edge_attr must be a floating-point")):
+        with pytest.raises(ValueError, match=match):
+            ours(x, edge_index, attr)
+
+
+def test_bad_input_on_unfused_path():
+    edge_index, n = GRAPH_CASES["self_loops"]()
+    _, ours = make_pair(heads=2, dropout=0.5)
+    ours.train()                      # dropout while training: TransformerConv's path
+    bad = torch.cat([edge_index, torch.tensor([[40], [3]])], 1)
+    with pytest.raises(ValueError, match=r"edge_index\[0\] has index 40 out of range"):
+        ours(random_x(n), bad)
 
 
 # ------------------------------------------------------------ packaging

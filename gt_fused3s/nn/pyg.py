@@ -13,6 +13,7 @@ from torch_geometric.typing import SparseTensor
 
 from ..graph import BSBGraph, _check_index_tensor, _check_range
 from .. import ops
+from ..edge_terms import edge_dot, edge_scatter
 from ..ops import fused3s_attention, kernel_accepts
 from ..plan import GraphPlan, as_plan, cached_plan
 
@@ -64,13 +65,23 @@ class Fused3SConv(TransformerConv):
     tensor-core operands and fp32 accumulation); CPU inputs take the
     reference implementation of the same function.
 
+    Edge features (``edge_dim``) are fused without an [E, H, C] tensor: the
+    key term :math:`\mathbf{q}_i^{\top} \mathbf{W}_e \mathbf{a}_{ij}` is an
+    attention bias :math:`(\mathbf{W}_e^{\top} \mathbf{q}_i)^{\top}
+    \mathbf{a}_{ij}` of the fused kernel, and the value term
+    :math:`\sum_j \alpha_{ij} \mathbf{W}_e \mathbf{a}_{ij} = \mathbf{W}_e
+    \sum_j \alpha_{ij} \mathbf{a}_{ij}` is built from the attention
+    weights the kernel returns (their gradient enters the fused backward).
+    ``return_attention_weights`` returns those weights (in the order of the
+    given ``edge_index``).
+
     What the fused path does not do takes :class:`TransformerConv`'s own
     unfused path (``super().forward``), with its exact results:
 
-    - edge features (``edge_dim`` set or ``edge_attr`` given, including a
-      sparse adjacency whose values are feature vectors),
     - attention dropout (``dropout > 0``) while training,
-    - ``return_attention_weights`` (any bool),
+    - ``edge_attr`` without ``edge_dim`` (TransformerConv adds it to the
+      values as is), a sparse adjacency whose values are feature vectors,
+      and edge features or attention weights with a sparse adjacency,
     - bipartite inputs whose source and destination node counts differ,
     - ``aggr`` other than ``"add"``, ``flow="target_to_source"``, explain
       mode and registered message-passing hooks,
@@ -95,7 +106,7 @@ class Fused3SConv(TransformerConv):
         dropout (float, optional): Dropout probability of the normalized
             attention coefficients (unfused path while training).
             (default: :obj:`0.`)
-        edge_dim (int, optional): Edge feature dimensionality (unfused path).
+        edge_dim (int, optional): Edge feature dimensionality.
             (default: :obj:`None`)
         bias (bool, optional): If set to :obj:`False`, the layer will not
             learn an additive bias. (default: :obj:`True`)
@@ -180,12 +191,14 @@ class Fused3SConv(TransformerConv):
             edge_index (torch.Tensor, SparseTensor or GraphPlan): The edge
                 indices, a sparse adjacency, or the graph's plan from
                 :meth:`to_graph_format`.
-            edge_attr (torch.Tensor, optional): The edge features (unfused
-                path; not with a plan, whose edges are reordered).
+            edge_attr (torch.Tensor, optional): The edge features
+                :math:`(|\mathcal{E}|, D)`, in the order of ``edge_index``
+                (of :attr:`GraphPlan.edge_index` for a plan; not with a
+                :class:`BSBGraph`, whose edges are reordered).
                 (default: :obj:`None`)
             return_attention_weights (bool, optional): If set to a bool,
-                additionally returns :obj:`(edge_index, attention_weights)`
-                (unfused path). (default: :obj:`None`)
+                additionally returns :obj:`(edge_index, attention_weights)`.
+                (default: :obj:`None`)
         """
         x_src, x_dst = self._check_x(x)
         n_src, n_dst = x_src.size(0), x_dst.size(0)
@@ -195,9 +208,9 @@ class Fused3SConv(TransformerConv):
                 raise ValueError(f"x has {n_src} source and {n_dst} destination nodes but the "
                                  f"{type(edge_index).__name__} passed as edge_index was built for "
                                  f"num_nodes={edge_index.num_nodes}")
-            if edge_attr is not None:
-                raise ValueError(f"edge_attr cannot be used with a {type(edge_index).__name__} (its "
-                                 f"edges are reordered); pass the edge_index tensor")
+            if edge_attr is not None and isinstance(edge_index, BSBGraph):
+                raise ValueError("edge_attr cannot be used with a BSBGraph (its edges are reordered); "
+                                 "pass the edge_index tensor or a GraphPlan built from it")
         self._check_edge_index(edge_index, n_src, n_dst, x_dst.device)
 
         if not self._fused_path_applies(x_dst, n_src, n_dst, edge_index, edge_attr,
@@ -219,8 +232,32 @@ class Fused3SConv(TransformerConv):
         query = self.lin_query(x_dst).view(-1, H, C)
         key = self.lin_key(x_src).view(-1, H, C)
         value = self.lin_value(x_src).view(-1, H, C)
-        out = fused3s_attention(query, key, value, graph, 1.0 / math.sqrt(C))
-        return self._combine(out, x_dst)
+        scale = 1.0 / math.sqrt(C)
+        # the edges in the order of edge_attr and of the returned weights
+        edges = as_plan(edge_index).edge_index if is_plan else edge_index
+        want_weights = isinstance(return_attention_weights, bool) or self.lin_edge is not None
+        edge_bias = None
+        if self.lin_edge is not None:
+            self._check_edge_attr(edge_attr, edges.size(1), x_dst.device)
+            if isinstance(graph, Tensor) and not torch.compiler.is_compiling():
+                # the reference path checks later, after edge_dot has indexed with it
+                _check_range("edge_index", edge_index, 0, n_dst)
+            dst = edges[1].long()
+            w_e = self.lin_edge.weight.view(H, C, -1)      # e_ij = W_e a_ij, per head [C, edge_dim]
+            edge_bias = edge_dot(torch.einsum("nhc,hcd->nhd", query, w_e), edge_attr, dst) * scale
+        out = fused3s_attention(query, key, value, graph, scale, edge_bias=edge_bias,
+                                return_weights=want_weights)
+        alpha = None
+        if want_weights:
+            out, alpha = out
+        if self.lin_edge is not None:
+            # sum_j alpha_ij W_e a_ij = W_e sum_j alpha_ij a_ij
+            agg = edge_scatter(alpha, edge_attr, dst, out.size(0))
+            out = out + torch.einsum("nhd,hcd->nhc", agg, w_e).to(out.dtype)
+        out = self._combine(out, x_dst)
+        if isinstance(return_attention_weights, bool):
+            return out, (edges, alpha.to(query.dtype))
+        return out
 
     # ------------------------------------------------------------- internals
     def _combine(self, out: Tensor, x_dst: Tensor) -> Tensor:
@@ -241,11 +278,12 @@ class Fused3SConv(TransformerConv):
 
     def _fused_path_applies(self, x_dst: Tensor, n_src: int, n_dst: int, edge_index,
                             edge_attr, return_attention_weights) -> bool:
-        if self.lin_edge is not None or edge_attr is not None:
-            return False
+        if edge_attr is not None and self.lin_edge is None:
+            return False   # TransformerConv adds raw edge_attr to the values
         if self.training and self.dropout > 0:
             return False
-        if isinstance(return_attention_weights, bool):
+        if _is_sparse(edge_index) and (self.lin_edge is not None
+                                       or isinstance(return_attention_weights, bool)):
             return False
         if n_src != n_dst:
             return False
@@ -293,6 +331,18 @@ class Fused3SConv(TransformerConv):
             raise ValueError(f"x[0] and x[1] must be on one device "
                              f"(got {pairs[0][1].device} and {pairs[1][1].device})")
         return pairs[0][1], pairs[1][1]
+
+    def _check_edge_attr(self, edge_attr, num_edges: int, device: torch.device) -> None:
+        if not isinstance(edge_attr, Tensor):
+            raise ValueError(f"the layer has edge_dim={self.edge_dim}: edge_attr must be a "
+                             f"tensor [E, {self.edge_dim}] (got {type(edge_attr).__name__})")
+        if edge_attr.dim() != 2 or tuple(edge_attr.shape) != (num_edges, self.edge_dim):
+            raise ValueError(f"edge_attr must have shape [E, edge_dim] = [{num_edges}, "
+                             f"{self.edge_dim}] (got {tuple(edge_attr.shape)})")
+        if not edge_attr.is_floating_point():
+            raise ValueError(f"edge_attr must be a floating-point tensor (got {edge_attr.dtype})")
+        if edge_attr.device != device:
+            raise ValueError(f"edge_attr is on {edge_attr.device} but x is on {device}")
 
     @staticmethod
     def _check_edge_index(edge_index, n_src: int, n_dst: int, device: torch.device) -> None:
