@@ -11,7 +11,8 @@ each edge (its destination ``i``):
 Both run over chunks of edges, so that the gathered [E, H, F] product is
 never held whole (nor saved for the backward, which recomputes it chunk by
 chunk): at most ``CHUNK_ELEMENTS`` elements at a time. Each one's backward is
-the other one.
+the other one. Plain elementwise products and sums (an einsum here becomes
+a batched matmul of [H, F] x [F, 1] per edge, which measured 10x slower).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _edge_dot(X: Tensor, a: Tensor, idx: Tensor) -> Tensor:
     E, H = a.size(0), X.size(1)
     out = a.new_empty((E, H), dtype=torch.promote_types(X.dtype, a.dtype))
     for s, e in _chunks(E, H * a.size(1)):
-        out[s:e] = torch.einsum("ehf,ef->eh", X.index_select(0, idx[s:e]), a[s:e])
+        out[s:e] = (X.index_select(0, idx[s:e]) * a[s:e].unsqueeze(1)).sum(-1)
     return out
 
 
@@ -48,7 +49,7 @@ def _edge_weighted_rows(w: Tensor, X: Tensor, idx: Tensor) -> Tensor:
     E, H, F = w.size(0), X.size(1), X.size(2)
     out = w.new_empty((E, F), dtype=torch.promote_types(w.dtype, X.dtype))
     for s, e in _chunks(E, H * F):
-        out[s:e] = torch.einsum("eh,ehf->ef", w[s:e], X.index_select(0, idx[s:e]))
+        out[s:e] = (w[s:e].unsqueeze(-1) * X.index_select(0, idx[s:e])).sum(1)
     return out
 
 

@@ -141,3 +141,31 @@ def test_bias_and_weights_are_free_of_host_syncs():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert bias.grad is not None and q.grad is not None
+
+
+def test_bad_edge_inputs_through_the_ops(ops):
+    ei, n = GRAPH_CASES["duplicates"]()
+    ei = ei.to(DEV)
+    plan = GraphPlan.from_edge_index(ei, n).prepare(2, 32, edge_bias=True)
+    q, k, v = (torch.randn(n, 2, 32, device=DEV, dtype=torch.float16) for _ in range(3))
+    fwd = plan.forward_args(2, 32)
+    nnz_offset, slot_edge, edge_slot = plan.bias_args()[:3]
+    bias = torch.randn(ei.size(1), 2, device=DEV)
+
+    def call(fn, match):
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            fn()
+        torch.cuda.synchronize()
+
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, None, None), "an edge_bias needs the graph's nnz_offset")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias[:-1], nnz_offset, slot_edge),
+         r"edge_bias must have shape \[E, H\]")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias.half(), nnz_offset, slot_edge), "edge_bias must be float32")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset.long(), slot_edge), "nnz_offset must be int32")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset[:-1], slot_edge), "nnz_offset must have T + 1")
+    out, lse = ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge)
+    call(lambda: ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge, edge_slot[:-1], 0.1, bias),
+         "edge_slot must have E")
+    probs = ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge, edge_slot, 0.1, bias)
+    torch.cuda.synchronize()
+    assert probs.shape == bias.shape and torch.isfinite(probs).all()

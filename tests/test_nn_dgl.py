@@ -148,19 +148,42 @@ def test_pair_features_on_homogeneous_graph(fused_calls):
     assert len(fused_calls) == 1
 
 
-def test_bipartite_and_get_attention_take_dgl_path(fused_calls):
+@pytest.mark.parametrize("n_src,n_dst", [(30, 21), (21, 30)])
+def test_bipartite_and_get_attention_fused(n_src, n_dst, fused_calls):
     gen = torch.Generator().manual_seed(3)
-    src = torch.randint(0, 30, (80,), generator=gen)
-    dst = torch.randint(0, 21, (80,), generator=gen)
-    g = dgl.heterograph({("u", "e", "v"): (src, dst)}, num_nodes_dict={"u": 30, "v": 21})
+    src = torch.randint(0, n_src, (80,), generator=gen)
+    dst = torch.randint(0, n_dst, (80,), generator=gen)
+    src, dst = torch.cat([src, src[:6]]), torch.cat([dst, dst[:6]])       # duplicates
+    g = dgl.heterograph({("u", "e", "v"): (src, dst)}, num_nodes_dict={"u": n_src, "v": n_dst})
     conv = make_conv(in_feats=(F_IN, 7), allow_zero_in_degree=True)
-    feat = (random_feat(30, F_IN), random_feat(21, 7, seed=2))
+    feat = (random_feat(n_src, F_IN), random_feat(n_dst, 7, seed=2))
     ref, ref_attn = dgl_unfused(conv, g, feat)
     assert_close(conv(g, feat), ref)
     out, attn = conv(g, feat, get_attention=True)
     assert_close(out, ref)
+    assert attn.shape == ref_attn.shape
     assert_close(attn, ref_attn)
-    assert len(fused_calls) == 0
+    assert len(fused_calls) == 2
+
+
+def test_neighbour_sampling_block_fused_with_gradients(fused_calls):
+    """A block of dgl.to_block (destination nodes first among the sources):
+    outputs and gradients of the features and parameters as DGL's."""
+    g = with_self_loops(to_dgl("random_1003"))
+    seeds = torch.arange(0, 1003, 7)
+    block = dgl.to_block(dgl.sampling.sample_neighbors(g, seeds, 5), seeds)
+    conv = make_conv()
+    grads = []
+    for run in (lambda f: conv(block, f), lambda f: dgl_unfused(conv, block, (f, f[:block.num_dst_nodes()]))[0]):
+        feat = random_feat(block.num_src_nodes()).requires_grad_()
+        conv.zero_grad()
+        out = run(feat)
+        assert out.shape == (block.num_dst_nodes(), 3, D)
+        out.square().sum().backward()
+        grads.append((out.detach(), feat.grad, *(p.grad.clone() for p in conv.parameters())))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert len(fused_calls) == 1
 
 
 def test_bsb_built_once_per_graph(bsb_builds, fused_calls):

@@ -334,15 +334,40 @@ def test_fallback_dropout_in_training_only(fused_calls):
     assert len(fused_calls) == 1
 
 
-def test_fallback_bipartite(fused_calls):
+@pytest.mark.parametrize("n_src,n_dst", [(30, 21), (21, 30)])
+@pytest.mark.parametrize("edge_dim", [None, 3])
+def test_bipartite_fused(n_src, n_dst, edge_dim, fused_calls):
+    """x = (x_src, x_dst) of different sizes (rows = destinations, columns =
+    sources): fused, outputs and gradients equal TransformerConv's, for an
+    edge_index, a sparse adjacency [n_dst, n_src] and a plan of max(n_src, n_dst)
+    nodes."""
     g = torch.Generator().manual_seed(6)
-    n_src, n_dst = 30, 21
     edge_index = torch.stack([torch.randint(0, n_src, (90,), generator=g),
                               torch.randint(0, n_dst, (90,), generator=g)])
-    ref, ours = make_pair(in_channels=(F_IN, 7), heads=4, beta=True)
+    edge_index = torch.cat([edge_index, edge_index[:, :7]], 1)           # duplicates
+    ref, ours = make_pair(in_channels=(F_IN, 7), heads=4, beta=True, edge_dim=edge_dim)
     x = (torch.randn(n_src, F_IN, generator=g), torch.randn(n_dst, 7, generator=g))
-    assert_close(ours(x, edge_index), ref(x, edge_index))
-    assert len(fused_calls) == 0
+    ea = torch.randn(edge_index.size(1), 3, generator=g) if edge_dim else None
+    grads = []
+    for conv, graph in ((ref, edge_index), (ours, edge_index),
+                        (ours, GraphPlan.from_edge_index(edge_index, max(n_src, n_dst)))):
+        xs = tuple(t.clone().requires_grad_() for t in x)
+        out = conv(xs, graph, ea)
+        assert out.shape == (n_dst, 4 * D)
+        out.square().sum().backward()
+        grads.append((out.detach(), xs[0].grad, xs[1].grad))
+    for got in grads[1:]:
+        for a, b in zip(got, grads[0]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert len(fused_calls) == 2
+    if edge_dim is None:
+        adj = torch.sparse_coo_tensor(edge_index.flip(0), torch.ones(edge_index.size(1)), (n_dst, n_src))
+        assert_close(ours(x, adj.coalesce()), ref(x, edge_index.unique(dim=1)))
+        assert len(fused_calls) == 3
+    bad = edge_index.clone()
+    bad[0, 0] = n_src                      # a source the square graph would accept
+    with pytest.raises(ValueError, match=rf"edge_index\[0\] has index {n_src} out of range"):
+        ours(x, bad, ea)
 
 
 def test_fallback_other_aggregation(fused_calls):

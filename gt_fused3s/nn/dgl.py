@@ -69,8 +69,12 @@ class Fused3SConv(nn.Module):
     is rebuilt (after an edit that keeps both counts, use a new graph).
 
     Graphs whose source and destination node counts differ (bipartite
-    graphs, blocks) and ``get_attention=True`` take the unfused DGL
-    computation above, which needs the features on the graph's device.
+    graphs, the blocks of ``dgl.to_block`` from neighbour sampling) are
+    fused too: rows are destinations, columns sources, both padded to
+    ``max(N_src, N_dst)`` rows. ``get_attention=True`` returns the
+    attention the fused kernel computes (one extra score pass). Graphs with
+    several edge types take the unfused DGL computation above, which needs
+    the features on the graph's device.
 
     Duplicate edges (a multigraph) count as often as they appear, as in
     DGL's edge softmax.
@@ -149,8 +153,8 @@ class Fused3SConv(nn.Module):
             :math:`(N, D_{in})` features, or a pair of source and destination
             features.
         get_attention : bool, optional
-            Also return the attention values :math:`(E, H, 1)` (unfused path).
-            Default: ``False``.
+            Also return the attention values :math:`(E, H, 1)`, in the
+            graph's edge order. Default: ``False``.
 
         Returns
         -------
@@ -193,13 +197,22 @@ class Fused3SConv(nn.Module):
         v = self.v_proj(h_src).view(-1, H, D)
         scale = 1.0 / math.sqrt(D)
 
-        if get_attention or n_src != n_dst or len(graph.canonical_etypes) != 1:
+        if len(graph.canonical_etypes) != 1:
             return self._forward_unfused(graph, q, k, v, get_attention)
 
+        # bipartite graphs and blocks: the square graph of n nodes, zero rows
+        # appended to q (destinations) or k, v (sources); no edge reaches them
+        n = max(n_src, n_dst)
+        q, k, v = (_pad_rows(t, n) for t in (q, k, v))
         plan = _graph_plan(graph, q.device)
         if q.is_cuda and not kernel_accepts(D, q.dtype):
-            return attention_reference(q, k, v, plan.edge_index, scale)
-        return fused3s_attention(q, k, v, plan, scale)
+            out = attention_reference(q, k, v, plan.edge_index, scale, return_weights=get_attention)
+        else:
+            out = fused3s_attention(q, k, v, plan, scale, return_weights=get_attention)
+        if get_attention:
+            out, alpha = out
+            return out[:n_dst], alpha.to(q.dtype).unsqueeze(-1)
+        return out[:n_dst]
 
     def _forward_unfused(self, graph, q: Tensor, k: Tensor, v: Tensor, get_attention: bool):
         """DGL's message passing: u_dot_v -> edge_softmax -> u_mul_e / sum."""
@@ -239,10 +252,15 @@ def _graph_plan(graph, device: torch.device) -> GraphPlan:
     entry = _graph_entry(graph)
     plan = entry["plan"].get(device)
     if plan is None:
-        if len(graph.canonical_etypes) != 1 or graph.num_src_nodes() != graph.num_dst_nodes():
-            raise DGLError("the fused attention needs a graph with one edge type and as many "
-                           "source as destination nodes")
-        src, dst = graph.edges()
+        if len(graph.canonical_etypes) != 1:
+            raise DGLError("the fused attention needs a graph with one edge type")
+        src, dst = graph.edges()          # in edge id order: the order of get_attention
         edge_index = torch.stack([src, dst]).to(device=device, dtype=torch.int64)
-        plan = entry["plan"][device] = GraphPlan.from_edge_index(edge_index, graph.num_dst_nodes())
+        n = max(graph.num_src_nodes(), graph.num_dst_nodes())
+        plan = entry["plan"][device] = GraphPlan.from_edge_index(edge_index, n)
     return plan
+
+
+def _pad_rows(t: Tensor, n: int) -> Tensor:
+    """``t`` with zero rows appended up to ``n`` rows (``t`` itself if it has them)."""
+    return t if t.size(0) == n else torch.nn.functional.pad(t, (0, 0, 0, 0, 0, n - t.size(0)))

@@ -82,7 +82,6 @@ class Fused3SConv(TransformerConv):
     - ``edge_attr`` without ``edge_dim`` (TransformerConv adds it to the
       values as is), a sparse adjacency whose values are feature vectors,
       and edge features or attention weights with a sparse adjacency,
-    - bipartite inputs whose source and destination node counts differ,
     - ``aggr`` other than ``"add"``, ``flow="target_to_source"``, explain
       mode and registered message-passing hooks,
     - on CUDA, a head size ``out_channels`` the kernel does not take (not a
@@ -203,11 +202,13 @@ class Fused3SConv(TransformerConv):
         x_src, x_dst = self._check_x(x)
         n_src, n_dst = x_src.size(0), x_dst.size(0)
         is_plan = isinstance(edge_index, (GraphPlan, BSBGraph))
+        n = max(n_src, n_dst)      # a bipartite graph runs as a square one of n nodes
         if is_plan:
-            if n_src != edge_index.num_nodes or n_dst != edge_index.num_nodes:
+            if n != edge_index.num_nodes:
                 raise ValueError(f"x has {n_src} source and {n_dst} destination nodes but the "
                                  f"{type(edge_index).__name__} passed as edge_index was built for "
-                                 f"num_nodes={edge_index.num_nodes}")
+                                 f"num_nodes={edge_index.num_nodes} (max(sources, destinations) "
+                                 f"= {n} needed)")
             if edge_attr is not None and isinstance(edge_index, BSBGraph):
                 raise ValueError("edge_attr cannot be used with a BSBGraph (its edges are reordered); "
                                  "pass the edge_index tensor or a GraphPlan built from it")
@@ -224,14 +225,21 @@ class Fused3SConv(TransformerConv):
             return super().forward(x, edge_index, edge_attr, return_attention_weights)
 
         H, C = self.heads, self.out_channels
+        if n_src != n_dst and isinstance(edge_index, Tensor) and not _is_sparse(edge_index) \
+                and not torch.compiler.is_compiling():
+            # the square graph of n nodes would accept a source >= n_src
+            _check_range("edge_index[0]", edge_index[0], 0, n_src)
+            _check_range("edge_index[1]", edge_index[1], 0, n_dst)
         # Without the kernel (a CPU) the fused path is the reference, which
         # reads the edges only: no format to build.
         graph = (edge_index if isinstance(edge_index, Tensor) and not _is_sparse(edge_index)
                  and not ops.kernel_available(x_dst.device)
-                 else self.to_graph_format(edge_index, n_dst))
-        query = self.lin_query(x_dst).view(-1, H, C)
-        key = self.lin_key(x_src).view(-1, H, C)
-        value = self.lin_value(x_src).view(-1, H, C)
+                 else self.to_graph_format(edge_index, n))
+        # Bipartite: rows are destinations, columns sources; both padded with
+        # zero rows to n (no edge reaches a padding row, whose output is cut).
+        query = _pad_rows(self.lin_query(x_dst), n).view(-1, H, C)
+        key = _pad_rows(self.lin_key(x_src), n).view(-1, H, C)
+        value = _pad_rows(self.lin_value(x_src), n).view(-1, H, C)
         scale = 1.0 / math.sqrt(C)
         # the edges in the order of edge_attr and of the returned weights
         edges = as_plan(edge_index).edge_index if is_plan else edge_index
@@ -241,7 +249,7 @@ class Fused3SConv(TransformerConv):
             self._check_edge_attr(edge_attr, edges.size(1), x_dst.device)
             if isinstance(graph, Tensor) and not torch.compiler.is_compiling():
                 # the reference path checks later, after edge_dot has indexed with it
-                _check_range("edge_index", edge_index, 0, n_dst)
+                _check_range("edge_index", edge_index, 0, n)
             dst = edges[1].long()
             w_e = self.lin_edge.weight.view(H, C, -1)      # e_ij = W_e a_ij, per head [C, edge_dim]
             edge_bias = edge_dot(torch.einsum("nhc,hcd->nhd", query, w_e), edge_attr, dst) * scale
@@ -254,7 +262,7 @@ class Fused3SConv(TransformerConv):
             # sum_j alpha_ij W_e a_ij = W_e sum_j alpha_ij a_ij
             agg = edge_scatter(alpha, edge_attr, dst, out.size(0))
             out = out + torch.einsum("nhd,hcd->nhc", agg, w_e).to(out.dtype)
-        out = self._combine(out, x_dst)
+        out = self._combine(out[:n_dst], x_dst)
         if isinstance(return_attention_weights, bool):
             return out, (edges, alpha.to(query.dtype))
         return out
@@ -284,8 +292,6 @@ class Fused3SConv(TransformerConv):
             return False
         if _is_sparse(edge_index) and (self.lin_edge is not None
                                        or isinstance(return_attention_weights, bool)):
-            return False
-        if n_src != n_dst:
             return False
         if self.aggr != "add" or self.flow != "source_to_target" or self.explain:
             return False
@@ -375,6 +381,11 @@ class Fused3SConv(TransformerConv):
 
 # --------------------------------------------------------------- helpers
 
+def _pad_rows(t: Tensor, n: int) -> Tensor:
+    """``t`` with zero rows appended up to ``n`` rows (``t`` itself if it has them)."""
+    return t if t.size(0) == n else torch.nn.functional.pad(t, (0, 0, 0, n - t.size(0)))
+
+
 def _is_sparse(adj) -> bool:
     return (isinstance(adj, SparseTensor)
             or (isinstance(adj, Tensor) and adj.layout != torch.strided))
@@ -399,23 +410,31 @@ def _sparse_plan(adj) -> GraphPlan:
     else:
         n_dst, n_src = adj.shape[:2]
         sig = (adj._nnz(), adj._version, tuple(adj.shape), adj.device, adj.layout)
-    if n_dst != n_src:
-        raise ValueError(f"the fused path needs a square adjacency (got {n_dst} x {n_src})")
     key = id(adj)
     hit = _SPARSE_CACHE.get(key)
     if hit is not None and hit[0]() is adj and hit[1] == sig:
         return hit[2]
+    n = max(n_dst, n_src)        # bipartite: the square graph of n nodes
     if isinstance(adj, SparseTensor):
         rowptr, col, _ = adj.csr()
-        bsb = BSBGraph.from_csr(rowptr, col, n_dst)
+        bsb = _csr_bsb(rowptr, col, n_dst, n)
     elif adj.layout == torch.sparse_csr:
-        bsb = BSBGraph.from_csr(adj.crow_indices(), adj.col_indices(), n_dst)
+        bsb = _csr_bsb(adj.crow_indices(), adj.col_indices(), n_dst, n)
     elif adj.layout == torch.sparse_coo:
         dst, src = adj._indices()
-        bsb = BSBGraph.from_edge_index(torch.stack([src, dst]), n_dst)
+        bsb = BSBGraph.from_edge_index(torch.stack([src, dst]), n)
     else:
         raise ValueError(f"a sparse edge_index must have the COO or CSR layout "
                          f"(got {adj.layout})")
     plan = GraphPlan(bsb)
     _SPARSE_CACHE[key] = (weakref.ref(adj, lambda _, k=key: _SPARSE_CACHE.pop(k, None)), sig, plan)
     return plan
+
+
+def _csr_bsb(rowptr: Tensor, col: Tensor, n_dst: int, n: int) -> BSBGraph:
+    """The BSB of a destination-major CSR of ``n_dst`` rows, as a graph of ``n`` nodes."""
+    if n_dst == n:
+        return BSBGraph.from_csr(rowptr, col, n)
+    rows = torch.repeat_interleave(torch.arange(n_dst, device=col.device), (rowptr[1:] - rowptr[:-1]).long(),
+                                   output_size=col.numel())
+    return BSBGraph.from_edge_index(torch.stack([col.long(), rows]), n)
