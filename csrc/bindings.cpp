@@ -1,6 +1,7 @@
 // The only file that includes torch: input checks (each message names its
 // input), device guard, current stream, params, dispatch on dtype x head dim,
 // the CUDA implementations of the ops gt_fused3s/ops.py defines.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -138,6 +139,22 @@ at::Tensor to_edge_order(const at::Tensor& nnz_major, const at::Tensor& edge_slo
     return nnz_major.t().index_select(0, edge_slot);
 }
 
+void check_dropout(double p) {
+    TORCH_CHECK(p >= 0.0 && p < 1.0, "dropout_p must be in [0, 1) (got ", num(p), ")");
+}
+
+// Attention dropout of one pass, keyed by the caller's edge id of each
+// non-zero (slot_edge of this pass's BSB), so every pass draws the same mask.
+void set_dropout(EdgeBiasArgs& eb, const at::Tensor& slot_edge, double p, int64_t seed) {
+    eb.slot_edge = slot_edge.data_ptr<int32_t>();
+    const double t = std::floor(p * 4294967296.0 + 0.5);
+    eb.drop_threshold = p > 0.0 ? static_cast<uint32_t>(std::min(t, 4294967295.0)) : 0u;
+    eb.drop_scale = p > 0.0 ? static_cast<float>(1.0 / (1.0 - p)) : 1.f;
+    const uint64_t s = static_cast<uint64_t>(seed);
+    eb.seed_lo = static_cast<uint32_t>(s);
+    eb.seed_hi = static_cast<uint32_t>(s >> 32);
+}
+
 const float* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
 
 // The per-edge arrays must be [H, E] in this pass's non-zero order.
@@ -165,7 +182,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                                             const at::Tensor& items, const at::Tensor& slots, double scale,
                                             bool out_fp32, const std::optional<at::Tensor>& edge_bias,
                                             const std::optional<at::Tensor>& nnz_offset,
-                                            const std::optional<at::Tensor>& slot_edge) {
+                                            const std::optional<at::Tensor>& slot_edge, double dropout_p,
+                                            int64_t dropout_seed) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
     const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q_in),
@@ -203,10 +221,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                 num(items.size(0)), " x ", num(H), " heads)");
     TORCH_CHECK(slots.size(0) * H * 16 * D < (int64_t(1) << 40), "partial workspace too large");
     TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
-    const bool has_bias = check_slots(nnz_offset, slot_edge, bitmap, q, "");
-    TORCH_CHECK(has_bias == edge_bias.has_value(), "an edge_bias needs the graph's nnz_offset and slot_edge, "
-                "and they need an edge_bias");
+    const bool has_bias = check_slots(nnz_offset, slot_edge, bitmap, q, "");   // the edge-term instance
+    TORCH_CHECK(has_bias || (!edge_bias.has_value() && dropout_p == 0.0),
+                "an edge_bias or dropout needs the graph's nnz_offset and slot_edge (GraphPlan.bias_args)");
     if (has_bias) check_edge_array(edge_bias, "edge_bias", slot_edge->numel(), q);
+    check_dropout(dropout_p);
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     auto out = at::empty({N, H, D}, q.options().dtype(out_fp32 ? at::kFloat : q.scalar_type()));
@@ -248,6 +267,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
     const auto bias_nnz = to_nnz_order(edge_bias, slot_edge);
     p.bias = edge_args(nnz_offset, has_bias ? slot_edge->numel() : 0, bias_nnz, nullptr, std::nullopt);
+    if (has_bias) set_dropout(p.bias, *slot_edge, dropout_p, dropout_seed);
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     const bool half = q.scalar_type() == at::kHalf;
@@ -320,7 +340,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
     const std::optional<at::Tensor>& edge_slot, const std::optional<at::Tensor>& t_nnz_offset,
     const std::optional<at::Tensor>& t_slot_edge,
-    const std::optional<at::Tensor>& dp_bias, const std::optional<at::Tensor>& delta_extra) {
+    const std::optional<at::Tensor>& dp_bias, const std::optional<at::Tensor>& delta_extra, double dropout_p,
+    int64_t dropout_seed) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
     const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q_in),
@@ -345,8 +366,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const bool has_edges = check_slots(nnz_offset, slot_edge, bitmap, q, "");
     TORCH_CHECK(check_slots(t_nnz_offset, t_slot_edge, t_bitmap, q, "transposed graph ") == has_edges,
                 "the edge slots of the graph and of the transposed graph come together");
-    TORCH_CHECK(has_edges || !(edge_bias.has_value() || dp_bias.has_value() || delta_extra.has_value()),
-                "edge_bias, dp_bias and delta_extra need the edge slots of both graphs (GraphPlan.bias_args)");
+    TORCH_CHECK(has_edges || !(edge_bias.has_value() || dp_bias.has_value() || delta_extra.has_value() ||
+                               dropout_p != 0.0),
+                "edge_bias, dp_bias, delta_extra and dropout need the edge slots of both graphs "
+                "(GraphPlan.bias_args)");
+    check_dropout(dropout_p);
     const int64_t E = has_edges ? slot_edge->numel() : 0;
     TORCH_CHECK(!has_edges || t_slot_edge->numel() == E, "transposed graph slot_edge must have E = ", num(E),
                 " entries, as slot_edge");
@@ -415,6 +439,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dq_pass.part1_ptr = S > 0 ? part_q.data_ptr<float>() : nullptr;
     const auto bias_nnz = to_nnz_order(edge_bias, slot_edge), dp_nnz = to_nnz_order(dp_bias, slot_edge);
     dq_pass.bias = edge_args(nnz_offset, E, bias_nnz, has_bias ? ds_nnz.data_ptr<float>() : nullptr, dp_nnz);
+    if (has_edges) set_dropout(dq_pass.bias, *slot_edge, dropout_p, dropout_seed);
 
     Fused3SBwdParams dkv_pass = common;
     dkv_pass.a1 = operand(k);
@@ -434,6 +459,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dkv_pass.part2_ptr = St > 0 ? part_v.data_ptr<float>() : nullptr;
     const auto t_bias_nnz = to_nnz_order(edge_bias, t_slot_edge), t_dp_nnz = to_nnz_order(dp_bias, t_slot_edge);
     dkv_pass.bias = edge_args(t_nnz_offset, E, t_bias_nnz, nullptr, t_dp_nnz);
+    if (has_edges) set_dropout(dkv_pass.bias, *t_slot_edge, dropout_p, dropout_seed);
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     const bool half = q.scalar_type() == at::kHalf;

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _build
-from .graph import tcb_capacity
+from .graph import _in_capture_or_compile, tcb_capacity
 from .plan import GraphPlan, as_plan, padded_head_dim
 from .reference import _check_qkv, attention_reference, default_scale
 
@@ -38,14 +38,14 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _LIB = torch.library.Library("gt_fused3s", "FRAGMENT")
 _LIB.define("fwd(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
             "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32, "
-            "Tensor? edge_bias=None, Tensor? nnz_offset=None, Tensor? slot_edge=None) "
-            "-> (Tensor out, Tensor lse)")
+            "Tensor? edge_bias=None, Tensor? nnz_offset=None, Tensor? slot_edge=None, "
+            "float dropout_p=0.0, int dropout_seed=0) -> (Tensor out, Tensor lse)")
 _LIB.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cols, "
             "Tensor bitmap, Tensor items, Tensor slots, Tensor t_cols, Tensor t_bitmap, Tensor t_items, "
             "Tensor t_slots, float scale, bool grad_fp32, Tensor? edge_bias=None, "
             "Tensor? nnz_offset=None, Tensor? slot_edge=None, Tensor? edge_slot=None, "
             "Tensor? t_nnz_offset=None, Tensor? t_slot_edge=None, Tensor? dp_bias=None, "
-            "Tensor? delta_extra=None) "
+            "Tensor? delta_extra=None, float dropout_p=0.0, int dropout_seed=0) "
             "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_bias)")
 _LIB.define("probs(Tensor q, Tensor k, Tensor lse, Tensor cols, Tensor bitmap, Tensor items, "
             "Tensor nnz_offset, Tensor slot_edge, Tensor edge_slot, float scale, Tensor? edge_bias=None) "
@@ -56,7 +56,7 @@ _LIB.define("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor rw_offset, T
 
 @torch.library.register_fake("gt_fused3s::fwd")
 def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-              edge_bias=None, nnz_offset=None, slot_edge=None):
+              edge_bias=None, nnz_offset=None, slot_edge=None, dropout_p=0.0, dropout_seed=0):
     N, H, D = q.shape
     return (q.new_empty((N, H, D), dtype=torch.float32 if out_fp32 else q.dtype),
             q.new_empty((N, H), dtype=torch.float32))
@@ -65,7 +65,8 @@ def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scal
 @torch.library.register_fake("gt_fused3s::bwd")
 def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items,
               t_slots, scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None,
-              edge_slot=None, t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None):
+              edge_slot=None, t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None,
+              dropout_p=0.0, dropout_seed=0):
     dtype = torch.float32 if grad_fp32 else q.dtype
     grad_bias = (torch.empty_like(edge_bias) if edge_bias is not None
                  else q.new_empty((0,), dtype=torch.float32))
@@ -98,7 +99,8 @@ def bsb_build(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, ...]:
 # ------------------------------------------------------------------ public API
 def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor,
                       scale: float | None = None, *, edge_bias: Tensor | None = None,
-                      return_weights: bool = False, num_nodes: int | None = None,
+                      return_weights: bool = False, dropout_p: float = 0.0,
+                      dropout_seed: int | None = None, num_nodes: int | None = None,
                       out_dtype: torch.dtype | None = None,
                       compute_dtype: torch.dtype | None = None) -> Tensor | tuple[Tensor, Tensor]:
     r"""Sparse graph attention fused into one kernel (SDDMM, softmax, SpMM).
@@ -130,7 +132,18 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
         return_weights: also return the attention weights (the softmax
             probabilities) [E, H] fp32, in the same edge order, computed
             from the forward's log-sum-exp in one score pass. They are
-            differentiable: their gradient enters the fused backward.
+            differentiable: their gradient enters the fused backward. They
+            are the weights before dropout, as TransformerConv returns them.
+        dropout_p: attention dropout (pass it while training only, as to
+            ``F.scaled_dot_product_attention``): each edge's weight in the
+            sum is dropped with probability ``dropout_p`` and the kept ones
+            scaled by ``1 / (1 - dropout_p)``, per head. The mask comes from
+            a counter-based hash of (seed, head, edge id) that the backward
+            regenerates; :func:`dropout_keep` computes it (for tests).
+        dropout_seed: the mask's seed; default: drawn from torch's CPU
+            generator (``torch.manual_seed`` makes it repeatable). Not
+            inside a captured CUDA graph or a compiled region, which would
+            replay one mask.
         num_nodes: with an ``edge_index``, the node count (default ``N``).
         out_dtype: dtype of the output, default ``q.dtype``.
         compute_dtype: operand precision of the kernel for fp32 inputs,
@@ -144,7 +157,7 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
         the bias) and the forward's per-row log-sum-exp over the graph's
         BSB and its transpose.
     """
-    if edge_bias is None and not return_weights:
+    if edge_bias is None and not return_weights and not dropout_p:
         out = _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype)
         if out is not None:
             return out
@@ -164,7 +177,9 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
             _check_plan_for(plan, N, q.device)
             edges = plan.edge_index
         _check_edge_bias(edge_bias, edges.size(1), H, q.device)
-        return attention_reference(q, k, v, edges, scale, edge_bias=edge_bias,
+        drop = _dropout(dropout_p, dropout_seed)
+        mask = dropout_keep(drop[1], dropout_p, edges.size(1), H, q.device) if dropout_p else None
+        return attention_reference(q, k, v, edges, scale, edge_bias=edge_bias, dropout_mask=mask,
                                    return_weights=return_weights, out_dtype=out_dtype or q.dtype,
                                    compute_dtype=torch.float64 if q.dtype == torch.float64
                                    else torch.float32)
@@ -175,23 +190,78 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
     Dp = padded_head_dim(D)
     fwd_args = plan.forward_args(H, Dp)
     out_dtype = out_dtype or q.dtype
+    drop = _dropout(dropout_p, dropout_seed)
     # the bias in the kernel's fp32 (a no-op for an fp32 bias); the edge slots
     bias = None if edge_bias is None else edge_bias.float().contiguous()
-    slots = plan.bias_args() if bias is not None or return_weights else ()
+    slots = plan.bias_args() if bias is not None or return_weights or dropout_p else ()
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (bias is not None and bias.requires_grad))
     bwd_args = plan.backward_args(H, Dp) if grad else ()
     dst = plan.edge_index[1] if return_weights else None
     if torch.compiler.is_compiling():
         out, _, probs = _attention_op(q, k, v, list(fwd_args), list(bwd_args), scale, out_dtype,
-                                      compute_dtype, bias, list(slots), dst)
+                                      compute_dtype, bias, list(slots), dst, *drop)
     elif grad:
         out, probs = _FusedAttention.apply(q, k, v, bias, fwd_args, bwd_args, slots, dst, scale,
-                                           out_dtype, compute_dtype)
+                                           out_dtype, compute_dtype, drop)
     else:
         out, _, probs = _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype, bias, slots,
-                                        return_weights)
+                                        return_weights, drop)
     return (out, probs) if return_weights else out
+
+
+def _dropout(p: float, seed: int | None) -> tuple[float, int]:
+    """(p, seed) of the kernels' attention dropout; (0.0, 0) without."""
+    p = float(p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1) (got {p})")
+    if p == 0.0:
+        return 0.0, 0
+    if _in_capture_or_compile():
+        raise NotImplementedError("attention dropout inside a captured CUDA graph or a torch.compile "
+                                  "region would replay one mask: run the dropout step eagerly")
+    if seed is None:
+        seed = draw_dropout_seed()
+    return p, int(seed) % 2**63       # the ops take an int64 seed
+
+
+def draw_dropout_seed() -> int:
+    """A dropout seed from torch's CPU generator (no device sync;
+    ``torch.manual_seed`` makes it repeatable)."""
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``x * c mod 2^32`` for x in [0, 2^32) (int64, no overflow)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def dropout_keep(seed: int, p: float, num_edges: int, heads: int,
+                 device: torch.device | str = "cpu") -> Tensor:
+    """The attention-dropout factors [E, H] (fp32) the kernels apply for
+    ``(seed, p)``: 0 where edge ``e`` (in the caller's edge order) is dropped
+    in head ``h``, ``1 / (1 - p)`` where it is kept. The same counter-based
+    hash as ``csrc/kernels/edge_bias.cuh``, so a test or the CPU path
+    reproduces the kernels' mask exactly."""
+    seed = int(seed) % 2**63
+    lo, hi = seed & _M32, seed >> 32
+    e = torch.arange(num_edges, dtype=torch.int64, device=device).unsqueeze(1)
+    h = torch.arange(heads, dtype=torch.int64, device=device).unsqueeze(0)
+    a = _mix32(lo ^ _mul32(h, 0x9E3779B9))
+    hashed = _mix32((_mix32(a ^ e) + hi) & _M32)
+    threshold = min(int(p * 2**32 + 0.5), _M32)
+    return (hashed >= threshold).float() / (1.0 - p) if p > 0 else torch.ones(num_edges, heads, device=device)
 
 
 def _check_edge_bias(edge_bias: Tensor | None, E: int, H: int, device: torch.device) -> None:
@@ -313,7 +383,7 @@ def _kernel_operand(t: Tensor, cdt: torch.dtype, Dp: int) -> Tensor:
 def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: float,
                     out_dtype: torch.dtype, compute_dtype: torch.dtype | None,
                     bias: Tensor | None = None, slots: tuple = (),
-                    return_probs: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+                    return_probs: bool = False, drop: tuple = (0.0, 0)) -> tuple[Tensor, Tensor, Tensor | None]:
     """Run the forward kernel on validated inputs: (out [N, H, D] in
     ``out_dtype``, lse [N, H] fp32, probabilities [E, H] fp32 or None).
 
@@ -321,14 +391,14 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: flo
     than 16/32/64/128/256 are zero-padded up to the next one (the scale is the
     caller's, so padding changes nothing) and sliced back. ``bias``: None or
     the fp32 [E, H] edge bias; ``slots``: the plan's ``bias_args()`` (needed
-    by a bias and by ``return_probs``).
+    by a bias, by ``return_probs`` and by dropout); ``drop``: (p, seed).
     """
     cdt = _compute_dtype(q, compute_dtype)
     D = q.size(-1)
     Dp = padded_head_dim(D)
     if q.dtype != cdt or D != Dp:
         q, k, v = (_kernel_operand(t, cdt, Dp) for t in (q, k, v))
-    edge = (bias, *slots[:2]) if bias is not None else ()
+    edge = (bias, *slots[:2], *drop) if slots else ()
     out, lse = _op("fwd")(q, k, v, *fwd_args, scale, out_dtype != cdt, *edge)
     probs = None
     if return_probs:
@@ -346,7 +416,7 @@ def _kernel_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     dtype (fp32 inputs get fp32 gradients straight from the fp32 accumulators),
     and to the edge bias (fp32 [E, H]; empty without a bias). ``edge``: ()
     or the bwd op's per-edge arguments (edge_bias or None, the plan's five
-    slot arrays, dp_bias or None, delta_extra or None)."""
+    slot arrays, dp_bias or None, delta_extra or None, dropout p and seed)."""
     _, cols, bitmap, _, items, slots = fwd_args
     dtype = q.dtype
     if dtype in _KERNEL_DTYPES and grad_out.dtype == dtype and out.dtype == dtype and q.size(-1) in _KERNEL_DIMS:
@@ -383,7 +453,7 @@ def _grads_from_saved(ctx, grad_out, grad_probs) -> tuple:
         if grad_probs is not None:
             dp_bias = grad_probs.float().contiguous()
             delta_extra = torch.zeros_like(lse).index_add_(0, ctx.dst, probs * dp_bias)
-        edge = (bias if ctx.has_bias else None, *ctx.slots, dp_bias, delta_extra)
+        edge = (bias if ctx.has_bias else None, *ctx.slots, dp_bias, delta_extra, *ctx.drop)
     grads = _kernel_backward(grad_out, q, k, v, out, lse, ctx.fwd_args, ctx.bwd_args, ctx.scale,
                              ctx.compute_dtype, edge)
     need = ctx.needs_input_grad
@@ -391,13 +461,14 @@ def _grads_from_saved(ctx, grad_out, grad_probs) -> tuple:
             grads[2] if need[2] else None, grads[3] if ctx.has_bias and need[3] else None)
 
 
-def _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dtype, out, lse, probs) -> None:
+def _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dtype, drop, out, lse,
+          probs) -> None:
     # The graph arrays are constants of the plan (never modified, no
     # gradient): kept as attributes, which is cheaper than saving them.
     ctx.has_bias = bias is not None
     ctx.save_for_backward(q, k, v, out, lse, bias, probs)
     ctx.fwd_args, ctx.bwd_args, ctx.slots, ctx.dst = tuple(fwd_args), tuple(bwd_args), tuple(slots), dst
-    ctx.scale, ctx.compute_dtype = scale, compute_dtype
+    ctx.scale, ctx.compute_dtype, ctx.drop = scale, compute_dtype, tuple(drop)
 
 
 # The differentiable kernel path is registered twice over the same forward,
@@ -412,31 +483,34 @@ def _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dty
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, fwd_graph: list[Tensor], bwd_graph: list[Tensor],
                   scale: float, out_dtype: torch.dtype, compute_dtype: torch.dtype | None,
                   edge_bias: Tensor | None, edge_slots: list[Tensor],
-                  dst: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                  dst: Tensor | None, dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor, Tensor]:
     _build.load_extension()
     out, lse, probs = _kernel_forward(q, k, v, fwd_graph, scale, out_dtype, compute_dtype, edge_bias,
-                                      tuple(edge_slots), dst is not None)
+                                      tuple(edge_slots), dst is not None, (dropout_p, dropout_seed))
     return out, lse, probs if probs is not None else lse.new_empty((0, q.size(1)))
 
 
 @_attention_op.register_fake
-def _(q, k, v, fwd_graph, bwd_graph, scale, out_dtype, compute_dtype, edge_bias, edge_slots, dst):
+def _(q, k, v, fwd_graph, bwd_graph, scale, out_dtype, compute_dtype, edge_bias, edge_slots, dst,
+      dropout_p, dropout_seed):
     E = dst.size(0) if dst is not None else 0
     return (q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=torch.float32),
             q.new_empty((E, q.size(1)), dtype=torch.float32))
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, fwd_graph, bwd_graph, scale, _out_dtype, compute_dtype, edge_bias, edge_slots, dst = inputs
+    (q, k, v, fwd_graph, bwd_graph, scale, _out_dtype, compute_dtype, edge_bias, edge_slots, dst,
+     dropout_p, dropout_seed) = inputs
     ctx.mark_non_differentiable(output[1])
-    _save(ctx, q, k, v, edge_bias, fwd_graph, bwd_graph, edge_slots, dst, scale, compute_dtype, *output)
+    _save(ctx, q, k, v, edge_bias, fwd_graph, bwd_graph, edge_slots, dst, scale, compute_dtype,
+          (dropout_p, dropout_seed), *output)
 
 
 def _attention_backward(ctx, grad_out, _grad_lse, grad_probs):
     # one entry per input, a list of them for each list input (the graph arrays)
     dq, dk, dv, grad_bias = _grads_from_saved(ctx, grad_out, grad_probs if ctx.dst is not None else None)
     return (dq, dk, dv, [None] * len(ctx.fwd_args), [None] * len(ctx.bwd_args), None, None, None,
-            grad_bias, [None] * len(ctx.slots), None)
+            grad_bias, [None] * len(ctx.slots), None, None, None)
 
 
 _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
@@ -447,13 +521,14 @@ class _FusedAttention(torch.autograd.Function):
     (out, probabilities or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, out_dtype, compute_dtype):
+    def forward(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, out_dtype, compute_dtype,
+                drop=(0.0, 0)):
         out, lse, probs = _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype, bias, slots,
-                                          dst is not None)
-        _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dtype, out, lse, probs)
+                                          dst is not None, drop)
+        _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dtype, drop, out, lse, probs)
         ctx.set_materialize_grads(False)      # an unused output's gradient stays None
         return out, probs
 
     @staticmethod
     def backward(ctx, grad_out, grad_probs):
-        return (*_grads_from_saved(ctx, grad_out, grad_probs), None, None, None, None, None, None, None)
+        return (*_grads_from_saved(ctx, grad_out, grad_probs), None, None, None, None, None, None, None, None)

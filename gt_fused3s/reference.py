@@ -39,7 +39,8 @@ def default_scale(head_dim: int) -> float:
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
                         scale: float | None = None, *, edge_bias: Tensor | None = None,
-                        return_weights: bool = False, compute_dtype: torch.dtype = torch.float32,
+                        return_weights: bool = False, dropout_mask: Tensor | None = None,
+                        compute_dtype: torch.dtype = torch.float32,
                         out_dtype: torch.dtype | None = None) -> Tensor:
     """Unfused 3S: gather, max-stabilised segment softmax, scatter-sum.
 
@@ -49,6 +50,10 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
         scale: score scale, default ``1 / sqrt(D)``.
         edge_bias: optional [E, H] bias added to the scaled scores, one row
             per edge of ``edge_index``.
+        dropout_mask: optional [E, H] factors of attention dropout (0 for a
+            dropped edge, 1 / (1 - p) for a kept one: ``ops.dropout_keep``),
+            applied to the weights of the sum only (the returned weights are
+            those before dropout, as in TransformerConv).
         return_weights: also return the softmax weights [E, H] (in
             ``compute_dtype``'s accumulation precision, fp32 or fp64).
         compute_dtype: ``float32`` (default) or ``float64`` computes every step
@@ -84,7 +89,8 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
     denom = torch.zeros((N, H), dtype=acc, device=q.device).index_add(0, dst, p)
     if low:
         p = p.to(compute_dtype).to(acc)
-    msg = p.unsqueeze(-1) * vc.index_select(0, src)                                 # [E, H, Dv]
+    pm = p if dropout_mask is None else p * dropout_mask.to(acc)
+    msg = pm.unsqueeze(-1) * vc.index_select(0, src)                                # [E, H, Dv]
     out = torch.zeros((N, H, v.size(-1)), dtype=acc, device=q.device).index_add(0, dst, msg)
     has_nbr = (denom > 0).unsqueeze(-1)
     out = torch.where(has_nbr, out / torch.where(has_nbr, denom.unsqueeze(-1), 1), 0)

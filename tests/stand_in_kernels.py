@@ -60,10 +60,11 @@ def _lse(q, k, edge_index, scale, bias=None):
     return mx + torch.log(se)
 
 
-def _reference_backward(q, k, v, do, edge_index, scale, bias=None, dp_bias=None):
+def _reference_backward(q, k, v, do, edge_index, scale, bias=None, dp_bias=None, mask=None):
     """dq, dk, dv, dS of the attention over ``edge_index`` in fp32, written
     out (P = softmax, dS = P (dO.v - rowsum(dO * O)), dq = s dS k,
-    dk = s dS^T q, dv = P^T dO; dp_bias: an extra dP per edge), without
+    dk = s dS^T q, dv = P^T dO; dp_bias: an extra dP per edge; mask: the
+    dropout factors, dP = mask dO.v and dv = (mask P)^T dO), without
     autograd, so it also runs under dispatch modes."""
     q, k, v, do = (t.float() for t in (q, k, v, do))
     src, dst = edge_index
@@ -72,15 +73,16 @@ def _reference_backward(q, k, v, do, edge_index, scale, bias=None, dp_bias=None)
     if bias is not None:
         s = s + bias
     p = torch.exp(s - _lse(q, k, edge_index, scale, bias)[dst])
-    o = torch.zeros_like(v).index_add(0, dst, p.unsqueeze(-1) * v[src])
-    dp = (do[dst] * v[src]).sum(-1)
+    m = torch.ones_like(p) if mask is None else mask
+    o = torch.zeros_like(v).index_add(0, dst, (p * m).unsqueeze(-1) * v[src])
+    dp = (do[dst] * v[src]).sum(-1) * m
     if dp_bias is not None:
         dp = dp + dp_bias
     delta = torch.zeros_like(o[..., 0]).index_add(0, dst, p * dp)             # [N, H]
     ds = p * (dp - delta[dst])
     dq = torch.zeros_like(q).index_add(0, dst, ds.unsqueeze(-1) * k[src]) * scale
     dk = torch.zeros_like(k).index_add(0, src, ds.unsqueeze(-1) * q[dst]) * scale
-    dv = torch.zeros_like(v).index_add(0, src, p.unsqueeze(-1) * do[dst])
+    dv = torch.zeros_like(v).index_add(0, src, (p * m).unsqueeze(-1) * do[dst])
     return dq, dk, dv, ds
 
 
@@ -93,6 +95,16 @@ def _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge):
     assert nnz_offset.numel() == bitmap.size(0) + 1
     ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge)
     return ei, edge_bias[ids]
+
+
+def _dropout_mask(items, cols, bitmap, nnz_offset, slot_edge, p, seed, heads):
+    """The dropout factors of the decoded edges (None without dropout),
+    keyed by the caller's edge id as the kernels key them."""
+    if not p:
+        return None
+    from gt_fused3s.ops import dropout_keep
+    ids = decode(items, cols, bitmap, nnz_offset, slot_edge)[1]
+    return dropout_keep(seed, p, slot_edge.numel(), heads)[ids]
 
 
 def _check_inverse(slot_edge, edge_slot):
@@ -119,17 +131,19 @@ class StandIns:
         self.calls: list[str] = []
 
     def fwd(self, q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-            edge_bias=None, nnz_offset=None, slot_edge=None):
+            edge_bias=None, nnz_offset=None, slot_edge=None, dropout_p=0.0, dropout_seed=0):
         _check_operands(q, k, v)
         assert items.size(0) >= rw_offset.numel() - 1
         self.calls.append("fwd")
         ei, bias = _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge)
-        out = attention_reference(q, k, v, ei, scale, edge_bias=bias, out_dtype=torch.float32)
+        mask = _dropout_mask(items, cols, bitmap, nnz_offset, slot_edge, dropout_p, dropout_seed, q.size(1))
+        out = attention_reference(q, k, v, ei, scale, edge_bias=bias, dropout_mask=mask, out_dtype=torch.float32)
         return (out if out_fp32 else out.to(q.dtype)), _lse(q, k, ei, scale, bias)
 
     def bwd(self, do, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items, t_slots,
             scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None, edge_slot=None,
-            t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None):
+            t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None, dropout_p=0.0,
+            dropout_seed=0):
         _check_operands(q, k, v, do)
         ei, bias = _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge)
         # the transposed format holds exactly the reversed edges (and, with
@@ -146,7 +160,9 @@ class StandIns:
             by_id[:, ids] = ei
             assert torch.equal(by_id[:, t_ids], t_ei.flip(0))
         # the saved forward output and lse come back unchanged
-        expect = attention_reference(q, k, v, ei, scale, edge_bias=bias, out_dtype=torch.float32)
+        mask = _dropout_mask(items, cols, bitmap, nnz_offset, slot_edge, dropout_p, dropout_seed, q.size(1))
+        expect = attention_reference(q, k, v, ei, scale, edge_bias=bias, dropout_mask=mask,
+                                     out_dtype=torch.float32)
         torch.testing.assert_close(out.float(), expect, atol=1e-2, rtol=0)
         torch.testing.assert_close(lse, _lse(q, k, ei, scale, bias))
         self.calls.append("bwd")
@@ -156,7 +172,7 @@ class StandIns:
             dp = dp_bias[ids]
             p = torch.exp(_scores(q, k, ei, scale, bias) - lse[ei[1]])
             torch.testing.assert_close(delta_extra, torch.zeros_like(lse).index_add(0, ei[1], p * dp))
-        *grads, ds = _reference_backward(q, k, v, do, ei, scale, bias, dp)
+        *grads, ds = _reference_backward(q, k, v, do, ei, scale, bias, dp, mask)
         grad_bias = torch.empty(0)
         if edge_bias is not None:
             grad_bias = torch.zeros_like(edge_bias)

@@ -97,10 +97,13 @@ def test_opcheck_on_registered_ops(stand_in_kernels):
         (torch.ops.gt_fused3s.probs.default, (q, k, lse_b, fwd[1], fwd[2], fwd[4], *slots[:3], 0.3, bias)),
         (torch.ops.gt_fused3s.attention.default,       # the differentiable one
          (q.clone().requires_grad_(), k.clone().requires_grad_(), v, fwd, bwd, 0.3, torch.float16, None, None,
-          [], None)),
+          [], None, 0.0, 0)),
         (torch.ops.gt_fused3s.attention.default,       # with a bias, returning the weights
          (q.clone().requires_grad_(), k, v, fwd, bwd, 0.3, torch.float16, None, bias.clone().requires_grad_(),
-          slots, ei[1])),
+          slots, ei[1], 0.0, 0)),
+        (torch.ops.gt_fused3s.attention.default,       # with attention dropout
+         (q.clone().requires_grad_(), k, v, fwd, bwd, 0.3, torch.float16, None, None, slots, None, 0.25, 1234)),
+        (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False, None, *slots[:2], 0.25, 1234)),
     ]
     for op, args in cases:
         # fwd, bwd and bsb_build have no autograd of their own (attention

@@ -220,3 +220,48 @@ def test_weights_sum_to_one_per_row_and_gradcheck_float64():
     torch.testing.assert_close(sums[has], torch.ones_like(sums[has]))
     assert torch.autograd.gradcheck(
         lambda q, k, v, b: fused3s_attention(q, k, v, ei, edge_bias=b, return_weights=True)[1], (q, k, v, bias))
+
+
+# ------------------------------------------------------------ attention dropout
+@pytest.mark.parametrize("with_bias,weights", [(False, False), (True, True)])
+def test_dropout_on_the_kernel_path_equals_the_reference_with_its_mask(stand_in_kernels, with_bias, weights):
+    """The ops receive (p, seed) and draw the mask of dropout_keep by the
+    caller's edge ids (the stand-ins as the kernels): output and gradients
+    equal the reference given that mask."""
+    from gt_fused3s.ops import dropout_keep
+    ei, n = _shuffled("duplicates", seed=16)
+    H, D = 2, 16
+    g = torch.Generator().manual_seed(17)
+    q, k, v, do = (torch.randn(n, H, D, generator=g).half() for _ in range(4))
+    bias = torch.randn(ei.size(1), H, generator=g) if with_bias else None
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([bias.clone().requires_grad_()] if with_bias else [])
+    res = fused3s_attention(*leaves[:3], GraphPlan.from_edge_index(ei, n), 0.3, dropout_p=0.4, dropout_seed=99,
+                            edge_bias=leaves[3] if with_bias else None, return_weights=weights)
+    out, w = res if weights else (res, None)
+    loss = (out.float() * do.float()).sum() + (w.sum() if weights else 0)
+    loss.backward()
+    mask = dropout_keep(99, 0.4, ei.size(1), H)
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref = attention_reference(*ref_leaves[:3], ei, 0.3, dropout_mask=mask, return_weights=weights,
+                              edge_bias=ref_leaves[3] if with_bias else None)
+    ref_out, ref_w = ref if weights else (ref, None)
+    ((ref_out * do.float()).sum() + (ref_w.sum() if weights else 0)).backward()
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-3, rtol=0)
+    for leaf, r in zip(leaves, ref_leaves):
+        torch.testing.assert_close(leaf.grad.float(), r.grad, atol=1e-2, rtol=0)
+    assert not torch.allclose(out.float(), attention_reference(q.float(), k.float(), v.float(), ei, 0.3,
+                                                               edge_bias=bias), atol=1e-2)   # it dropped
+
+
+def test_dropout_reference_path_and_bad_p():
+    ei, n = _shuffled("self_loops")
+    q = torch.randn(n, 2, 8, dtype=torch.float64)
+    a = fused3s_attention(q, q, q, ei, dropout_p=0.5, dropout_seed=3)
+    torch.manual_seed(0)
+    b = fused3s_attention(q, q, q, ei, dropout_p=0.5)          # a seed from torch's generator
+    torch.manual_seed(0)
+    assert torch.equal(b, fused3s_attention(q, q, q, ei, dropout_p=0.5))
+    assert not torch.equal(a, b)
+    for p in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+            fused3s_attention(q, q, q, ei, dropout_p=p)

@@ -44,17 +44,19 @@ def _shuffled(ei, seed):
     return ei[:, torch.randperm(ei.size(1), generator=g)].to(DEV)
 
 
-def _reference(q, k, v, bias, do, dw, ei, scale, compute_dtype):
+def _reference(q, k, v, bias, do, dw, ei, scale, compute_dtype, mask=None):
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v, bias)]
     out, w = attention_reference(*leaves[:3], ei, scale, edge_bias=leaves[3], compute_dtype=compute_dtype,
-                                 out_dtype=torch.float32, return_weights=True)
+                                 out_dtype=torch.float32, return_weights=True, dropout_mask=mask)
     loss = (out * do.float()).sum() + (0 if dw is None else (w * dw).sum())
     return (out.detach(), w.detach(), *torch.autograd.grad(loss, leaves))
 
 
-def _check(plan, ei, h, d, dtype, seed, label, weights=True):
+def _check(plan, ei, h, d, dtype, seed, label, weights=True, dropout=0.0):
     """Output, weights (with ``weights``: returned, and their gradient
-    part of the loss) and the gradients of q, k, v and the bias."""
+    part of the loss) and the gradients of q, k, v and the bias (with
+    ``dropout``: against the reference given the kernels' mask)."""
+    from gt_fused3s.ops import dropout_keep
     n = plan.num_nodes
     g = torch.Generator(device=DEV).manual_seed(seed)
     q, k, v, do = (torch.randn(n, h, d, generator=g, device=DEV).to(dtype) for _ in range(4))
@@ -64,15 +66,17 @@ def _check(plan, ei, h, d, dtype, seed, label, weights=True):
     torch.full((4, n, h, d), float("nan"), dtype=dtype, device=DEV)   # unwritten output shows up as NaN
     torch.full((3 * ei.size(1), h), float("nan"), device=DEV)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    drop = dict(dropout_p=dropout, dropout_seed=seed) if dropout else {}
+    mask = dropout_keep(seed, dropout, ei.size(1), h, DEV) if dropout else None
     if weights:
-        out, w = fused3s_attention(*leaves[:3], plan, scale, edge_bias=leaves[3], return_weights=True)
+        out, w = fused3s_attention(*leaves[:3], plan, scale, edge_bias=leaves[3], return_weights=True, **drop)
         ((out.float() * do.float()).sum() + (w * dw).sum()).backward()
     else:
-        out, w = fused3s_attention(*leaves[:3], plan, scale, edge_bias=leaves[3]), None
+        out, w = fused3s_attention(*leaves[:3], plan, scale, edge_bias=leaves[3], **drop), None
         out.backward(do)
     got = (out.detach(), w, *(t.grad for t in leaves))
-    ref = _reference(q, k, v, bias, do, dw, ei, scale, torch.float32)
-    low = _reference(q, k, v, bias, do, dw, ei, scale, dtype)
+    ref = _reference(q, k, v, bias, do, dw, ei, scale, torch.float32, mask)
+    low = _reference(q, k, v, bias, do, dw, ei, scale, dtype, mask)
     for name, x, r, lo in zip(("out", "weights", "dq", "dk", "dv", "dbias"), got, ref, low):
         if name == "weights" and not weights:
             continue
@@ -169,3 +173,16 @@ def test_bad_edge_inputs_through_the_ops(ops):
     probs = ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge, edge_slot, 0.1, bias)
     torch.cuda.synchronize()
     assert probs.shape == bias.shape and torch.isfinite(probs).all()
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("h,d", [(1, 64), (4, 32), (8, 16), (2, 128), (1, 256)])
+def test_dropout_matches_the_reference_with_the_kernels_mask(h, d, dtype):
+    """Attention dropout in the kernels (forward, both backward passes, with
+    a bias and returned weights) against the reference given dropout_keep's
+    mask: the hash agrees between CUDA and PyTorch, and the dK/dV pass
+    regenerates the forward's mask."""
+    ei, n = GRAPH_CASES["heavy_node"]()
+    ei = _shuffled(torch.cat([ei, ei[:, :40]], 1), seed=6)
+    plan = GraphPlan.from_edge_index(ei, n)
+    _check(plan, ei, h, d, LOW[dtype], seed=1000 + h * d, label=f"dropout H={h} D={d}", dropout=0.3)

@@ -317,21 +317,62 @@ def test_fallback_edge_attr_without_edge_dim_and_sparse_weights(fused_calls):
         assert len(fused_calls) == 0
 
 
-def test_fallback_dropout_in_training_only(fused_calls):
-    edge_index, n = GRAPH_CASES["random_1003"]()
-    ref, ours = make_pair(heads=4, dropout=0.3)
+def _with_kernel_mask(monkeypatch, seed_of_call):
+    """TransformerConv's F.dropout replaced by the fused kernel's mask for the
+    seed the layer draws (``torch.manual_seed`` before each call), so both
+    layers drop the same edges."""
+    import torch_geometric.nn.conv.transformer_conv as tc
+    from gt_fused3s.ops import dropout_keep
+
+    def kernel_dropout(alpha, p=0.5, training=True):
+        if not training or p == 0:
+            return alpha
+        return alpha * dropout_keep(seed_of_call(), p, *alpha.shape)
+    monkeypatch.setattr(tc.F, "dropout", kernel_dropout)
+
+
+@pytest.mark.parametrize("edge_dim", [None, 4])
+def test_dropout_fused_in_training(monkeypatch, edge_dim, fused_calls):
+    """dropout > 0 while training takes the kernel's dropout: with the same
+    mask, outputs, weights and gradients equal TransformerConv's; in eval
+    mode nothing is dropped."""
+    from gt_fused3s.ops import draw_dropout_seed
+    edge_index, n = _edge_case_graph()
+    ref, ours = make_pair(heads=4, dropout=0.3, edge_dim=edge_dim)
     x = random_x(n)
+    ea = torch.randn(edge_index.size(1), 4, generator=torch.Generator().manual_seed(2)) if edge_dim else None
+
+    def seed_of_call():
+        torch.manual_seed(11)
+        return draw_dropout_seed()
+    _with_kernel_mask(monkeypatch, seed_of_call)
     for conv in (ref, ours):
         conv.train()
-    torch.manual_seed(5)
-    out_ref = ref(x, edge_index)
-    torch.manual_seed(5)
-    assert_close(ours(x, edge_index), out_ref)
-    assert len(fused_calls) == 0
-    ref.eval()
-    ours.eval()                           # no dropout: the fused path
-    assert_close(ours(x, edge_index), ref(x, edge_index))
+    torch.manual_seed(11)
+    out, alpha, g = _loss_grads(ours, x, edge_index, ea, return_attention_weights=True)
+    out_ref, alpha_ref, g_ref = _loss_grads(ref, x, edge_index, ea, return_attention_weights=True)
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(alpha, alpha_ref, atol=1e-5, rtol=1e-4)     # before dropout, as PyG
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], atol=1e-5, rtol=1e-4)
     assert len(fused_calls) == 1
+    ref.eval()
+    ours.eval()                           # no dropout
+    assert_close(ours(x, edge_index, ea), ref(x, edge_index, ea))
+    assert len(fused_calls) == 2
+
+
+def test_dropout_mask_distribution_and_seeds():
+    from gt_fused3s.ops import dropout_keep
+    m = dropout_keep(5, 0.3, 20000, 4)
+    assert set(m.unique().tolist()) <= {0.0, torch.tensor(1 / 0.7).item()}
+    kept = (m > 0).float().mean(0)
+    assert torch.all((kept - 0.7).abs() < 0.015), kept            # per head, ~ Binomial(20000, 0.7)
+    assert torch.equal(m, dropout_keep(5, 0.3, 20000, 4))         # counter-based: repeatable
+    other = dropout_keep(6, 0.3, 20000, 4)
+    assert (m != other).float().mean() > 0.3                      # another seed, another mask
+    assert ((m[:, 0] > 0) != (m[:, 1] > 0)).float().mean() > 0.3  # heads independent
+    assert torch.all(dropout_keep(5, 0.0, 10, 2) == 1)
 
 
 @pytest.mark.parametrize("n_src,n_dst", [(30, 21), (21, 30)])
@@ -451,8 +492,7 @@ def test_bad_input_with_edge_features():
 
 def test_bad_input_on_unfused_path():
     edge_index, n = GRAPH_CASES["self_loops"]()
-    _, ours = make_pair(heads=2, dropout=0.5)
-    ours.train()                      # dropout while training: TransformerConv's path
+    _, ours = make_pair(heads=2, aggr="mean")     # TransformerConv's path
     bad = torch.cat([edge_index, torch.tensor([[40], [3]])], 1)
     with pytest.raises(ValueError, match=r"edge_index\[0\] has index 40 out of range"):
         ours(random_x(n), bad)

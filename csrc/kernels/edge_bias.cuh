@@ -67,15 +67,52 @@ __device__ __forceinline__ void pair_edge_values(float (&out)[2][4], const int32
 
 // The edge data a pass keeps per pair: the non-zero indices (for the outputs
 // per edge), the bias in log2 units and, in the backward, the dP bias.
+// Attention dropout: a counter-based hash of (seed, head, caller's edge id),
+// so the backward regenerates the forward's mask and a test can reproduce
+// it (gt_fused3s/ops.py: dropout_keep computes the same in PyTorch). An edge
+// is kept iff hash >= threshold = round(p * 2^32).
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {   // "lowbias32" finaliser
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+__device__ __forceinline__ uint32_t dropout_hash(const EdgeBiasArgs& eb, int head, int32_t edge) {
+    const uint32_t a = mix32(eb.seed_lo ^ (static_cast<uint32_t>(head) * 0x9E3779B9u));
+    return mix32(mix32(a ^ static_cast<uint32_t>(edge)) + eb.seed_hi);
+}
+
 template <bool kEdges, bool kDpBias = false>
 struct PairBias {
     int32_t nnz[2][4];
     float b2[2][4];
     float c[kDpBias ? 2 : 1][4];
+    uint32_t keep;   // bit 4x + i: element (x, i) survives dropout (all set without dropout)
     __device__ __forceinline__ void load(const PairRaw& r, const EdgeBiasArgs& eb, int lane, int head) {
         pair_nnz(nnz, r, lane);
         pair_edge_values(b2, nnz, eb.bias, 1.4426950408889634f, head, eb.num_edges);
         if constexpr (kDpBias) pair_edge_values(c, nnz, eb.dp_bias, 1.f, head, eb.num_edges);
+        keep = 0xffu;
+        if (eb.drop_threshold != 0u) {   // keyed by the caller's edge id: the same in every pass
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int e = nnz[x][i];
+                    if (e >= 0 && dropout_hash(eb, head, __ldg(eb.slot_edge + e)) < eb.drop_threshold) {
+                        keep &= ~(1u << (4 * x + i));
+                    }
+                }
+            }
+        }
+    }
+    // v times element (x, i)'s dropout factor: 1 / (1 - p) if kept, else 0
+    // (1 without dropout)
+    __device__ __forceinline__ float drop(float v, int x, int i, const EdgeBiasArgs& eb) const {
+        return ((keep >> (4 * x + i)) & 1u) ? v * eb.drop_scale : 0.f;
     }
     // score (log2 units) of element (x, i) plus its bias
     __device__ __forceinline__ float add(float v, int x, int i) const { return v + b2[x][i]; }
@@ -97,6 +134,7 @@ struct PairBias<false, false> {
     __device__ __forceinline__ void load(const PairRaw&, const EdgeBiasArgs&, int, int) {}
     __device__ __forceinline__ float add(float v, int, int) const { return v; }
     __device__ __forceinline__ float add_dp(float v, int, int) const { return v; }
+    __device__ __forceinline__ float drop(float v, int, int, const EdgeBiasArgs&) const { return v; }
 };
 
 }  // namespace gt_fused3s

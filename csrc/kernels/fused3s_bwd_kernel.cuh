@@ -11,7 +11,8 @@
 //   dP [16, 16] = A2 G2^T
 //   P  = exp2(S * scale log2e + bias log2e - lse log2e)   (bitmap mask -> 0;
 //        bias: the edge bias, in instances that have one, edge_bias.cuh)
-//   dS = P * (dP + dp_bias - delta)           (dp_bias: an extra dP per edge,
+//   dS = P * (dP + dp_bias - delta)           (dropout: dP = m dO.v with the
+//        forward's factor m, 0 or 1 / (1 - p), and dV uses m P; dp_bias: an extra dP per edge,
 //        the gradient of the probabilities if they were returned; the dQ
 //        pass writes dS per edge as the bias gradient)
 //   out1 [16, D] += dS G1        (dQ pass: dQ; dKV pass: dK)
@@ -314,7 +315,8 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
                     const float lse2 = kDKV ? cur_st[2 * x + (i & 1)].x : row_lse2[i >> 1];
                     const float dl = kDKV ? cur_st[2 * x + (i & 1)].y : row_dl[i >> 1];
                     pv[x][i] = on ? fast_exp2(bcur.add(s[x][i] * p.scale_log2, x, i) - lse2) : 0.f;
-                    ds[x][i] = pv[x][i] * (bcur.add_dp(dp[x][i], x, i) - dl);
+                    // dropout: dP = dO.v times the element's factor (0 or 1 / (1 - p))
+                    ds[x][i] = pv[x][i] * (bcur.add_dp(bcur.drop(dp[x][i], x, i, p.bias), x, i) - dl);
                 }
             }
             if constexpr (kBias && !kDKV) {
@@ -338,6 +340,12 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
                 mma_16816<T>(acc1[2 * jj + 1], dsa, b[2], b[3]);
             }
             if constexpr (kDKV) {
+                // dV = P^T dO with the dropped P of the forward's SpMM
+#pragma unroll
+                for (int x = 0; x < 2; ++x) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) pv[x][i] = bcur.drop(pv[x][i], x, i, p.bias);
+                }
                 const uint32_t pa[4] = {TypeTraits<T>::pack(pv[0][0], pv[0][1]), TypeTraits<T>::pack(pv[0][2], pv[0][3]),
                                         TypeTraits<T>::pack(pv[1][0], pv[1][1]), TypeTraits<T>::pack(pv[1][2], pv[1][3])};
 #pragma unroll

@@ -84,10 +84,10 @@ __device__ __forceinline__ void store_row(void* dst, bool out_fp32, const float 
 }
 
 // Instances with edge terms carry a few more registers per pair: they ask
-// for 3/4 of the resident blocks (else they spill).
+// for half the resident blocks (else they spill).
 template <typename T, int kHeadDim, bool kBias>
 __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads,
-                                  kBias ? FwdConfig<kHeadDim>::kMinBlocks * 3 / 4 : FwdConfig<kHeadDim>::kMinBlocks)
+                                  kBias ? (FwdConfig<kHeadDim>::kMinBlocks + 1) / 2 : FwdConfig<kHeadDim>::kMinBlocks)
 fused3s_fwd_kernel(const Fused3SParams p) {
     using Cfg = FwdConfig<kHeadDim>;
     constexpr int kDW = Cfg::kDW;
@@ -212,7 +212,7 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                     if (base + 4 < tcb_end) load_raw(base + 4);
                 }
                 uint32_t pa[4];
-                online_softmax_pair<T, kNT>(s, cur.mask, p.scale_log2, bcur, st, o, pa);
+                online_softmax_pair<T, kNT>(s, cur.mask, p.scale_log2, bcur, p.bias, st, o, pa);
                 spmm_pair<T, kDW>(o, pa, vf);
                 if (!has_next) break;
                 load_v(nxt);       // V of the next pair flies during the next SDDMM

@@ -44,6 +44,12 @@ struct EdgeBiasArgs {
                                   // returned probabilities, or of terms built on them)
     const int32_t* nnz_offset;    // [T + 1] first non-zero of each TCB of this pass's BSB
     int64_t num_edges;            // E: the stride between heads
+    // Attention dropout (edge_bias.cuh: dropout_hash): off if drop_threshold
+    // is 0. slot_edge [E]: the caller's edge id of each non-zero (the key).
+    const int32_t* slot_edge;
+    uint32_t drop_threshold;      // round(p * 2^32)
+    float drop_scale;             // 1 / (1 - p); 1 without dropout
+    uint32_t seed_lo, seed_hi;
 };
 
 struct Fused3SParams {

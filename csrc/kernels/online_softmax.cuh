@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cmath>
+#include "fused3s_params.h"
 #include "mma_utils.cuh"
 
 namespace gt_fused3s {
@@ -28,13 +29,14 @@ __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
 
 // s: raw scores of TCBs a, b (mma C layout). mask: 8 bits, bits 2x..2x+1 = row g
 // cols 2t, 2t+1 of TCB x (x = 0: a, 1: b) at bit 4x, row g+8 at bit 4x + 2.
-// bias: the pair's edge bias (edge_bias.cuh: PairBias), added in log2 units.
+// bias: the pair's edge terms (edge_bias.cuh: PairBias): the bias, added in
+// log2 units, and the dropout mask, applied to the P of the SpMM.
 // On return p holds the A fragment (packed T) of P[16, 16] for the SpMM, and
 // o[kNT][4] (the SpMM accumulator of this thread) has been rescaled.
 template <typename T, int kNT, typename Bias>
 __device__ __forceinline__ void online_softmax_pair(const float (&s)[2][4], uint32_t mask, float scale_log2,
-                                                    const Bias& bias, SoftmaxState& st, float (&o)[kNT][4],
-                                                    uint32_t (&p)[4]) {
+                                                    const Bias& bias, const EdgeBiasArgs& eb, SoftmaxState& st,
+                                                    float (&o)[kNT][4], uint32_t (&p)[4]) {
     // x[x][i]: scaled, masked score. i = 0,1: row g; i = 2,3: row g+8.
     float x[2][4];
 #pragma unroll
@@ -71,6 +73,12 @@ __device__ __forceinline__ void online_softmax_pair(const float (&s)[2][4], uint
         o[j][1] *= alpha[0];
         o[j][2] *= alpha[1];
         o[j][3] *= alpha[1];
+    }
+    // Dropout acts on the SpMM's P only: the row sums above are of the full P.
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[b][i] = bias.drop(x[b][i], b, i, eb);
     }
     // P as the A operand of m16n8k16: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
     p[0] = TypeTraits<T>::pack(x[0][0], x[0][1]);   // row g,   k 2t, 2t+1

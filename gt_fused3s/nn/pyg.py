@@ -75,10 +75,15 @@ class Fused3SConv(TransformerConv):
     ``return_attention_weights`` returns those weights (in the order of the
     given ``edge_index``).
 
+    Attention dropout (``dropout > 0`` while training) runs in the kernel:
+    its mask is a counter-based hash of a seed drawn from torch's CPU
+    generator per call, regenerated in the backward
+    (:func:`gt_fused3s.ops.dropout_keep` computes it). It follows the same
+    distribution as TransformerConv's ``F.dropout``, not its random stream.
+
     What the fused path does not do takes :class:`TransformerConv`'s own
     unfused path (``super().forward``), with its exact results:
 
-    - attention dropout (``dropout > 0``) while training,
     - ``edge_attr`` without ``edge_dim`` (TransformerConv adds it to the
       values as is), a sparse adjacency whose values are feature vectors,
       and edge features or attention weights with a sparse adjacency,
@@ -103,7 +108,7 @@ class Fused3SConv(TransformerConv):
         beta (bool, optional): If set, combines aggregation and skip
             information as in :class:`TransformerConv`. (default: :obj:`False`)
         dropout (float, optional): Dropout probability of the normalized
-            attention coefficients (unfused path while training).
+            attention coefficients (fused, while training).
             (default: :obj:`0.`)
         edge_dim (int, optional): Edge feature dimensionality.
             (default: :obj:`None`)
@@ -253,14 +258,18 @@ class Fused3SConv(TransformerConv):
             dst = edges[1].long()
             w_e = self.lin_edge.weight.view(H, C, -1)      # e_ij = W_e a_ij, per head [C, edge_dim]
             edge_bias = edge_dot(torch.einsum("nhc,hcd->nhd", query, w_e), edge_attr, dst) * scale
+        drop_p, seed = 0.0, None
+        if self.training and self.dropout > 0:       # one seed for the kernel and the edge term
+            drop_p, seed = self.dropout, ops.draw_dropout_seed()
         out = fused3s_attention(query, key, value, graph, scale, edge_bias=edge_bias,
-                                return_weights=want_weights)
+                                return_weights=want_weights, dropout_p=drop_p, dropout_seed=seed)
         alpha = None
         if want_weights:
             out, alpha = out
         if self.lin_edge is not None:
-            # sum_j alpha_ij W_e a_ij = W_e sum_j alpha_ij a_ij
-            agg = edge_scatter(alpha, edge_attr, dst, out.size(0))
+            # sum_j alpha_ij W_e a_ij = W_e sum_j alpha_ij a_ij, with the kernel's dropout mask
+            used = alpha if not drop_p else alpha * ops.dropout_keep(seed, drop_p, *alpha.shape, alpha.device)
+            agg = edge_scatter(used, edge_attr, dst, out.size(0))
             out = out + torch.einsum("nhd,hcd->nhc", agg, w_e).to(out.dtype)
         out = self._combine(out[:n_dst], x_dst)
         if isinstance(return_attention_weights, bool):
@@ -288,8 +297,6 @@ class Fused3SConv(TransformerConv):
                             edge_attr, return_attention_weights) -> bool:
         if edge_attr is not None and self.lin_edge is None:
             return False   # TransformerConv adds raw edge_attr to the values
-        if self.training and self.dropout > 0:
-            return False
         if _is_sparse(edge_index) and (self.lin_edge is not None
                                        or isinstance(return_attention_weights, bool)):
             return False
