@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -139,6 +140,9 @@ at::Tensor to_edge_order(const at::Tensor& nnz_major, const at::Tensor& edge_slo
     return nnz_major.t().index_select(0, edge_slot);
 }
 
+// The kernel instance: 0 no edge terms, 1 edge terms, 2 edge terms and dropout.
+int edge_mode(bool has_edges, double dropout_p) { return has_edges ? (dropout_p > 0.0 ? 2 : 1) : 0; }
+
 void check_dropout(double p) {
     TORCH_CHECK(p >= 0.0 && p < 1.0, "dropout_p must be in [0, 1) (got ", num(p), ")");
 }
@@ -164,14 +168,14 @@ EdgeBiasArgs edge_args(const std::optional<at::Tensor>& nnz_offset, int64_t num_
     return {opt_ptr(bias), grad, opt_ptr(dp_bias), nnz_offset->data_ptr<int32_t>(), num_edges};
 }
 
-template <typename T, bool kBias>
+template <typename T, int kEdges>
 void launch_for_head_dim(int64_t d, const Fused3SParams& params, cudaStream_t stream) {
     switch (d) {
-        case 16: run_fused3s_fwd<T, 16, kBias>(params, stream); break;
-        case 32: run_fused3s_fwd<T, 32, kBias>(params, stream); break;
-        case 64: run_fused3s_fwd<T, 64, kBias>(params, stream); break;
-        case 128: run_fused3s_fwd<T, 128, kBias>(params, stream); break;
-        case 256: run_fused3s_fwd<T, 256, kBias>(params, stream); break;
+        case 16: run_fused3s_fwd<T, 16, kEdges>(params, stream); break;
+        case 32: run_fused3s_fwd<T, 32, kEdges>(params, stream); break;
+        case 64: run_fused3s_fwd<T, 64, kEdges>(params, stream); break;
+        case 128: run_fused3s_fwd<T, 128, kEdges>(params, stream); break;
+        case 256: run_fused3s_fwd<T, 256, kEdges>(params, stream); break;
         default: TORCH_CHECK(false, "head dim ", num(d), " is not compiled (16, 32, 64, 128, 256)");
     }
 }
@@ -271,10 +275,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     const bool half = q.scalar_type() == at::kHalf;
-    if (has_bias) {
-        half ? launch_for_head_dim<__half, true>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, true>(D, p, stream);
-    } else {
-        half ? launch_for_head_dim<__half, false>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, false>(D, p, stream);
+    switch (edge_mode(has_bias, dropout_p)) {
+        case 0: half ? launch_for_head_dim<__half, 0>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, 0>(D, p, stream); break;
+        case 1: half ? launch_for_head_dim<__half, 1>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, 1>(D, p, stream); break;
+        default: half ? launch_for_head_dim<__half, 2>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, 2>(D, p, stream);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {out, lse};
@@ -282,15 +286,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
 
 // ---- Backward ------------------------------------------------------------------
 
-template <typename T, bool kBias>
+template <typename T, int kEdges>
 cudaError_t launch_bwd_for_head_dim(int64_t d, const Fused3SBwdParams& dq, const Fused3SBwdParams& dkv,
                                     cudaStream_t stream) {
     switch (d) {
-        case 16: return run_fused3s_bwd<T, 16, kBias>(dq, dkv, stream);
-        case 32: return run_fused3s_bwd<T, 32, kBias>(dq, dkv, stream);
-        case 64: return run_fused3s_bwd<T, 64, kBias>(dq, dkv, stream);
-        case 128: return run_fused3s_bwd<T, 128, kBias>(dq, dkv, stream);
-        case 256: return run_fused3s_bwd<T, 256, kBias>(dq, dkv, stream);
+        case 16: return run_fused3s_bwd<T, 16, kEdges>(dq, dkv, stream);
+        case 32: return run_fused3s_bwd<T, 32, kEdges>(dq, dkv, stream);
+        case 64: return run_fused3s_bwd<T, 64, kEdges>(dq, dkv, stream);
+        case 128: return run_fused3s_bwd<T, 128, kEdges>(dq, dkv, stream);
+        case 256: return run_fused3s_bwd<T, 256, kEdges>(dq, dkv, stream);
         default: TORCH_CHECK(false, "head dim ", num(d), " is not compiled (16, 32, 64, 128, 256)");
     }
     return cudaSuccess;   // not reached
@@ -463,11 +467,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     const bool half = q.scalar_type() == at::kHalf;
-    const cudaError_t err =
-        has_edges ? (half ? launch_bwd_for_head_dim<__half, true>(D, dq_pass, dkv_pass, stream)
-                          : launch_bwd_for_head_dim<__nv_bfloat16, true>(D, dq_pass, dkv_pass, stream))
-                  : (half ? launch_bwd_for_head_dim<__half, false>(D, dq_pass, dkv_pass, stream)
-                          : launch_bwd_for_head_dim<__nv_bfloat16, false>(D, dq_pass, dkv_pass, stream));
+    auto launch = [&](auto edges) {
+        constexpr int kEdges = decltype(edges)::value;
+        return half ? launch_bwd_for_head_dim<__half, kEdges>(D, dq_pass, dkv_pass, stream)
+                    : launch_bwd_for_head_dim<__nv_bfloat16, kEdges>(D, dq_pass, dkv_pass, stream);
+    };
+    const int mode = edge_mode(has_edges, dropout_p);
+    const cudaError_t err = mode == 0 ? launch(std::integral_constant<int, 0>{})
+                            : mode == 1 ? launch(std::integral_constant<int, 1>{})
+                                        : launch(std::integral_constant<int, 2>{});
     C10_CUDA_CHECK(err);
     return {dq, dk, dv, grad_bias()};
 }

@@ -161,7 +161,9 @@ def test_bad_edge_inputs_through_the_ops(ops):
             fn()
         torch.cuda.synchronize()
 
-    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, None, None), "an edge_bias needs the graph's nnz_offset")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, None, None), "an edge_bias or dropout needs the graph's")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, None, None, None, 0.2, 1), "an edge_bias or dropout needs")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, None, nnz_offset, slot_edge, 1.0, 1), r"dropout_p must be in \[0, 1\)")
     call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias[:-1], nnz_offset, slot_edge),
          r"edge_bias must have shape \[E, H\]")
     call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias.half(), nnz_offset, slot_edge), "edge_bias must be float32")

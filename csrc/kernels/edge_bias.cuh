@@ -85,7 +85,8 @@ __device__ __forceinline__ uint32_t dropout_hash(const EdgeBiasArgs& eb, int hea
     return mix32(mix32(a ^ static_cast<uint32_t>(edge)) + eb.seed_hi);
 }
 
-template <bool kEdges, bool kDpBias = false>
+// kDrop: the instance applies attention dropout (only those pay for it).
+template <bool kEdges, bool kDpBias = false, bool kDrop = false>
 struct PairBias {
     int32_t nnz[2][4];
     float b2[2][4];
@@ -96,7 +97,7 @@ struct PairBias {
         pair_edge_values(b2, nnz, eb.bias, 1.4426950408889634f, head, eb.num_edges);
         if constexpr (kDpBias) pair_edge_values(c, nnz, eb.dp_bias, 1.f, head, eb.num_edges);
         keep = 0xffu;
-        if (eb.drop_threshold != 0u) {   // keyed by the caller's edge id: the same in every pass
+        if constexpr (kDrop) {   // keyed by the caller's edge id: the same in every pass
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
 #pragma unroll
@@ -112,7 +113,8 @@ struct PairBias {
     // v times element (x, i)'s dropout factor: 1 / (1 - p) if kept, else 0
     // (1 without dropout)
     __device__ __forceinline__ float drop(float v, int x, int i, const EdgeBiasArgs& eb) const {
-        return ((keep >> (4 * x + i)) & 1u) ? v * eb.drop_scale : 0.f;
+        if constexpr (kDrop) return ((keep >> (4 * x + i)) & 1u) ? v * eb.drop_scale : 0.f;
+        else return v;
     }
     // score (log2 units) of element (x, i) plus its bias
     __device__ __forceinline__ float add(float v, int x, int i) const { return v + b2[x][i]; }

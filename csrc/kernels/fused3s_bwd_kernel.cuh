@@ -115,13 +115,15 @@ __device__ __forceinline__ float row_delta(const Fused3SBwdParams& p, int row, i
     return acc;
 }
 
+// kEdges: 0 none, 1 edge terms, 2 edge terms and attention dropout.
 // Instances with edge terms ask for half the resident blocks: their extra
 // registers spill at 3/4 (ptxas, sm_90a, D = 64).
-template <typename T, int kHeadDim, bool kDKV, bool kBias>
+template <typename T, int kHeadDim, bool kDKV, int kEdges>
 __global__ void __launch_bounds__(BwdConfig<kHeadDim, kDKV>::kThreads,
-                                  kBias ? (BwdConfig<kHeadDim, kDKV>::kMinBlocks + 1) / 2
-                                        : BwdConfig<kHeadDim, kDKV>::kMinBlocks)
+                                  kEdges ? (BwdConfig<kHeadDim, kDKV>::kMinBlocks + 1) / 2
+                                         : BwdConfig<kHeadDim, kDKV>::kMinBlocks)
 fused3s_bwd_kernel(const Fused3SBwdParams p) {
+    constexpr bool kBias = kEdges > 0;
     using Cfg = BwdConfig<kHeadDim, kDKV>;
     using Tile = typename Cfg::Tile;
     constexpr int kDW = Cfg::kDW;
@@ -222,7 +224,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
         };
         load_raw(tcb_begin);
         PairMeta cur = decode_pair(raw, lane);
-        PairBias<kBias, kBias> bcur, bnxt;
+        PairBias<kBias, kBias, kEdges == 2> bcur, bnxt;
         bcur.load(raw, p.bias, lane, head);
         Tile::load_async(tile_g(0, 0), g1, p.g1.row_stride, tile_g(0, 1), g2, p.g2.row_stride, raw.c, lane);
         cp_async_commit();
@@ -436,7 +438,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     }
 }
 
-template <typename T, int kHeadDim, bool kDKV, bool kBias>
+template <typename T, int kHeadDim, bool kDKV, int kEdges>
 cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t stream) {
     using Cfg = BwdConfig<kHeadDim, kDKV>;
     const int64_t work = static_cast<int64_t>(params.num_items) * params.num_heads;
@@ -446,7 +448,7 @@ cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t
         const cudaError_t err = cudaMemsetAsync(params.counters_ptr, 0, bytes, stream);
         if (err != cudaSuccess) return err;
     }
-    auto kernel = fused3s_bwd_kernel<T, kHeadDim, kDKV, kBias>;
+    auto kernel = fused3s_bwd_kernel<T, kHeadDim, kDKV, kEdges>;
     if (Cfg::kSmemBytes > 48 * 1024) {
         const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
         if (err != cudaSuccess) return err;
@@ -455,12 +457,12 @@ cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t
     return cudaGetLastError();
 }
 
-template <typename T, int kHeadDim, bool kBias>
+template <typename T, int kHeadDim, int kEdges>
 cudaError_t run_fused3s_bwd(const Fused3SBwdParams& dq_pass, const Fused3SBwdParams& dkv_pass, cudaStream_t stream) {
     // The dQ pass writes delta, which the dKV pass reads: same stream, in order.
-    const cudaError_t err = launch_fused3s_bwd_pass<T, kHeadDim, false, kBias>(dq_pass, stream);
+    const cudaError_t err = launch_fused3s_bwd_pass<T, kHeadDim, false, kEdges>(dq_pass, stream);
     if (err != cudaSuccess) return err;
-    return launch_fused3s_bwd_pass<T, kHeadDim, true, kBias>(dkv_pass, stream);
+    return launch_fused3s_bwd_pass<T, kHeadDim, true, kEdges>(dkv_pass, stream);
 }
 
 }  // namespace gt_fused3s

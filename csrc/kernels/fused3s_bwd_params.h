@@ -79,9 +79,9 @@ struct Fused3SBwdParams {
 
 // Zeroes the arrival counters and launches the dQ pass, then the dKV pass, on
 // `stream`. T is __half or __nv_bfloat16; HeadDim in {16, 32, 64, 128, 256};
-// kBias: the scores get each pass's bias. Returns the first CUDA error of the
+// kEdges: 0 none, 1 each pass's edge terms, 2 those and attention dropout. Returns the first CUDA error of the
 // launches.
-template <typename T, int HeadDim, bool kBias>
+template <typename T, int HeadDim, int kEdges>
 cudaError_t run_fused3s_bwd(const Fused3SBwdParams& dq_pass, const Fused3SBwdParams& dkv_pass, cudaStream_t stream);
 
 }  // namespace gt_fused3s

@@ -83,12 +83,20 @@ __device__ __forceinline__ void store_row(void* dst, bool out_fp32, const float 
     }
 }
 
-// Instances with edge terms carry a few more registers per pair: they ask
-// for half the resident blocks (else they spill).
-template <typename T, int kHeadDim, bool kBias>
+// kEdges: 0 none, 1 edge terms (bias, non-zero offsets), 2 edge terms and
+// attention dropout. Instances with edge terms carry a few more registers per
+// pair: they ask for 3/4 of the resident blocks (1/2 with dropout), else they
+// spill (ptxas, sm_90a, D = 16).
+template <int kEdges, int kMinBlocks>
+constexpr int edge_min_blocks() {
+    return kEdges == 0 ? kMinBlocks : (kEdges == 1 ? (kMinBlocks * 3 + 3) / 4 : (kMinBlocks + 1) / 2);
+}
+
+template <typename T, int kHeadDim, int kEdges>
 __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads,
-                                  kBias ? (FwdConfig<kHeadDim>::kMinBlocks + 1) / 2 : FwdConfig<kHeadDim>::kMinBlocks)
+                                  edge_min_blocks<kEdges, FwdConfig<kHeadDim>::kMinBlocks>())
 fused3s_fwd_kernel(const Fused3SParams p) {
+    constexpr bool kBias = kEdges > 0;
     using Cfg = FwdConfig<kHeadDim>;
     constexpr int kDW = Cfg::kDW;
     constexpr int kNT = Cfg::kNT;
@@ -158,7 +166,7 @@ fused3s_fwd_kernel(const Fused3SParams p) {
             };
             load_raw(tcb_begin);
             PairMeta cur = decode_pair(raw, lane);
-            PairBias<kBias> bcur, bnxt;
+            PairBias<kBias, false, kEdges == 2> bcur, bnxt;
             bcur.load(raw, p.bias, lane, head);
             if (tcb_begin + 2 < tcb_end) load_raw(tcb_begin + 2);
 
@@ -316,7 +324,7 @@ fused3s_fwd_kernel(const Fused3SParams p) {
     }
 }
 
-template <typename T, int kHeadDim, bool kBias>
+template <typename T, int kHeadDim, int kEdges>
 void run_fused3s_fwd(const Fused3SParams& params, cudaStream_t stream) {
     using Cfg = FwdConfig<kHeadDim>;
     const int64_t work = static_cast<int64_t>(params.num_items) * params.num_heads;
@@ -325,7 +333,7 @@ void run_fused3s_fwd(const Fused3SParams& params, cudaStream_t stream) {
         const size_t bytes = sizeof(int32_t) * static_cast<size_t>(params.num_slots) * params.num_heads;
         if (cudaMemsetAsync(params.counters_ptr, 0, bytes, stream) != cudaSuccess) return;   // error stays set
     }
-    fused3s_fwd_kernel<T, kHeadDim, kBias><<<static_cast<unsigned>(work), Cfg::kThreads, 0, stream>>>(params);
+    fused3s_fwd_kernel<T, kHeadDim, kEdges><<<static_cast<unsigned>(work), Cfg::kThreads, 0, stream>>>(params);
 }
 
 }  // namespace gt_fused3s

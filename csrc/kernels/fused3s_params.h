@@ -106,9 +106,9 @@ struct Fused3SParams {
 };
 
 // Zeroes the arrival counters and launches the forward kernel on `stream`.
-// T is __half or __nv_bfloat16; HeadDim in {16, 32, 64, 128, 256}; with
-// kBias, the scores get params.bias.
-template <typename T, int HeadDim, bool kBias>
+// T is __half or __nv_bfloat16; HeadDim in {16, 32, 64, 128, 256}; kEdges:
+// 0 none, 1 the edge terms of params.bias, 2 those and attention dropout.
+template <typename T, int HeadDim, int kEdges>
 void run_fused3s_fwd(const Fused3SParams& params, cudaStream_t stream);
 
 // The attention probabilities P_e = exp(scale q_i.k_j + bias_e - lse_i) of
