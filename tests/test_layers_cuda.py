@@ -114,10 +114,14 @@ def test_pyg_layer_edge_features_and_weights_on_cuda(kernel_calls, heads, out_ch
         results.append({"out": out.detach(), "alpha": alpha.detach(), "x": xg.grad, "edge_attr": eag.grad,
                         **{k: p.grad for k, p in conv.named_parameters()}})
     assert len(kernel_calls) == 1
+    grad_scale = max(results[0][k].abs().max().item() for k in results[0] if k not in ("out", "alpha"))
     for name, expect in results[0].items():
         got = results[1][name]
         # fp16 tensor-core operands: q and k rounded, so scores (and the
-        # weights, which the edge terms multiply) move by ~1e-3 of their size
-        tol = 1e-2 * max(expect.abs().max().item(), 1e-3)
+        # weights, which the edge terms multiply) move by ~1e-3 of their
+        # size; gradients that are 0 in exact arithmetic (lin_key.bias: a
+        # shift of every key changes no softmax) get a floor from the others
+        floor = 1e-3 * grad_scale if name not in ("out", "alpha") else 0.0
+        tol = 1e-2 * max(expect.abs().max().item(), 1e-3) + floor
         err = (got.float() - expect).abs().max().item()
         assert err <= tol, f"{name}: max err {err:.3e} > tol {tol:.3e}"
