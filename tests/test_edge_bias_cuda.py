@@ -168,7 +168,7 @@ def test_bad_edge_inputs_through_the_ops(ops):
          r"edge_bias must have shape \[E, H\]")
     call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias.half(), nnz_offset, slot_edge), "edge_bias must be float32")
     call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset.long(), slot_edge), "nnz_offset must be int32")
-    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset[:-1], slot_edge), "nnz_offset must have T + 1")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset[:-1], slot_edge), r"nnz_offset must have T \+ 1")
     out, lse = ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge)
     call(lambda: ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge, edge_slot[:-1], 0.1, bias),
          "edge_slot must have E")
