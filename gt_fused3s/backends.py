@@ -119,26 +119,33 @@ class AttentionGraph:
         return self._get("flex_block_mask", build)
 
 
-def _fused3s(q, k, v, graph: AttentionGraph, scale):
-    return fused3s_attention(q, k, v, graph.fused3s_format, scale)
+def _fused3s(q, k, v, graph: AttentionGraph, scale, edge_bias=None):
+    return fused3s_attention(q, k, v, graph.fused3s_format, scale, edge_bias=edge_bias)
 
 
-def _reference(q, k, v, graph: AttentionGraph, scale):
-    return attention_reference(q, k, v, graph.edge_index, scale)
+def _reference(q, k, v, graph: AttentionGraph, scale, edge_bias=None):
+    return attention_reference(q, k, v, graph.edge_index, scale, edge_bias=edge_bias)
 
 
-def _dense(q, k, v, graph: AttentionGraph, scale):
+def _no_bias(name: str, edge_bias) -> None:
+    if edge_bias is not None:
+        raise ValueError(f"the {name} backend takes no per-edge bias (edge features): use fused3s, "
+                         f"pyg or reference")
+
+
+def _dense(q, k, v, graph: AttentionGraph, scale, edge_bias=None):
+    _no_bias("dense", edge_bias)
     return attention_dense(q, k, v, graph.dense_counts, scale)
 
 
 _pyg_module = None
 
 
-def _pyg(q, k, v, graph: AttentionGraph, scale):
+def _pyg(q, k, v, graph: AttentionGraph, scale, edge_bias=None):
     global _pyg_module
     if _pyg_module is None:
         _pyg_module = _make_pyg_attention()
-    return _pyg_module(q, k, v, graph.edge_index.long(), scale)   # PyG's scatters take int64
+    return _pyg_module(q, k, v, graph.edge_index.long(), scale, edge_bias)   # PyG's scatters take int64
 
 
 def _make_pyg_attention():
@@ -150,12 +157,14 @@ def _make_pyg_attention():
         def __init__(self):
             super().__init__(aggr="add", node_dim=0)
 
-        def forward(self, q, k, v, edge_index, scale):
-            return self.propagate(edge_index, query=q, key=k, value=v, scale=scale,
+        def forward(self, q, k, v, edge_index, scale, edge_bias=None):
+            return self.propagate(edge_index, query=q, key=k, value=v, scale=scale, edge_bias=edge_bias,
                                   size=(q.size(0), q.size(0)))
 
-        def message(self, query_i, key_j, value_j, index, ptr, size_i, scale):
+        def message(self, query_i, key_j, value_j, index, ptr, size_i, scale, edge_bias):
             alpha = (query_i * key_j).sum(dim=-1) * scale
+            if edge_bias is not None:
+                alpha = alpha + edge_bias
             alpha = softmax(alpha, index, ptr, size_i)
             return value_j * alpha.unsqueeze(-1)
 
@@ -165,8 +174,9 @@ def _make_pyg_attention():
 _flex_compiled = None
 
 
-def _flex(q, k, v, graph: AttentionGraph, scale):
+def _flex(q, k, v, graph: AttentionGraph, scale, edge_bias=None):
     global _flex_compiled
+    _no_bias("flex", edge_bias)
     if not q.is_cuda:
         raise RuntimeError("the flex backend runs on CUDA tensors only")
     if _flex_compiled is None:   # eager FlexAttention is a slow debugging path

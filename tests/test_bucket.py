@@ -92,3 +92,23 @@ def test_pad_dgl():
     src, dst = pg.edges()
     assert torch.equal(src[:4], torch.tensor([0, 1, 2, 2])) and (src[4:] >= 5).all() and (dst[4:] >= 5).all()
     assert int(mask.sum()) == 5
+
+
+def test_padding_keeps_edge_features():
+    """Bond types of a padded batch: the real edges' in place, type 0 on the
+    padding edges; the padded batch's outputs on real graphs are unchanged."""
+    from gt_fused3s.models import GraphTransformer
+    from graph_cases import molecule_batches
+    data = molecule_batches(1, 8, 6)[0]
+    E = data.edge_index.size(1)
+    buckets = Buckets.fit([(data.num_nodes, E, 8)])
+    padded = buckets.pad_batch(data)
+    assert torch.equal(padded.edge_attr[:E], data.edge_attr)
+    assert padded.edge_attr.size(0) == padded.edge_index.size(1) and not padded.edge_attr[E:].any()
+    torch.manual_seed(0)
+    model = GraphTransformer(6, 16, 2, num_layers=2, heads=2, readout="graph", edge_vocab=(4,),
+                             backend="reference").eval()
+    out = model(data.x, data.edge_index, data.batch, edge_attr=data.edge_attr)
+    out_p = model(padded.x, padded.edge_index, padded.batch, edge_attr=padded.edge_attr,
+                  num_graphs=padded.graph_mask.numel())
+    torch.testing.assert_close(out_p[padded.graph_mask], out, atol=1e-5, rtol=1e-5)

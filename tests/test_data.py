@@ -350,3 +350,28 @@ def test_check_entry(spec, match):
     with pytest.raises(ValueError, match=match):
         check_entry(spec)
     check_entry({"kind": "npz", "max_batches": 3}, {"max_batches"})
+
+
+def test_edge_features_from_the_data_or_generated():
+    """Integer edge_attr (bond types) comes along as int64 [E, C] with its
+    vocabulary (max + 1 per column); without edge_attr, generated bond types
+    (one type per unordered pair) stand in; every loader carries them."""
+    from gt_fused3s.data.online import from_pyg
+    graphs = _graphs(6)
+    g = torch.Generator().manual_seed(3)
+    for d in graphs:
+        d.edge_attr = torch.stack([torch.randint(0, 5, (d.edge_index.size(1),), generator=g),
+                                   torch.randint(0, 3, (d.edge_index.size(1),), generator=g)], 1)
+    ds = from_pyg(graphs, "bonds", batch_size=4)
+    top = torch.cat([d.edge_attr for d in graphs]).max(0).values
+    assert ds.edge_vocab == tuple(int(t) + 1 for t in top)
+    b = ds[0]
+    assert torch.equal(b.edge_attr, torch.cat([d.edge_attr for d in graphs[:4]]))
+    plain = from_pyg(_graphs(6), "plain", batch_size=4)
+    assert plain.edge_vocab == (4,)
+    e = plain[0]
+    assert e.edge_attr.shape == (e.edge_index.size(1), 1) and e.edge_attr.max() < 4
+    flipped = {(int(s), int(t)): int(a) for (s, t), a in zip(e.edge_index.t(), e.edge_attr[:, 0])}
+    assert all(flipped[(t, s)] == a for (s, t), a in flipped.items())      # symmetric
+    mols = molecules_dataset(num_graphs=4, batch_size=4)
+    assert mols.edge_vocab == (4,) and mols[0].edge_attr.size(0) == mols[0].edge_index.size(1)

@@ -281,3 +281,19 @@ def test_online_study_configs_fall_back_offline(config, names):
         assert ds.level == ("graph" if config.endswith("batched.yaml") else "node")
         b = ds[0]
         assert b.num_nodes > 0 and b.x.size(1) == ds.num_features
+
+
+def test_edge_features_rows_agree_and_dense_is_skipped(tmp_path):
+    """model.edge_features: every backend that takes a per-edge bias agrees
+    with the reference; dense (no per-edge bias) is a skipped row."""
+    out = tmp_path / "o.csv"
+    cfg = _tiny_config(tmp_path, backends=["fused3s", "pyg", "reference", "dense"],
+                       model={"hidden": 16, "layers": 2, "heads": 2, "edge_features": True})
+    assert main(["infer", "--device", "cpu", "--config", str(cfg), "--no-progress", "--csv", str(out)]) == 0
+    rows = _rows(out)
+    for r in rows:
+        if r["backend"] == "dense":
+            assert r["status"] == "skipped" and "per-edge bias" in r["note"]
+        else:
+            assert r["status"] == "ok", r
+            assert float(r["max_abs_diff"] or 0) < 1e-4

@@ -55,7 +55,9 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     reference: reference  # backend the 'max diff' column compares with
     max_nodes: {dense: 4096, flex: 65536}   # skip a backend above N nodes per forward
     model: {hidden: 64, layers: 10, heads: 1, norm: layer, dropout: 0.0,
-            out_channels: null, self_loops: false}   # hidden: a size or a list of sizes
+            out_channels: null, self_loops: false,   # hidden: a size or a list of sizes
+            edge_features: false}   # an attention bias per block from the data's bond types
+                                    # (dense and flex take none: skipped)
     datasets:             # each: see gt_fused3s.data.load_dataset
       - name: molecules
         kind: molecules   # molecules | random_graphs | powerlaw | npz | ogb | lrgb | pyg
@@ -140,7 +142,7 @@ DEFAULTS: dict[str, Any] = {
     "reference": "reference",
     "max_nodes": {"dense": 4096, "flex": 65536},
     "model": {"hidden": 64, "layers": 10, "heads": 1, "norm": "layer", "dropout": 0.0,
-              "out_channels": None, "self_loops": False},
+              "out_channels": None, "self_loops": False, "edge_features": False},
     "datasets": [],
 }
 _HARNESS_KEYS = {"max_batches", "readout"}     # dataset keys besides the loader's
@@ -281,16 +283,22 @@ def _run_model(work: _Work, ds, hidden: int, base: dict, s: _Settings) -> list[d
     cfg, device, mcfg = s.cfg, s.device, s.cfg["model"]
     ref = cfg["reference"]
     torch.manual_seed(cfg["seed"])
+    if mcfg["edge_features"] and ds.edge_vocab is None:
+        raise ValueError(f"model.edge_features: the dataset {ds.name} has no categorical edge features")
     model = GraphTransformer(ds.num_features, hidden, mcfg["out_channels"] or ds.num_classes or 1,
                              num_layers=mcfg["layers"], heads=mcfg["heads"], backend=ref,
                              norm=mcfg["norm"], readout=work.readout, dropout=mcfg["dropout"],
-                             self_loops=mcfg["self_loops"])
+                             self_loops=mcfg["self_loops"],
+                             edge_vocab=ds.edge_vocab if mcfg["edge_features"] else None)
     model = model.to(device).eval()
     max_nodes = max(d.num_nodes for d in work.batches)
     runs = s.runs
     skip = {name: _skip_reason(parse_run(name)[0], device, max_nodes, cfg["max_nodes"],
                                len(work.batches) if work.streamed else 0)
             for name in {*runs, ref}}
+    for name in skip:
+        if model.edge_vocab is not None and parse_run(name)[0] in ("dense", "flex") and not skip[name]:
+            skip[name] = "takes no per-edge bias (model.edge_features)"
 
     # The agreement target: the reference backend's outputs, from its own run
     # when it is benchmarked (first), else from one pass of its own.
@@ -377,6 +385,11 @@ def _timing_label(mode: str) -> str:
             "compile-graph": "cuda-graph of torch.compile"}.get(mode, f"torch.compile {mode}")
 
 
+def _edge_attr(model, data):
+    """The batch's edge features if the model reads them."""
+    return data.edge_attr if model.edge_vocab is not None else None
+
+
 class _Work:
     """The batches of one dataset, and how a model is measured on them."""
 
@@ -388,7 +401,7 @@ class _Work:
         """``model`` on a batch on the device; ``graph`` None: the forward builds it."""
         with torch.inference_mode(), self.s.autocast:
             return model(data.x, data.edge_index, data.batch if self.readout == "graph" else None,
-                         graph=graph, num_graphs=num_graphs(data))
+                         graph=graph, num_graphs=num_graphs(data), edge_attr=_edge_attr(model, data))
 
     def _timed_count(self) -> int:
         return max(self.s.repeats, len(self.batches)) if self.streamed else self.s.repeats
@@ -426,24 +439,26 @@ class _Work:
             def run_compiled(data):
                 with torch.inference_mode(), self.s.autocast:
                     out = compiled(data.x, data.edge_index, data.batch if graph_level else None,
-                                   num_graphs=num_graphs(data))
+                                   num_graphs=num_graphs(data), edge_attr=_edge_attr(model, data))
                 # reduce-overhead returns its CUDA graph's static output, which
                 # the next call overwrites (as our own replays do): keep a copy
                 return out.clone() if mode == "reduce-overhead" else out
             return run_compiled
 
-        def body(x, edge_index, batch=None, graph_mask=None):
+        def body(x, edge_index, batch=None, graph_mask=None, edge_attr=None):
             with self.s.autocast:           # the batch's format is built inside the graph
                 G = graph_mask.numel() if graph_mask is not None else None
                 if compiled is not None:    # compile-graph: built inside the compiled region
-                    return compiled(x, edge_index, batch, num_graphs=G)
+                    return compiled(x, edge_index, batch, num_graphs=G, edge_attr=edge_attr)
                 graph = AttentionGraph(edge_index, x.size(0), static=True)
-                return model(x, None, batch, graph=graph, num_graphs=G)
+                return model(x, None, batch, graph=graph, num_graphs=G, edge_attr=edge_attr)
         runner = CudaGraphRunner(body)
 
         def replay(data):
             inputs = ((data.x, data.edge_index, data.batch, data.graph_mask) if graph_level
-                      else (data.x, data.edge_index))
+                      else (data.x, data.edge_index, None, None))
+            if model.edge_vocab is not None:
+                inputs = (*inputs, data.edge_attr)
             with torch.inference_mode():
                 return runner(*inputs).clone()   # the static output is overwritten by the next replay
         return replay

@@ -67,7 +67,9 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
                                # @compile-graph (see gt_fused3s.bench.common.MODES)
     compiled_runs: true   # on a GPU: add pyg@compile, pyg@reduce-overhead, fused3s@compile-graph
     max_buckets: 4        # static shapes of the captured / compiled runs
-    model: {hidden: 64, layers: 10, heads: 1, norm: layer, dropout: 0.0, self_loops: false}
+    model: {hidden: 64, layers: 10, heads: 1, norm: layer, dropout: 0.0, self_loops: false,
+            edge_features: false}   # edge_features: an attention bias per block from the
+                                    # dataset's categorical edge features (bond types)
     target: auto          # auto | labels | structure
     loss: auto            # auto | mse | bce | ce
     quick: {steps: 6, warmup: 1}   # overrides of these keys under --quick
@@ -122,7 +124,7 @@ DEFAULTS: dict[str, Any] = {
     "compiled_runs": True,
     "max_buckets": 4,
     "model": {"hidden": 64, "layers": 10, "heads": 1, "norm": "layer", "dropout": 0.0,
-              "self_loops": False},
+              "self_loops": False, "edge_features": False},
     "target": "auto",
     "loss": "auto",
     "quick": {"steps": 6, "warmup": 1},
@@ -170,6 +172,8 @@ def validate_config(raw: dict) -> dict:
     _check_int("max_buckets", cfg["max_buckets"], 1)
     _check_int("model.hidden", cfg["model"]["hidden"], 1)
     _check_int("model.layers", cfg["model"]["layers"], 1)
+    if not isinstance(cfg["model"]["edge_features"], bool):
+        raise ValueError(f"model.edge_features must be true or false (got {cfg['model']['edge_features']!r})")
     _check_choice("target", cfg["target"], TARGETS)
     _check_choice("loss", cfg["loss"], LOSSES)
     bad = set(cfg["quick"]) - (set(DEFAULTS) - {"quick", "dataset"})
@@ -214,6 +218,7 @@ class Task:
     target: str           # "labels" or a description of the generated target
     columns: dict         # describe_dataset's columns
     about: str            # describe_dataset's line: what the data is, sizes
+    edge_vocab: tuple | None = None   # the dataset's categorical edge features (edge_attr)
     _padded: list | None = None   # the batches padded to buckets, made on first use
 
     def loss_of(self, out: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -291,7 +296,7 @@ def load_task(cfg: dict, device: torch.device, *, quick: bool = False, offline: 
                                         cfg["loss"])
         target = "labels"
     return Task(ds.name, [b.to(device) for b in batches], ds.level, out_channels, loss, target,
-                columns, about)
+                columns, about, ds.edge_vocab)
 
 
 def step_order(num_batches: int, steps: int, seed: int) -> list[int]:
@@ -359,19 +364,28 @@ def describe_run(task: Task, cfg: dict, dtype: str) -> str:
     """One line: the task, the model and the optimisation."""
     m = cfg["model"]
     return (f"task: {task.readout}-level {task.loss} on {task.target}; model: {m['layers']} "
-            f"blocks, hidden {m['hidden']}, {m['heads']} head(s), {dtype}; Adam lr "
+            f"blocks, hidden {m['hidden']}, {m['heads']} head(s)"
+            f"{', edge features ' + str(task.edge_vocab) if m['edge_features'] else ''}, {dtype}; Adam lr "
             f"{cfg['lr']:g}; {cfg['steps']} steps ({cfg['warmup']} warmup, untimed)")
 
 
 def build_model(task: Task, cfg: dict, device: torch.device) -> GraphTransformer:
     """The model every backend starts from, seeded."""
     m = cfg["model"]
+    if m["edge_features"] and task.edge_vocab is None:
+        raise ValueError(f"model.edge_features: the dataset {task.name} has no categorical edge features")
     torch.manual_seed(cfg["seed"])
     model = GraphTransformer(task.batches[0].x.size(1), m["hidden"], task.out_channels,
                              num_layers=m["layers"], heads=m["heads"], norm=m["norm"],
                              readout=task.readout, dropout=m["dropout"],
-                             self_loops=m["self_loops"])
+                             self_loops=m["self_loops"],
+                             edge_vocab=task.edge_vocab if m["edge_features"] else None)
     return model.to(device)
+
+
+def edge_attr_of(model: GraphTransformer, data) -> Tensor | None:
+    """The batch's edge features if the model reads them."""
+    return data.edge_attr if model.edge_vocab is not None else None
 
 
 def train_backend(model: GraphTransformer, initial: dict, name: str, task: Task,
@@ -486,7 +500,8 @@ class _Trainer:
         graph = self._graph(data, index) if self.mode == "eager" else None
         with self.autocast:
             out = self.forward(data.x, data.edge_index, data.batch if graph_level else None,
-                               graph=graph, num_graphs=num_graphs(data))
+                               graph=graph, num_graphs=num_graphs(data),
+                               edge_attr=edge_attr_of(self.model, data))
         mask = getattr(data, "graph_mask" if graph_level else "node_mask", None)
         loss = self.task.loss_of(out, data.y, mask)
         self.scaler.scale(loss).backward()
@@ -496,8 +511,9 @@ class _Trainer:
 
     # -------------------------------------------------------------- captured
     def _static_inputs(self, data) -> tuple[Tensor, ...]:
+        edge = (data.edge_attr,) if self.model.edge_vocab is not None else ()
         if self.task.readout == "graph":
-            return data.x, data.edge_index, data.batch, data.graph_mask, data.y
+            return data.x, data.edge_index, data.batch, data.graph_mask, data.y, *edge
         return data.x, data.y
 
     def _step_fn(self):
@@ -516,20 +532,22 @@ class _Trainer:
             return loss.detach()
 
         if task.readout == "graph":
-            def step(x, edge_index, batch, graph_mask, y):
+            def step(x, edge_index, batch, graph_mask, y, edge_attr=None):
                 opt.zero_grad(set_to_none=True)     # the captured backward allocates the grads
                 with self.autocast:
                     graph = None if compiled else AttentionGraph(edge_index, x.size(0), static=True)
-                    out = model(x, edge_index, batch, graph=graph, num_graphs=graph_mask.numel())
+                    out = model(x, edge_index, batch, graph=graph, num_graphs=graph_mask.numel(),
+                                edge_attr=edge_attr)
                 return finish(out, y, graph_mask)
             return step
         graph = None if compiled else self._graph(task.batches[0], 0)
         edge_index = task.batches[0].edge_index
+        edge_attr = edge_attr_of(self.model, task.batches[0])
 
         def step(x, y):
             opt.zero_grad(set_to_none=True)
             with self.autocast:
-                out = model(x, edge_index, None, graph=graph)
+                out = model(x, edge_index, None, graph=graph, edge_attr=edge_attr)
             return finish(out, y, None)
         return step
 

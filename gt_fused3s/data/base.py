@@ -36,7 +36,10 @@ class GraphDataset:
     - ``num_nodes``  N,
     - ``batch``      int64 [N] graph of each node and ``ptr`` int64 [G + 1]
       node offsets (``level == "graph"`` only: collections of graphs),
-    - ``y``          labels where the source has them.
+    - ``y``          labels where the source has them,
+    - ``edge_attr``  int64 [E, C] categorical edge features (bond types: from
+      the source where it has them, generated for structures that have
+      none), with ``edge_vocab`` the size of each of the C columns.
 
     Args:
         name: the dataset's name in tables.
@@ -52,6 +55,8 @@ class GraphDataset:
         device: where ``ds[i]`` makes batches; :meth:`get` takes another.
             Generators draw on that device (CPU and CUDA generators give
             different graphs for one seed).
+        edge_vocab: the sizes of the categorical edge feature columns of
+            ``edge_attr`` (None: the batches carry none).
     """
 
     name: str
@@ -62,6 +67,7 @@ class GraphDataset:
     num_classes: int | None = None
     info: dict = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
+    edge_vocab: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.level not in ("node", "graph"):
@@ -86,10 +92,12 @@ class GraphDataset:
 
 
 def make_data(x: Tensor, edge_index: Tensor, num_nodes: int, ptr: Tensor | None = None,
-              y: Tensor | None = None) -> Data:
+              y: Tensor | None = None, edge_attr: Tensor | None = None) -> Data:
     """One batch in the layout of :class:`GraphDataset` (``ptr`` given: a
     collection, ``batch`` is derived from it)."""
     data = Data(x=x, edge_index=edge_index, num_nodes=int(num_nodes))
+    if edge_attr is not None:
+        data.edge_attr = edge_attr
     if ptr is not None:
         data.ptr = ptr
         data.batch = torch.repeat_interleave(
@@ -146,3 +154,17 @@ def resolve_path(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"data file {os.fspath(path)!r} not found; tried "
                             + ", ".join(str(p) for p in tried)
                             + f" (set {DATA_ENV} to the folder that holds it)")
+
+
+#: the vocabulary of :func:`generated_bond_types` (one column)
+GENERATED_BOND_VOCAB = (4,)
+
+
+def generated_bond_types(src: Tensor, dst: Tensor) -> Tensor:
+    """int64 [E, 1] bond types in [0, 4) for structures without edge
+    features: a hash of the unordered pair of (global) node ids, so both
+    directions of an edge get one type and a batch's types do not depend on
+    how the collection is sliced."""
+    a, b = torch.minimum(src, dst).long(), torch.maximum(src, dst).long()
+    h = (a * 73856093) ^ (b * 19349663)
+    return (h % 4).unsqueeze(1)

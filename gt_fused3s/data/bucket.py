@@ -111,8 +111,9 @@ class Buckets:
 
     def pad_batch(self, data: Data, bucket: Bucket | None = None) -> Data:
         """``data`` (a PyG ``Data``/``Batch``: ``x``, ``edge_index``, optional
-        ``batch``/``ptr`` and ``y``) padded to its bucket, as a new ``Data``
-        with ``node_mask``, ``graph_mask`` (collections) and ``bucket``."""
+        ``batch``/``ptr``, ``y`` and ``edge_attr``) padded to its bucket, as a
+        new ``Data`` with ``node_mask``, ``graph_mask`` (collections) and
+        ``bucket``."""
         graphs = data.ptr.numel() - 1 if "ptr" in data else 0
         bucket = bucket or self.bucket_of(data.num_nodes, data.edge_index.size(1), graphs)
         batch = data.batch if graphs else None
@@ -121,6 +122,10 @@ class Buckets:
             data.x, data.edge_index, bucket, batch=batch, num_graphs=graphs, y=y,
             y_per_graph=bool(graphs) and y is not None and y.size(0) == graphs)
         out = Data(x=x, edge_index=edge_index, num_nodes=bucket.num_nodes, node_mask=node_mask)
+        edge_attr = getattr(data, "edge_attr", None)
+        if edge_attr is not None:        # padding edges get type 0 (they join padding nodes only)
+            pad = edge_attr.new_zeros((bucket.num_edges - edge_attr.size(0), *edge_attr.shape[1:]))
+            out.edge_attr = torch.cat([edge_attr, pad])
         if graphs:
             out.batch = batch
             out.graph_mask = graph_mask

@@ -7,6 +7,9 @@
 - collection: ``graph_ptr`` int64 [G+1], ``edge_ptr`` int64 [G+1], ``src``,
   ``dst`` int32 [E] with global ids; any contiguous slice of graphs is a
   block-diagonal graph once shifted by its first node id.
+
+The files hold no edge features: batches carry generated bond types
+(``base.generated_bond_types``) as ``edge_attr``.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import os
 import numpy as np
 import torch
 
-from .base import GraphDataset, make_data, random_features, resolve_path
+from .base import GENERATED_BOND_VOCAB, GraphDataset, generated_bond_types, make_data, random_features, resolve_path
 
 
 def load_npz(structure: str | os.PathLike, *, name: str | None = None, num_features: int = 16,
@@ -54,11 +57,13 @@ def load_npz(structure: str | os.PathLike, *, name: str | None = None, num_featu
             dst = torch.repeat_interleave(torch.arange(n), indptr[1:] - indptr[:-1],
                                           output_size=indices.numel())
             ei = torch.stack([indices, dst]).to(device)
-            return make_data(random_features(n, num_features, seed=seed, device=device), ei, n)
+            return make_data(random_features(n, num_features, seed=seed, device=device), ei, n,
+                             edge_attr=generated_bond_types(ei[0], ei[1]))
 
         return GraphDataset(name, "node", num_features, 1, make_single,
                             info={"source": str(path), "num_graphs": 1, "num_nodes": n,
-                                  "num_edges": indices.numel()}, device=device)
+                                  "num_edges": indices.numel()}, device=device,
+                            edge_vocab=GENERATED_BOND_VOCAB)
 
     missing = {"graph_ptr", "edge_ptr", "src", "dst"} - arrays.keys()
     if missing:
@@ -78,13 +83,16 @@ def load_npz(structure: str | os.PathLike, *, name: str | None = None, num_featu
         a = start + i * batch_size
         b = min(a + batch_size, start + count)
         n0, e0, e1 = int(gp[a]), int(ep[a]), int(ep[b])
-        ei = torch.stack([src[e0:e1], dst[e0:e1]]).long().sub_(n0).to(device)
+        ei = torch.stack([src[e0:e1], dst[e0:e1]]).long()
+        bonds = generated_bond_types(ei[0], ei[1]).to(device)      # of the global ids
+        ei = ei.sub_(n0).to(device)
         ptr = (gp[a:b + 1] - n0).to(device)
         n = int(gp[b]) - n0
         return make_data(random_features(n, num_features, seed=seed, stream=i, device=device),
-                         ei, n, ptr=ptr)
+                         ei, n, ptr=ptr, edge_attr=bonds)
 
     return GraphDataset(name, "graph", num_features, num_batches, make_batch,
                         info={"source": str(path), "num_graphs": count, "batch_size": batch_size,
                               "num_nodes": int(gp[start + count] - gp[start]),
-                              "num_edges": int(ep[start + count] - ep[start])}, device=device)
+                              "num_edges": int(ep[start + count] - ep[start])}, device=device,
+                        edge_vocab=GENERATED_BOND_VOCAB)

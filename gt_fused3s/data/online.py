@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from .base import REPO_ROOT, DatasetUnavailableError, GraphDataset, make_data, random_features
+from .base import (GENERATED_BOND_VOCAB, REPO_ROOT, DatasetUnavailableError, GraphDataset,
+                   generated_bond_types, make_data, random_features)
 
 #: default download folder (ignored by git)
 DEFAULT_ROOT = REPO_ROOT / ".data" / "datasets"
@@ -52,10 +53,13 @@ def from_pyg(dataset, name: str, *, batch_size: int = 1024, max_graphs: int | No
     """Wrap a PyG dataset (a sequence of ``Data``): one graph -> level
     ``"node"``; several -> level ``"graph"``, batched ``batch_size`` graphs at
     a time (PyG's ``Batch``, i.e. block-diagonal). ``num_features`` is used
-    only when the data has no ``x``."""
+    only when the data has no ``x``. Integer ``edge_attr`` (bond types: ZINC,
+    OGB molecules, LRGB peptides) comes along as int64 [E, C] with its
+    vocabulary; without one, generated bond types stand in."""
     from torch_geometric.data import Batch
 
     first = dataset[0]
+    vocab = _edge_vocab(dataset, first)
     if getattr(first, "x", None) is not None:
         num_features = 1 if first.x.dim() == 1 else first.x.size(-1)
     info = {"source": type(dataset).__name__, **(info or {})}
@@ -65,21 +69,47 @@ def from_pyg(dataset, name: str, *, batch_size: int = 1024, max_graphs: int | No
         def make_single(i: int, device: torch.device):
             x = _node_features(first, num_features, seed, 0, device)
             return make_data(x, first.edge_index.to(device), int(first.num_nodes),
-                             y=None if first.y is None else first.y.to(device))
+                             y=None if first.y is None else first.y.to(device),
+                             edge_attr=_edge_types(first, vocab, device))
         return GraphDataset(name, "node", num_features, 1, make_single, num_classes,
                             info={**info, "num_graphs": 1, "num_nodes": int(first.num_nodes),
-                                  "num_edges": int(first.edge_index.size(1))}, device=device)
+                                  "num_edges": int(first.edge_index.size(1))}, device=device,
+                            edge_vocab=vocab)
 
     def make_batch(i: int, device: torch.device):
         graphs = [dataset[j] for j in range(i * batch_size, min((i + 1) * batch_size, count))]
         b = Batch.from_data_list(graphs)
         x = _node_features(b, num_features, seed, i, device)
         return make_data(x, b.edge_index.to(device), int(b.num_nodes), ptr=b.ptr.to(device),
-                         y=None if getattr(b, "y", None) is None else b.y.to(device))
+                         y=None if getattr(b, "y", None) is None else b.y.to(device),
+                         edge_attr=_edge_types(b, vocab, device))
 
     return GraphDataset(name, "graph", num_features, math.ceil(count / batch_size), make_batch,
                         num_classes, info={**info, "num_graphs": count, "batch_size": batch_size},
-                        device=device)
+                        device=device, edge_vocab=vocab)
+
+
+def _edge_vocab(dataset, first) -> tuple[int, ...]:
+    """The sizes of the categorical edge feature columns: from the data's
+    integer ``edge_attr`` (max + 1 per column over the dataset), else those of
+    the generated bond types."""
+    ea = getattr(first, "edge_attr", None)
+    if ea is None or ea.is_floating_point():
+        return GENERATED_BOND_VOCAB
+    stored = getattr(dataset, "_data", None)      # an InMemoryDataset's collated tensors
+    every = getattr(stored, "edge_attr", None) if stored is not None else None
+    if every is None:
+        every = torch.cat([d.edge_attr.reshape(d.edge_attr.size(0), -1) for d in dataset])
+    every = every.reshape(every.size(0), -1)
+    return tuple(int(m) + 1 for m in every.max(0).values) if every.numel() else (1,) * every.size(1)
+
+
+def _edge_types(data, vocab, device) -> torch.Tensor:
+    """int64 [E, C] edge types of ``data`` on ``device``."""
+    ea = getattr(data, "edge_attr", None)
+    if ea is None or ea.is_floating_point():
+        return generated_bond_types(data.edge_index[0], data.edge_index[1]).to(device)
+    return ea.reshape(ea.size(0), -1).long().to(device)
 
 
 def load_ogb(name: str, *, root: str | Path | None = None, split: str | None = None,

@@ -12,7 +12,8 @@ import math
 import torch
 from torch import Tensor
 
-from .base import GraphDataset, make_data, random_features, seeded_generator
+from .base import (GENERATED_BOND_VOCAB, GraphDataset, generated_bond_types, make_data, random_features,
+                   seeded_generator)
 
 
 def symmetric_coalesce(src: Tensor, dst: Tensor, num_nodes: int, *,
@@ -216,11 +217,11 @@ def _collection(name, source, batch, num_graphs, batch_size, num_features, seed,
         ei, ptr = batch(min(batch_size, num_graphs - i * batch_size), i, device)
         n = int(ptr[-1])
         x = random_features(n, num_features, seed=seed, stream=i, device=device)
-        return make_data(x, ei, n, ptr=ptr)
+        return make_data(x, ei, n, ptr=ptr, edge_attr=generated_bond_types(ei[0], ei[1]))
 
     return GraphDataset(name, "graph", num_features, math.ceil(num_graphs / batch_size), make,
                         info={"source": source, "synthetic": True, "num_graphs": num_graphs,
-                              "batch_size": batch_size}, device=device)
+                              "batch_size": batch_size}, device=device, edge_vocab=GENERATED_BOND_VOCAB)
 
 
 def power_law_dataset(name: str = "powerlaw", *, num_nodes: int = 10_000,
@@ -234,9 +235,9 @@ def power_law_dataset(name: str = "powerlaw", *, num_nodes: int = 10_000,
                              max_degree=max_degree, self_loops=self_loops, seed=seed,
                              device=device)
         return make_data(random_features(num_nodes, num_features, seed=seed, device=device),
-                         ei, num_nodes)
+                         ei, num_nodes, edge_attr=generated_bond_types(ei[0], ei[1]))
 
     return GraphDataset(name, "node", num_features, 1, make,
                         info={"source": "synthetic power law", "synthetic": True, "num_graphs": 1,
                               "num_nodes": num_nodes, "alpha": alpha, "max_degree": max_degree},
-                        device=device)
+                        device=device, edge_vocab=GENERATED_BOND_VOCAB)

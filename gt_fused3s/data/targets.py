@@ -90,7 +90,7 @@ def structural_task(batches: list[Data], level: str, num_features: int,
         target = graph_target(b, degree) if level == "graph" else node_target(b, degree)
         x = table.to(degree.device)[degree_bucket(degree)]
         out.append(make_data(x, b.edge_index, b.num_nodes, ptr=b.get("ptr"),
-                             y=target.unsqueeze(-1)))
+                             y=target.unsqueeze(-1), edge_attr=b.get("edge_attr")))
     return standardise_targets(out)
 
 

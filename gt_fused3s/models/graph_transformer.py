@@ -4,8 +4,13 @@ graph-level readout, with the attention backend switchable at run time.
 
 One block (post-norm, as in Dwivedi & Bresson's Graph Transformer)::
 
-    h = norm1(x + W_o · attention(W_q x, W_k x, W_v x; graph))
+    h = norm1(x + W_o · attention(W_q x, W_k x, W_v x; graph, b))
     x = norm2(h + FFN(h)),     FFN = Linear(C, 2C) -> ReLU -> Linear(2C, C)
+
+With edge features (``edge_vocab``: categorical columns such as bond types),
+each block adds a learned attention bias per edge and head, ``b_e =
+sum_c Embedding_c(edge_attr[e, c])`` [E, H], to the scaled scores (the edge
+encoding of Graphormer; the fused kernel takes it as ``edge_bias``).
 
 where ``attention`` is the 3S attention of DESIGN.md over the graph's edges
 (node ``i`` attends to its in-neighbours ``j``), computed by one of
@@ -82,12 +87,31 @@ def _make_norm(norm: str, channels: int) -> nn.Module:
     raise ValueError(f"norm must be 'layer' or 'batch' (got {norm!r})")
 
 
+class EdgeEncoder(nn.Module):
+    """An attention bias [E, heads] from categorical edge features [E, C]:
+    the sum of one embedding per column (vocabulary ``vocab[c]``)."""
+
+    def __init__(self, vocab: tuple[int, ...], heads: int):
+        super().__init__()
+        self.vocab = tuple(int(v) for v in vocab)
+        self.embeddings = nn.ModuleList(nn.Embedding(v, heads) for v in self.vocab)
+
+    def forward(self, edge_attr: Tensor) -> Tensor:
+        edge_attr = edge_attr.reshape(edge_attr.size(0), -1)
+        out = self.embeddings[0](edge_attr[:, 0])
+        for c in range(1, len(self.embeddings)):
+            out = out + self.embeddings[c](edge_attr[:, c])
+        return out
+
+
 class GraphTransformerBlock(nn.Module):
     """Q/K/V projections (one GEMM), sparse attention, output projection, residual +
     norm, FFN, residual + norm. The attention itself is passed in by the
-    model (one backend for all blocks)."""
+    model (one backend for all blocks); with ``edge_vocab``, its bias per
+    edge comes from this block's :class:`EdgeEncoder`."""
 
-    def __init__(self, channels: int, heads: int = 1, norm: str = "layer", dropout: float = 0.0):
+    def __init__(self, channels: int, heads: int = 1, norm: str = "layer", dropout: float = 0.0,
+                 edge_vocab: tuple[int, ...] | None = None):
         super().__init__()
         if channels < heads:
             raise ValueError(f"hidden_channels={channels} must be >= heads={heads}")
@@ -101,12 +125,14 @@ class GraphTransformerBlock(nn.Module):
                                  nn.Linear(2 * channels, channels))
         self.norm2 = _make_norm(norm, channels)
         self.dropout = nn.Dropout(dropout)
+        self.edge_encoder = EdgeEncoder(edge_vocab, heads) if edge_vocab else None
 
-    def forward(self, x: Tensor, attend) -> Tensor:
+    def forward(self, x: Tensor, attend, edge_attr: Tensor | None = None) -> Tensor:
         N = x.size(0)
         # [N, 3, H, D] -> three strided [N, H, D] views (the kernel takes row strides)
         q, k, v = self.qkv(x).view(N, 3, self.heads, self.head_dim).unbind(1)
-        a = attend(q, k, v, 1.0 / math.sqrt(self.head_dim)).reshape(N, -1)
+        bias = self.edge_encoder(edge_attr) if self.edge_encoder is not None else None
+        a = attend(q, k, v, 1.0 / math.sqrt(self.head_dim), bias).reshape(N, -1)
         x = self.norm1(x + self.dropout(self.o(a)))
         return self.norm2(x + self.dropout(self.ffn(x)))
 
@@ -132,18 +158,25 @@ class GraphTransformer(nn.Module):
             (training only).
         self_loops: let every node attend to itself as well (adds the
             missing self loops to the graph the model builds).
+        edge_vocab: the vocabulary of each categorical edge feature column
+            (a dataset's ``edge_vocab``): the blocks learn an attention bias
+            from ``edge_attr`` [E, C] (None: no edge features).
 
     Shapes:
         - input: x [N, F], edge_index [2, E] (source, destination),
-          batch [N] (graph readout; None = one graph)
+          batch [N] (graph readout; None = one graph), edge_attr int64
+          [E, C] (with ``edge_vocab``)
         - output: [N, out_channels] (node) or [G, out_channels] (graph)
     """
 
     def __init__(self, in_channels: int, hidden_channels: int, out_channels: int,
                  num_layers: int = 10, heads: int = 1, backend: str = "fused3s",
                  norm: str = "layer", readout: str = "node", dropout: float = 0.0,
-                 self_loops: bool = False):
+                 self_loops: bool = False, edge_vocab: tuple[int, ...] | None = None):
         super().__init__()
+        if edge_vocab and self_loops:
+            raise ValueError("self_loops adds edges without edge features: add typed self loops "
+                             "to the data instead, or leave edge_vocab unset")
         if readout not in ("node", "graph"):
             raise ValueError(f"readout must be 'node' or 'graph' (got {readout!r})")
         if num_layers < 1:
@@ -151,11 +184,15 @@ class GraphTransformer(nn.Module):
         self.readout = readout
         self.self_loops = self_loops
         self.embed = nn.Linear(in_channels, hidden_channels)
-        self.blocks = nn.ModuleList(GraphTransformerBlock(hidden_channels, heads, norm, dropout)
+        self.edge_vocab = tuple(edge_vocab) if edge_vocab else None
+        self.blocks = nn.ModuleList(GraphTransformerBlock(hidden_channels, heads, norm, dropout, self.edge_vocab)
                                     for _ in range(num_layers))
         self.head = nn.Linear(hidden_channels, out_channels)
         self.backend = backend
         self._timer: AttentionTimer | None = None
+
+    def _check_edge_attr(self, edge_attr, num_edges: int) -> None:
+        _check_edge_attr_for(self, edge_attr, num_edges)
 
     # ----------------------------------------------------------------- backend
     @property
@@ -218,7 +255,7 @@ class GraphTransformer(nn.Module):
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor, edge_index: Tensor | None, batch: Tensor | None = None,
                 graph: AttentionGraph | GraphPlan | BSBGraph | None = None,
-                num_graphs: int | None = None) -> Tensor:
+                num_graphs: int | None = None, edge_attr: Tensor | None = None) -> Tensor:
         """Args:
             x: [N, F] node features.
             edge_index: [2, E]; ignored when ``graph`` is given.
@@ -229,6 +266,8 @@ class GraphTransformer(nn.Module):
                 blocks (a batch is a new graph).
             num_graphs: the number of graphs in ``batch`` (graph readout);
                 given, the readout needs no host synchronisation.
+            edge_attr: int64 [E, C] categorical edge features, in the order
+                of the graph's edges (models with ``edge_vocab`` only).
         """
         N = x.size(0)
         if graph is None:
@@ -242,21 +281,38 @@ class GraphTransformer(nn.Module):
         if graph.device != x.device:
             raise ValueError(f"graph is on {graph.device} but x is on {x.device}")
 
+        self._check_edge_attr(edge_attr, graph.edge_index.size(1))
+
         fn, device = self._attention_fn, x.device
         with self._span("format", device):      # the backend's format, timed apart
             self.prepare_graph(graph)
 
-        def attend(q, k, v, scale):
+        def attend(q, k, v, scale, bias):
             with self._span("attention", device):
-                return fn(q, k, v, graph, scale)
+                return fn(q, k, v, graph, scale, bias)
 
         h = self.embed(x)
         for block in self.blocks:
-            h = block(h, attend)
+            h = block(h, attend, edge_attr)
         if self.readout == "graph":
             from torch_geometric.nn import global_mean_pool
             h = global_mean_pool(h, batch, size=num_graphs)
         return self.head(h)
+
+
+def _check_edge_attr_for(model: "GraphTransformer", edge_attr, num_edges: int) -> None:
+    if model.edge_vocab is None:
+        if edge_attr is not None:
+            raise ValueError("edge_attr given to a model without edge features (edge_vocab=None)")
+        return
+    C = len(model.edge_vocab)
+    if not isinstance(edge_attr, Tensor):
+        raise ValueError(f"the model has edge_vocab={model.edge_vocab}: pass edge_attr, an int64 "
+                         f"[E, {C}] tensor")
+    if edge_attr.is_floating_point() or edge_attr.size(0) != num_edges or (
+            edge_attr.reshape(edge_attr.size(0), -1).size(1) != C):
+        raise ValueError(f"edge_attr must be an integer [E, {C}] = [{num_edges}, {C}] tensor of edge "
+                         f"types (got {edge_attr.dtype} {tuple(edge_attr.shape)})")
 
 
 def _add_self_loops(edge_index: Tensor, num_nodes: int) -> Tensor:
