@@ -510,3 +510,14 @@ def test_nn_package_needs_no_dgl(monkeypatch):
     assert nn_pkg.Fused3SConv.__name__ == "Fused3SConv"
     with pytest.raises(ImportError, match=r'pip install "gt-fused3s\[dgl\]"'):
         importlib.import_module("gt_fused3s.nn.dgl")
+
+
+def test_dropout_under_compile_takes_transformer_conv_path(fused_calls):
+    """A kernel dropout seed would be frozen into a compiled graph: training
+    with dropout under torch.compile runs TransformerConv's own dropout."""
+    edge_index, n = GRAPH_CASES["self_loops"]()
+    _, ours = make_pair(heads=2, dropout=0.5)
+    ours.train()
+    compiled = torch.compile(ours, backend="eager", fullgraph=False)
+    out = compiled(random_x(n), edge_index)
+    assert out.shape == (n, 2 * D) and len(fused_calls) == 0

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch_geometric.nn import TransformerConv
 from torch_geometric.typing import SparseTensor
 
-from ..graph import BSBGraph, _check_index_tensor, _check_range
+from ..graph import BSBGraph, _check_index_tensor, _check_range, _in_capture_or_compile
 from .. import ops
 from ..edge_terms import edge_dot, edge_scatter
 from ..ops import fused3s_attention, kernel_accepts
@@ -87,6 +87,8 @@ class Fused3SConv(TransformerConv):
     - ``edge_attr`` without ``edge_dim`` (TransformerConv adds it to the
       values as is), a sparse adjacency whose values are feature vectors,
       and edge features or attention weights with a sparse adjacency,
+    - attention dropout while training inside ``torch.compile`` or a CUDA
+      graph capture (the kernel's seed would be frozen into the graph),
     - ``aggr`` other than ``"add"``, ``flow="target_to_source"``, explain
       mode and registered message-passing hooks,
     - on CUDA, a head size ``out_channels`` the kernel does not take (not a
@@ -297,6 +299,8 @@ class Fused3SConv(TransformerConv):
                             edge_attr, return_attention_weights) -> bool:
         if edge_attr is not None and self.lin_edge is None:
             return False   # TransformerConv adds raw edge_attr to the values
+        if self.training and self.dropout > 0 and _in_capture_or_compile():
+            return False   # a captured or compiled kernel dropout would replay one mask
         if _is_sparse(edge_index) and (self.lin_edge is not None
                                        or isinstance(return_attention_weights, bool)):
             return False
