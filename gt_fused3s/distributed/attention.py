@@ -1,0 +1,93 @@
+"""Full-graph attention over a partitioned graph: each rank computes the rows
+it owns, after receiving the K and V rows of its halo from their owners.
+
+Per layer the ranks exchange, with one ``all_to_all_single``, the rows each
+needs of the others (the send lists of :class:`~.partition.LocalGraph`); the
+backward returns the halo's dK and dV to the owners by the reverse exchange,
+where they are added to the local gradients. The local attention runs on the
+local graph (rows: this rank's nodes; columns: its nodes, then the halo)
+through :func:`gt_fused3s.fused3s_attention` (the fused kernel on CUDA, the
+reference on a CPU), with the rows padded to the column count (as a
+bipartite layer).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..ops import fused3s_attention
+from ..plan import GraphPlan
+from .partition import LocalGraph
+
+
+def _all_to_all(x: Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    out = x.new_empty((out_rows, *x.shape[1:]))
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return out             # one rank: no halo, nothing to exchange
+    if len(in_splits) != dist.get_world_size(group):
+        raise ValueError(f"the local graph was built for {len(in_splits)} parts but the process group "
+                         f"has {dist.get_world_size(group)} ranks: pass parts=world_size to local_graph")
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
+                           input_split_sizes=in_splits, group=group)
+    return out
+
+
+class _HaloExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, lg: LocalGraph, group):
+        ctx.lg, ctx.group, ctx.rows = lg, group, x.size(0)
+        send = x.index_select(0, lg.send_index.to(x.device))
+        return _all_to_all(send, lg.halo.numel(), lg.halo_counts, lg.send_counts, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        lg = ctx.lg
+        back = _all_to_all(grad, lg.send_index.numel(), lg.send_counts, lg.halo_counts, ctx.group)
+        dx = grad.new_zeros((ctx.rows, *grad.shape[1:])).index_add_(0, lg.send_index.to(grad.device), back)
+        return dx, None, None
+
+
+def exchange_halo(x: Tensor, lg: LocalGraph, group=None) -> Tensor:
+    """The halo rows [n_halo, ...] of a per-node tensor whose local rows are
+    ``x`` [n_local, ...] on every rank (a collective: every rank of ``group``
+    calls it). Differentiable: the backward sends the halo's gradients back
+    to the owners and adds them to ``x``'s."""
+    if x.size(0) != lg.num_local:
+        raise ValueError(f"x has {x.size(0)} rows but rank {lg.rank} owns {lg.num_local} nodes")
+    return _HaloExchange.apply(x, lg, group)
+
+
+def _local_plan(lg: LocalGraph, device: torch.device):
+    """The local attention graph, built once per device: a plan where the
+    kernel runs, else the edge list (the reference reads only that)."""
+    plans = lg.__dict__.setdefault("_plans", {})
+    if device not in plans:
+        ei = lg.edge_index.to(device)
+        from ..ops import kernel_available
+        plans[device] = GraphPlan.from_edge_index(ei, lg.num_columns) if kernel_available(device) else ei
+    return plans[device]
+
+
+def partitioned_attention(q: Tensor, k: Tensor, v: Tensor, lg: LocalGraph, scale: float | None = None,
+                          group=None, *, edge_bias: Tensor | None = None) -> Tensor:
+    """This rank's rows [n_local, H, D] of the attention over the whole graph.
+
+    ``q``, ``k``, ``v``: [n_local, H, D], the rows of the nodes this rank owns
+    (``lg.nodes``). ``edge_bias``: optional [E_local, H] in the order of
+    ``lg.edge_index`` (the global bias rows ``lg.edge_ids``). A collective:
+    every rank of ``group`` calls it, once per layer. K and V travel in one
+    exchange.
+    """
+    n = lg.num_local
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3 or t.size(0) != n:
+            raise ValueError(f"{name} must be [n_local, H, D] = [{n}, H, D] on rank {lg.rank} "
+                             f"(got {tuple(t.shape)})")
+    D = k.size(-1)
+    halo = exchange_halo(torch.cat([k, v], -1), lg, group)
+    k_all = torch.cat([k, halo[..., :D]])
+    v_all = torch.cat([v, halo[..., D:]])
+    q_all = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, lg.halo.numel()))   # no edge reaches a halo row
+    out = fused3s_attention(q_all, k_all, v_all, _local_plan(lg, q.device), scale, edge_bias=edge_bias)
+    return out[:n]
