@@ -155,3 +155,90 @@ def test_metis_partition_balances_in_edges_and_cuts_less():
     contiguous = partition_stats(ei, n, partition_nodes(ei, n, 4, "contiguous"), 4)
     assert st["edge_balance"] < 1.2
     assert st["edge_cut"] <= contiguous["edge_cut"] * 1.05
+
+
+# --------------------------------------------------------------- data parallel
+def _train_cfg(tmp, **extra):
+    from gt_fused3s.bench import train
+    cfg = {"device": "cpu", "steps": 5, "warmup": 1, "lr": 0.003, "seed": 0, "backends": ["fused3s", "pyg"],
+           "model": {"hidden": 16, "layers": 2, "edge_features": True},
+           "dataset": {"name": "mols", "kind": "molecules",
+                       "params": {"num_graphs": 32, "batch_size": 8, "num_features": 8}}, **extra}
+    return train.validate_config(cfg)
+
+
+def _ddp_worker(rank, world, port, tmp, results):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        from gt_fused3s.bench import train
+        rows, curve, _ = train.run(_train_cfg(tmp, checkpoint=tmp), progress=False, log=lambda m: None)
+        results.put((rank, [r["status"] for r in rows], [(p["backend"], p["loss"]) for p in curve]))
+    except Exception as e:
+        results.put((rank, f"{type(e).__name__}: {e}", []))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _single_process_losses(cfg, world):
+    """What DDP over `world` ranks computes, in one process: each step is the
+    mean loss of `world` batches (rank r's batch: order[s * world + r])."""
+    from gt_fused3s.bench import train
+    from gt_fused3s.bench.stream import num_graphs
+    task = train.load_task(cfg, torch.device("cpu"))
+    model = train.build_model(task, cfg, torch.device("cpu"))
+    model.train()
+    torch.manual_seed(cfg["seed"])
+    opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    order = train.step_order(len(task.batches), cfg["steps"] * world, cfg["seed"])
+    losses = []
+    for s in range(cfg["steps"]):
+        opt.zero_grad()
+        per = []
+        for r in range(world):
+            d = task.batches[order[s * world + r]]
+            out = model(d.x, d.edge_index, d.batch, num_graphs=num_graphs(d), edge_attr=d.edge_attr)
+            per.append(task.loss_of(out, d.y))
+        loss = torch.stack(per).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def test_data_parallel_training_equals_one_process_on_the_same_global_batches():
+    """`gt-fused3s train` under a 2-rank process group (torchrun's
+    environment, Gloo): DistributedDataParallel steps give the losses of one
+    process training on the union of the ranks' batches; rank 0 saves a
+    checkpoint that reloads to the trained weights."""
+    import socket
+    from gt_fused3s.distributed.data_parallel import load_checkpoint
+    from gt_fused3s.models import GraphTransformer
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, tmp, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(180)
+        got = {}
+        while not results.empty():
+            rank, status, curve = results.get()
+            got[rank] = (status, curve)
+        assert set(got) == {0, 1} and all(p.exitcode == 0 for p in procs), got
+        assert got[0][0] == ["ok", "ok"], got[0][0]
+        expect = _single_process_losses(_train_cfg(tmp), 2)
+        for backend in ("fused3s", "pyg"):
+            losses = [loss for b, loss in got[0][1] if b == backend]
+            assert losses == pytest.approx(expect, rel=1e-4), (backend, losses, expect)
+            assert [loss for b, loss in got[1][1] if b == backend] == pytest.approx(losses)   # every rank agrees
+        ck = os.path.join(tmp, "mols_fused3s.pt")
+        model = GraphTransformer(8, 16, 1, num_layers=2, readout="graph", edge_vocab=(4,))
+        info = load_checkpoint(ck, model)
+        assert info["run"] == "fused3s" and info["steps"] == 5 and info["optimizer"] is not None

@@ -54,6 +54,14 @@ target, and for labels BCE (0/1 values, multi-label included), cross-entropy
 A backend that fails (out of memory, an error) gets a row with a note;
 the run goes on.
 
+**Data parallel.** Under ``torchrun --nproc_per_node=P gt-fused3s train``
+every rank takes every P-th batch of the global step order (a step is P
+batches), the model runs in ``DistributedDataParallel``, the losses are the
+means over the ranks, and rank 0 alone logs and writes the CSV
+(:mod:`gt_fused3s.distributed.data_parallel`). Runs are eager for now.
+``checkpoint`` saves each run's weights and optimizer state; ``resume``
+starts every run from a checkpoint's weights.
+
 Config schema (YAML; defaults in :data:`DEFAULTS`)::
 
     device: auto          # auto (cuda if available, else cpu) | cpu | cuda | cuda:1
@@ -73,6 +81,8 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     target: auto          # auto | labels | structure
     loss: auto            # auto | mse | bce | ce
     quick: {steps: 6, warmup: 1}   # overrides of these keys under --quick
+    checkpoint: null      # a folder: each run's weights and optimizer state, saved after it
+    resume: null          # a checkpoint file: every run starts from its weights
     dataset:              # one entry, see gt_fused3s.data.load_dataset
       name: zinc
       kind: npz           # molecules | random_graphs | powerlaw | npz | ogb | lrgb | pyg
@@ -101,6 +111,7 @@ from ..capture import CudaGraphRunner
 from ..data import check_entry, load_dataset, structural_task
 from ..data.bucket import Buckets
 from ..data.targets import STRUCTURAL_TARGETS
+from ..distributed import data_parallel
 from ..models import GraphTransformer
 from . import common
 from .stream import num_graphs
@@ -128,6 +139,8 @@ DEFAULTS: dict[str, Any] = {
     "target": "auto",
     "loss": "auto",
     "quick": {"steps": 6, "warmup": 1},
+    "checkpoint": None,
+    "resume": None,
     "dataset": None,
 }
 TARGETS = ("auto", "labels", "structure")
@@ -320,6 +333,8 @@ class _Settings:
     progress: bool
     log: Callable[[str], None]
     env: dict                  # columns that are the same in every row
+    world: int = 1             # data-parallel ranks (torchrun); 1: one process
+    rank: int = 0
 
 
 def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool = True,
@@ -332,6 +347,9 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     :data:`CURVE_COLUMNS`) and the task."""
     log = log or common.log_stderr
     device = common.resolve_device(cfg["device"])
+    world, rank, device = data_parallel.init(device)      # (1, 0) unless under torchrun
+    if rank != 0:                                         # rank 0 speaks for all
+        log, progress = (lambda msg: None), False
     dtype = common.resolve_dtype(cfg["dtype"], device, cuda_default=torch.bfloat16)
     env = {"hidden": cfg["model"]["hidden"], "layers": cfg["model"]["layers"],
            **common.run_info(device, dtype, cfg.get("config", ""))}
@@ -344,12 +362,21 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     env["dataset"] = task.name
     log(task.about)
     log(describe_run(task, cfg, env["dtype"]))
-    s = _Settings(cfg, device, dtype, progress, log, env)
+    s = _Settings(cfg, device, dtype, progress, log, env, world, rank)
     model = build_model(task, cfg, device)
+    if cfg["resume"]:
+        data_parallel.load_checkpoint(cfg["resume"], model)
+        log(f"weights from {cfg['resume']}")
     initial = copy.deepcopy(model.state_dict())
-    order = step_order(len(task.batches), cfg["steps"], cfg["seed"])
-    runs = common.expand_runs(cfg["backends"], device, eager=eager,
-                              compiled_runs=cfg["compiled_runs"])
+    # data parallel: a global step is `world` batches, one per rank
+    order = data_parallel.shard(step_order(len(task.batches), cfg["steps"] * world, cfg["seed"]), rank, world)
+    runs = common.expand_runs(cfg["backends"], device, eager=eager or world > 1,
+                              compiled_runs=cfg["compiled_runs"] and world == 1)
+    if world > 1:
+        env["ranks"] = world
+        if any(common.parse_run(r)[1] != "eager" for r in runs):
+            raise ValueError("data-parallel training runs eagerly for now: drop the @mode of "
+                             f"{[r for r in runs if common.parse_run(r)[1] != 'eager']}")
     rows, curve = [], []
     for name in runs:
         row, points = train_backend(model, initial, name, task, order, s)
@@ -423,6 +450,10 @@ def train_backend(model: GraphTransformer, initial: dict, name: str, task: Task,
 
     with bar:
         _, error = common.guarded(loop, s.device)
+    if s.cfg["checkpoint"] and s.rank == 0 and trainer is not None and not error:
+        path = Path(s.cfg["checkpoint"]) / f"{task.name}_{name.replace('@', '-')}.pt"
+        data_parallel.save_checkpoint(path, model, trainer.opt, run=name, steps=len(points))
+        s.log(f"{task.name}: {name}: checkpoint {path}")
     row = {**s.env, "backend": name, "mode": mode, "steps": len(points), **curve_summary(points)}
     if error:
         s.log(f"{task.name}: {name} failed: {error}")
@@ -459,6 +490,9 @@ class _Trainer:
         self.batches = task.batches if mode == "eager" else _padded(task, s.cfg["max_buckets"])
         self._shapes: set = set()
         self.forward = model
+        self.world = s.world
+        if s.world > 1:               # gradients averaged over the ranks
+            self.forward = data_parallel.wrap(model, s.device)
         if mode in common.COMPILED_MODES:
             self.forward = torch.compile(model, mode="reduce-overhead" if mode == "reduce-overhead"
                                          else None, dynamic=False)
@@ -557,7 +591,10 @@ class _Trainer:
         t0 = time.perf_counter()
         loss = self.step(index)
         common.sync(self.device)
-        return float(loss), (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3
+        if self.world > 1:            # the global step's loss: the mean of the ranks' batches
+            return data_parallel.mean_over_ranks(float(loss), self.device), ms
+        return float(loss), ms
 
 
 def _check_static_run(model: GraphTransformer, task: Task, mode: str, s: _Settings) -> None:
@@ -689,6 +726,8 @@ def main(args) -> int:
 
     rows, curve, task = run(cfg, quick=args.quick, offline=args.offline,
                             progress=not args.no_progress, eager=args.eager)
+    if data_parallel.world_from_env()[1] != 0:       # under torchrun, rank 0 reports
+        return 0 if any(r["status"] == "ok" for r in rows) else 1
     print(format_table(rows))
     print(format_footer(rows, task))
     if args.csv:
