@@ -194,6 +194,9 @@ class GraphTransformer(nn.Module):
     def _check_edge_attr(self, edge_attr, num_edges: int) -> None:
         _check_edge_attr_for(self, edge_attr, num_edges)
 
+    def _forward_partitioned(self, x, lg, batch, num_graphs, edge_attr) -> Tensor:
+        return _forward_partitioned_impl(self, x, lg, batch, num_graphs, edge_attr)
+
     # ----------------------------------------------------------------- backend
     @property
     def backend(self) -> str:
@@ -263,13 +266,20 @@ class GraphTransformer(nn.Module):
             graph: a prebuilt :class:`AttentionGraph` (or a
                 :class:`GraphPlan` / :class:`BSBGraph`) of this graph.
                 Default: built here, once per forward, and shared by all
-                blocks (a batch is a new graph).
+                blocks (a batch is a new graph). A
+                :class:`~gt_fused3s.distributed.LocalGraph`: this rank's
+                share of a graph partitioned over a process group; ``x``
+                (and ``edge_attr``) are then this rank's rows, the output
+                its nodes' rows (node readout; every rank calls it).
             num_graphs: the number of graphs in ``batch`` (graph readout);
                 given, the readout needs no host synchronisation.
             edge_attr: int64 [E, C] categorical edge features, in the order
                 of the graph's edges (models with ``edge_vocab`` only).
         """
         N = x.size(0)
+        from ..distributed import LocalGraph
+        if isinstance(graph, LocalGraph):
+            return self._forward_partitioned(x, graph, batch, num_graphs, edge_attr)
         if graph is None:
             if edge_index is None:
                 raise ValueError("pass edge_index or graph")
@@ -298,6 +308,31 @@ class GraphTransformer(nn.Module):
             from torch_geometric.nn import global_mean_pool
             h = global_mean_pool(h, batch, size=num_graphs)
         return self.head(h)
+
+
+def _forward_partitioned_impl(model: "GraphTransformer", x: Tensor, lg, batch, num_graphs, edge_attr) -> Tensor:
+    """The forward of this rank's rows of a graph partitioned over a process
+    group (``x``: the rows of ``lg.nodes``; ``edge_attr``: the rows
+    ``lg.edge_ids`` of the graph's). Every block's attention exchanges the K
+    and V halo (:func:`~gt_fused3s.distributed.partitioned_attention`); the
+    rest of a block is per node. A collective: every rank calls it."""
+    from ..distributed import partitioned_attention
+    if x.size(0) != lg.num_local:
+        raise ValueError(f"x has {x.size(0)} rows but rank {lg.rank} owns {lg.num_local} nodes")
+    if model.readout != "node":
+        raise ValueError("a partitioned graph is one large graph: readout must be 'node'")
+    if model.self_loops:
+        raise ValueError("self_loops: add the loops to the graph before partitioning it")
+    model._check_edge_attr(edge_attr, lg.edge_ids.numel())
+
+    def attend(q, k, v, scale, bias):
+        with model._span("attention", x.device):
+            return partitioned_attention(q, k, v, lg, scale, edge_bias=bias)
+
+    h = model.embed(x)
+    for block in model.blocks:
+        h = block(h, attend, edge_attr)
+    return model.head(h)
 
 
 def _check_edge_attr_for(model: "GraphTransformer", edge_attr, num_edges: int) -> None:
