@@ -445,7 +445,10 @@ class _Work:
                 return out.clone() if mode == "reduce-overhead" else out
             return run_compiled
 
-        def body(x, edge_index, batch=None, graph_mask=None, edge_attr=None):
+        def body(x, edge_index, *rest):
+            # graph level: (batch, graph_mask[, edge_attr]); node level: ([edge_attr])
+            batch, graph_mask, *edge = rest if graph_level else (None, None, *rest)
+            edge_attr = edge[0] if edge else None
             with self.s.autocast:           # the batch's format is built inside the graph
                 G = graph_mask.numel() if graph_mask is not None else None
                 if compiled is not None:    # compile-graph: built inside the compiled region
@@ -456,7 +459,7 @@ class _Work:
 
         def replay(data):
             inputs = ((data.x, data.edge_index, data.batch, data.graph_mask) if graph_level
-                      else (data.x, data.edge_index, None, None))
+                      else (data.x, data.edge_index))   # the runner takes tensors only
             if model.edge_vocab is not None:
                 inputs = (*inputs, data.edge_attr)
             with torch.inference_mode():
