@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ..backends import AttentionGraph, get_backend
+from ..distributed import LocalGraph, partitioned_attention
 from ..graph import BSBGraph
 from ..plan import GraphPlan
 
@@ -277,7 +278,6 @@ class GraphTransformer(nn.Module):
                 of the graph's edges (models with ``edge_vocab`` only).
         """
         N = x.size(0)
-        from ..distributed import LocalGraph
         if isinstance(graph, LocalGraph):
             return self._forward_partitioned(x, graph, batch, num_graphs, edge_attr)
         if graph is None:
@@ -316,7 +316,6 @@ def _forward_partitioned_impl(model: "GraphTransformer", x: Tensor, lg, batch, n
     ``lg.edge_ids`` of the graph's). Every block's attention exchanges the K
     and V halo (:func:`~gt_fused3s.distributed.partitioned_attention`); the
     rest of a block is per node. A collective: every rank calls it."""
-    from ..distributed import partitioned_attention
     if x.size(0) != lg.num_local:
         raise ValueError(f"x has {x.size(0)} rows but rank {lg.rank} owns {lg.num_local} nodes")
     if model.readout != "node":
