@@ -77,13 +77,14 @@ def _worker(rank: int, world: int, init: str, case: str, errors):
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,case", [(2, "random"), (4, "random"), (4, "hub"), (4, "empty_part")])
-def test_partitioned_attention_equals_single_process(world, case):
+def _run_ranks(target, world: int, *args) -> None:
+    """``target(rank, world, init, *args, errors)`` in ``world`` spawned
+    processes sharing a file rendezvous; fails with every rank's error."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init = "file://" + os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world, init, case, errors)) for r in range(world)]
+        procs = [ctx.Process(target=target, args=(r, world, init, *args, errors)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
@@ -93,6 +94,11 @@ def test_partitioned_attention_equals_single_process(world, case):
         msgs.append(errors.get())
     assert not msgs, "\n".join(msgs)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+@pytest.mark.parametrize("world,case", [(2, "random"), (4, "random"), (4, "hub"), (4, "empty_part")])
+def test_partitioned_attention_equals_single_process(world, case):
+    _run_ranks(_worker, world, case)
 
 
 def test_local_graphs_cover_the_graph_and_send_lists_match_halos():
@@ -282,17 +288,4 @@ def test_graph_transformer_on_a_partitioned_graph_equals_one_process():
     the halo; each rank's rows and the parameters' gradients (summed over
     the ranks) equal the whole graph's in one process (float64, edge
     features, a node with neighbours on every rank)."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = "file://" + os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_gt_worker, args=(r, 3, init, errors)) for r in range(3)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-    msgs = []
-    while not errors.empty():
-        msgs.append(errors.get())
-    assert not msgs, "\n".join(msgs)
-    assert all(p.exitcode == 0 for p in procs)
+    _run_ranks(_gt_worker, 3)
