@@ -69,7 +69,7 @@ class GraphPlan:
         self.bsb = bsb
         self.transposed = transposed
         self._edges = edge_index if edge_index is not None else bsb.edge_index
-        # nnz_offset, slot_edge of the BSB and of the transposed BSB (edge bias)
+        # bias_args(): where each edge sits in the BSB and its transpose (per-edge terms)
         self._bias_args: tuple[Tensor, ...] | None = None
         # (heads, padded head dim) -> (forward arguments, backward arguments)
         self._fwd_args: dict[tuple[int, int], tuple[Tensor, ...]] = {}
