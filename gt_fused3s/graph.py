@@ -84,14 +84,19 @@ def _check_edge_index(edge_index: Any) -> Tensor:
     return edge_index
 
 
-def _range_error(name: str, lo: int, hi: int, low: int, high: int) -> ValueError | None:
+class EdgeIndexError(IndexError, ValueError):
+    """An edge index outside [0, num_nodes): an ``IndexError`` as in PyG, and a
+    ``ValueError`` as every other bad input of this package."""
+
+
+def _range_error(name: str, lo: int, hi: int, low: int, high: int) -> EdgeIndexError | None:
     """The error for an index range [lo, hi] outside [low, high), or None."""
     if lo < low:
-        return ValueError(f"{name} has negative index {lo}" if low == 0
-                          else f"{name} has index {lo} < {low}")
+        return EdgeIndexError(f"{name} has negative index {lo}" if low == 0
+                              else f"{name} has index {lo} < {low}")
     if hi >= high:
-        return ValueError(f"{name} has index {hi} out of range for num_nodes={high}"
-                          if low == 0 else f"{name} has index {hi} >= {high}")
+        return EdgeIndexError(f"{name} has index {hi} out of range for num_nodes={high}"
+                              if low == 0 else f"{name} has index {hi} >= {high}")
     return None
 
 

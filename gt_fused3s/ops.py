@@ -164,6 +164,8 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
     N, H, D = _check_qkv(q, k, v)
     if v.shape != q.shape:
         raise ValueError(f"v must have the shape of q {tuple(q.shape)} (got {tuple(v.shape)})")
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise ValueError(f"out_dtype must be a floating-point torch.dtype (got {out_dtype})")
     scale = default_scale(D) if scale is None else float(scale)
     if compute_dtype is not None and compute_dtype not in _KERNEL_DTYPES:
         raise ValueError(f"compute_dtype must be torch.float16 or torch.bfloat16 (got {compute_dtype})")

@@ -30,6 +30,8 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int]:
                          f"(got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device (got {q.device}, {k.device}, {v.device})")
+    if q.size(1) < 1 or q.size(2) < 1:
+        raise ValueError(f"q, k, v need at least one head and a head dim >= 1 (got {tuple(q.shape)})")
     return q.shape
 
 

@@ -521,3 +521,27 @@ def test_dropout_under_compile_takes_transformer_conv_path(fused_calls):
     compiled = torch.compile(ours, backend="eager", fullgraph=False)
     out = compiled(random_x(n), edge_index)
     assert out.shape == (n, 2 * D) and len(fused_calls) == 0
+
+
+def test_clear_errors_for_scripting_sizes_and_edge_indices():
+    """TorchScript fails at once pointing to torch.compile; zero sizes and
+    a bad out_dtype are one-line ValueErrors; an out-of-range edge index is
+    an IndexError as in PyG (and still a ValueError)."""
+    from gt_fused3s import EdgeIndexError, fused3s_attention
+    _, ours = make_pair(heads=2)
+    with pytest.raises(RuntimeError, match="cannot be compiled by TorchScript.*torch.compile"):
+        torch.jit.script(ours)
+    for kwargs in ({"out_channels": 0}, {"heads": 0}):
+        with pytest.raises(ValueError, match=r"must be an int >= 1"):
+            Fused3SConv(F_IN, **{"out_channels": D, **kwargs})
+    q = torch.randn(5, 2, 0)
+    with pytest.raises(ValueError, match="head dim >= 1"):
+        fused3s_attention(q, q, q, torch.zeros(2, 1, dtype=torch.long))
+    q = torch.randn(5, 2, 8)
+    with pytest.raises(ValueError, match="out_dtype must be a floating-point"):
+        fused3s_attention(q, q, q, torch.zeros(2, 1, dtype=torch.long), out_dtype=torch.int32)
+    edge_index, n = GRAPH_CASES["self_loops"]()
+    bad = torch.cat([edge_index, torch.tensor([[3], [n]])], 1)
+    for kind in (IndexError, ValueError, EdgeIndexError):
+        with pytest.raises(kind, match=f"index {n} out of range"):
+            ours(random_x(n), bad)

@@ -151,9 +151,17 @@ class Fused3SConv(TransformerConv):
         root_weight: bool = True,
         **kwargs,
     ):
+        for name, value in (("out_channels", out_channels), ("heads", heads)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
         super().__init__(in_channels, out_channels, heads=heads, concat=concat,
                          beta=beta, dropout=dropout, edge_dim=edge_dim, bias=bias,
                          root_weight=root_weight, **kwargs)
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first: fail at once, in one line
+        raise RuntimeError("Fused3SConv cannot be compiled by TorchScript (its graph plans are Python "
+                           "objects): use torch.compile, or torch.export for serving")
 
     @staticmethod
     def to_graph_format(edge_index: Tensor, num_nodes: Optional[int] = None) -> GraphPlan:
