@@ -58,7 +58,11 @@ the run goes on.
 every rank takes every P-th batch of the global step order (a step is P
 batches), the model runs in ``DistributedDataParallel``, the losses are the
 means over the ranks, and rank 0 alone logs and writes the CSV
-(:mod:`gt_fused3s.distributed.data_parallel`). Runs are eager for now.
+(:mod:`gt_fused3s.distributed.data_parallel`). A single graph (a node-level
+task) is partitioned instead (``distributed.partitioner``): each rank trains
+on its nodes' rows, every attention layer exchanges the K and V halo, and the
+parameters' gradients are summed over the ranks, so a step is the whole
+graph's. Runs are eager for now.
 ``checkpoint`` saves each run's weights and optimizer state; ``resume``
 starts every run from a checkpoint's weights.
 
@@ -83,6 +87,8 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     quick: {steps: 6, warmup: 1}   # overrides of these keys under --quick
     checkpoint: null      # a folder: each run's weights and optimizer state, saved after it
     resume: null          # a checkpoint file: every run starts from its weights
+    distributed: {partitioner: contiguous}   # under torchrun, a single graph's nodes are
+                          # partitioned over the ranks (contiguous | metis)
     dataset:              # one entry, see gt_fused3s.data.load_dataset
       name: zinc
       kind: npz           # molecules | random_graphs | powerlaw | npz | ogb | lrgb | pyg
@@ -141,6 +147,7 @@ DEFAULTS: dict[str, Any] = {
     "quick": {"steps": 6, "warmup": 1},
     "checkpoint": None,
     "resume": None,
+    "distributed": {"partitioner": "contiguous"},
     "dataset": None,
 }
 TARGETS = ("auto", "labels", "structure")
@@ -188,6 +195,7 @@ def validate_config(raw: dict) -> dict:
     if not isinstance(cfg["model"]["edge_features"], bool):
         raise ValueError(f"model.edge_features must be true or false (got {cfg['model']['edge_features']!r})")
     _check_choice("target", cfg["target"], TARGETS)
+    _check_choice("distributed.partitioner", cfg["distributed"]["partitioner"], ("contiguous", "metis"))
     _check_choice("loss", cfg["loss"], LOSSES)
     bad = set(cfg["quick"]) - (set(DEFAULTS) - {"quick", "dataset"})
     if bad:
@@ -335,6 +343,7 @@ class _Settings:
     env: dict                  # columns that are the same in every row
     world: int = 1             # data-parallel ranks (torchrun); 1: one process
     rank: int = 0
+    local_graph: Any = None    # a single graph partitioned over the ranks: this rank's share
 
 
 def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool = True,
@@ -363,13 +372,20 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     log(task.about)
     log(describe_run(task, cfg, env["dtype"]))
     s = _Settings(cfg, device, dtype, progress, log, env, world, rank)
+    if world > 1 and task.readout == "node":       # one graph: partitioned over the ranks
+        s.local_graph = _partition(task, cfg, world, rank)
+        log(f"{task.name}: nodes partitioned over {world} ranks ({cfg['distributed']['partitioner']}); "
+            f"rank 0 owns {s.local_graph.num_local} nodes and receives {s.local_graph.halo.numel()} halo rows")
     model = build_model(task, cfg, device)
     if cfg["resume"]:
         data_parallel.load_checkpoint(cfg["resume"], model)
         log(f"weights from {cfg['resume']}")
     initial = copy.deepcopy(model.state_dict())
-    # data parallel: a global step is `world` batches, one per rank
-    order = data_parallel.shard(step_order(len(task.batches), cfg["steps"] * world, cfg["seed"]), rank, world)
+    # data parallel: a global step is `world` batches, one per rank (a
+    # partitioned graph: every rank trains on its share of the one batch)
+    shards = 1 if s.local_graph is not None else world
+    order = data_parallel.shard(step_order(len(task.batches), cfg["steps"] * shards, cfg["seed"]),
+                                rank if shards > 1 else 0, shards)
     runs = common.expand_runs(cfg["backends"], device, eager=eager or world > 1,
                               compiled_runs=cfg["compiled_runs"] and world == 1)
     if world > 1:
@@ -385,6 +401,14 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
         curve += [{**env, "backend": name, **p} for p in points]
     add_ratios(rows)
     return rows, curve, task
+
+
+def _partition(task: Task, cfg: dict, world: int, rank: int):
+    """This rank's share of the task's one graph, partitioned over ``world`` ranks."""
+    from ..distributed import local_graph, partition_nodes
+    data = task.batches[0]
+    part = partition_nodes(data.edge_index, data.num_nodes, world, cfg["distributed"]["partitioner"])
+    return local_graph(data.edge_index, data.num_nodes, part, rank, parts=world)
 
 
 def describe_run(task: Task, cfg: dict, dtype: str) -> str:
@@ -490,8 +514,8 @@ class _Trainer:
         self.batches = task.batches if mode == "eager" else _padded(task, s.cfg["max_buckets"])
         self._shapes: set = set()
         self.forward = model
-        self.world = s.world
-        if s.world > 1:               # gradients averaged over the ranks
+        self.world, self.local_graph = s.world, s.local_graph
+        if s.world > 1 and s.local_graph is None:   # data parallel: gradients averaged over the ranks
             self.forward = data_parallel.wrap(model, s.device)
         if mode in common.COMPILED_MODES:
             self.forward = torch.compile(model, mode="reduce-overhead" if mode == "reduce-overhead"
@@ -524,6 +548,8 @@ class _Trainer:
 
     def step(self, index: int) -> Tensor:
         """One optimizer step on batch ``index``; returns the loss (on the device)."""
+        if self.local_graph is not None:
+            return self._partitioned_step(self.batches[index])
         data = self.batches[index]
         if self.runner is not None:
             return self.runner(*self._static_inputs(data))
@@ -541,6 +567,24 @@ class _Trainer:
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
         self.scaler.update()
+        return loss.detach()
+
+    def _partitioned_step(self, data) -> Tensor:
+        """A step on this rank's share of a partitioned graph: its rows'
+        loss, weighted by its share of the nodes, and the parameters'
+        gradients summed over the ranks (the whole graph's gradient).
+        Returns this rank's share of the mean loss (summed over the ranks by
+        :meth:`timed_step`)."""
+        lg, model = self.local_graph, self.model
+        self.opt.zero_grad(set_to_none=True)
+        with self.autocast:
+            out = model(data.x[lg.nodes], None, graph=lg,
+                        edge_attr=data.edge_attr[lg.edge_ids] if model.edge_vocab is not None else None)
+        share = lg.num_local / data.num_nodes
+        loss = self.task.loss_of(out, data.y[lg.nodes]) * share
+        loss.backward()
+        data_parallel.sum_gradients(model)
+        self.opt.step()
         return loss.detach()
 
     # -------------------------------------------------------------- captured
@@ -592,6 +636,8 @@ class _Trainer:
         loss = self.step(index)
         common.sync(self.device)
         ms = (time.perf_counter() - t0) * 1e3
+        if self.local_graph is not None:   # the shares of the whole graph's mean loss
+            return data_parallel.mean_over_ranks(float(loss), self.device) * self.world, ms
         if self.world > 1:            # the global step's loss: the mean of the ranks' batches
             return data_parallel.mean_over_ranks(float(loss), self.device), ms
         return float(loss), ms

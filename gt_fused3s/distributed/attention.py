@@ -70,14 +70,17 @@ def _local_plan(lg: LocalGraph, device: torch.device):
 
 
 def partitioned_attention(q: Tensor, k: Tensor, v: Tensor, lg: LocalGraph, scale: float | None = None,
-                          group=None, *, edge_bias: Tensor | None = None) -> Tensor:
+                          group=None, *, edge_bias: Tensor | None = None, attention=None) -> Tensor:
     """This rank's rows [n_local, H, D] of the attention over the whole graph.
 
     ``q``, ``k``, ``v``: [n_local, H, D], the rows of the nodes this rank owns
     (``lg.nodes``). ``edge_bias``: optional [E_local, H] in the order of
     ``lg.edge_index`` (the global bias rows ``lg.edge_ids``). A collective:
     every rank of ``group`` calls it, once per layer. K and V travel in one
-    exchange.
+    exchange. ``attention``: another local attention, ``(q, k, v, graph,
+    scale, edge_bias)`` with ``graph`` the local graph as an
+    :class:`~gt_fused3s.backends.AttentionGraph` (a backend of
+    :data:`gt_fused3s.backends.BACKENDS`); default the fused one.
     """
     n = lg.num_local
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -89,5 +92,17 @@ def partitioned_attention(q: Tensor, k: Tensor, v: Tensor, lg: LocalGraph, scale
     k_all = torch.cat([k, halo[..., :D]])
     v_all = torch.cat([v, halo[..., D:]])
     q_all = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, lg.halo.numel()))   # no edge reaches a halo row
-    out = fused3s_attention(q_all, k_all, v_all, _local_plan(lg, q.device), scale, edge_bias=edge_bias)
+    if attention is not None:
+        out = attention(q_all, k_all, v_all, _attention_graph(lg, q.device), scale, edge_bias)
+    else:
+        out = fused3s_attention(q_all, k_all, v_all, _local_plan(lg, q.device), scale, edge_bias=edge_bias)
     return out[:n]
+
+
+def _attention_graph(lg: LocalGraph, device: torch.device):
+    """The local graph as an AttentionGraph on ``device`` (for the backends), built once."""
+    from ..backends import AttentionGraph
+    graphs = lg.__dict__.setdefault("_attention_graphs", {})
+    if device not in graphs:
+        graphs[device] = AttentionGraph(lg.edge_index.to(device), lg.num_columns)
+    return graphs[device]

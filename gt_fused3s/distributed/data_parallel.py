@@ -55,6 +55,20 @@ def mean_over_ranks(value: float, device: torch.device) -> float:
     return float(t) / dist.get_world_size()
 
 
+def sum_gradients(model: nn.Module) -> None:
+    """Sum every parameter's gradient over the ranks (in place, one
+    all-reduce of the flattened gradients)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer=None, **extra) -> None:
     """The model's weights (unwrapped from DDP), the optimizer's state and
     ``extra`` to ``path`` (call it on rank 0 only)."""

@@ -314,8 +314,9 @@ def _forward_partitioned_impl(model: "GraphTransformer", x: Tensor, lg, batch, n
     """The forward of this rank's rows of a graph partitioned over a process
     group (``x``: the rows of ``lg.nodes``; ``edge_attr``: the rows
     ``lg.edge_ids`` of the graph's). Every block's attention exchanges the K
-    and V halo (:func:`~gt_fused3s.distributed.partitioned_attention`); the
-    rest of a block is per node. A collective: every rank calls it."""
+    and V halo (:func:`~gt_fused3s.distributed.partitioned_attention`) and
+    runs the model's backend on the local graph; the rest of a block is per
+    node. A collective: every rank calls it."""
     if x.size(0) != lg.num_local:
         raise ValueError(f"x has {x.size(0)} rows but rank {lg.rank} owns {lg.num_local} nodes")
     if model.readout != "node":
@@ -326,7 +327,7 @@ def _forward_partitioned_impl(model: "GraphTransformer", x: Tensor, lg, batch, n
 
     def attend(q, k, v, scale, bias):
         with model._span("attention", x.device):
-            return partitioned_attention(q, k, v, lg, scale, edge_bias=bias)
+            return partitioned_attention(q, k, v, lg, scale, edge_bias=bias, attention=model._attention_fn)
 
     h = model.embed(x)
     for block in model.blocks:
