@@ -173,12 +173,14 @@ def _train_cfg(tmp, **extra):
     return train.validate_config(cfg)
 
 
-def _ddp_worker(rank, world, port, tmp, results):
+def _train_rank(rank, world, port, cfg, results):
+    """``gt-fused3s train``'s run on one rank of a process group described by
+    torchrun's environment; puts (rank, row statuses, (backend, loss) per step)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         from gt_fused3s.bench import train
-        rows, curve, _ = train.run(_train_cfg(tmp, checkpoint=tmp), progress=False, log=lambda m: None)
+        rows, curve, _ = train.run(cfg, progress=False, log=lambda m: None)
         results.put((rank, [r["status"] for r in rows], [(p["backend"], p["loss"]) for p in curve]))
     except Exception as e:
         results.put((rank, f"{type(e).__name__}: {e}", []))
@@ -186,6 +188,29 @@ def _ddp_worker(rank, world, port, tmp, results):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _train_under_torchrun(cfg, world: int) -> dict:
+    """{rank: (statuses, curve)} of ``cfg`` trained by ``world`` spawned ranks;
+    fails unless every rank finished with every run ok."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_train_rank, args=(r, world, port, cfg, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    got = {}
+    while not results.empty():
+        rank, status, curve = results.get()
+        got[rank] = (status, curve)
+    assert set(got) == set(range(world)) and all(p.exitcode == 0 for p in procs), got
+    assert all(status == ["ok", "ok"] for status, _ in got.values()), got
+    return got
 
 
 def _single_process_losses(cfg, world):
@@ -219,26 +244,10 @@ def test_data_parallel_training_equals_one_process_on_the_same_global_batches():
     environment, Gloo): DistributedDataParallel steps give the losses of one
     process training on the union of the ranks' batches; rank 0 saves a
     checkpoint that reloads to the trained weights."""
-    import socket
     from gt_fused3s.distributed.data_parallel import load_checkpoint
     from gt_fused3s.models import GraphTransformer
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, tmp, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(180)
-        got = {}
-        while not results.empty():
-            rank, status, curve = results.get()
-            got[rank] = (status, curve)
-        assert set(got) == {0, 1} and all(p.exitcode == 0 for p in procs), got
-        assert got[0][0] == ["ok", "ok"], got[0][0]
+        got = _train_under_torchrun(_train_cfg(tmp, checkpoint=tmp), 2)
         expect = _single_process_losses(_train_cfg(tmp), 2)
         for backend in ("fused3s", "pyg"):
             losses = [loss for b, loss in got[0][1] if b == backend]
@@ -301,44 +310,13 @@ def _single_graph_cfg(**extra):
     return train.validate_config(cfg)
 
 
-def _partitioned_train_worker(rank, world, port, results):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        from gt_fused3s.bench import train
-        rows, curve, _ = train.run(_single_graph_cfg(), progress=False, log=lambda m: None)
-        results.put((rank, [r["status"] for r in rows], [(p["backend"], p["loss"]) for p in curve]))
-    except Exception as e:
-        results.put((rank, f"{type(e).__name__}: {e}", []))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def test_training_a_partitioned_graph_equals_one_process():
     """`gt-fused3s train` on a single graph under a 2-rank process group:
     the nodes are partitioned, each rank trains its rows with the halo
     exchange, gradients are summed; the losses of fused3s and pyg equal the
     whole graph's in one process."""
-    import socket
     from gt_fused3s.bench import train
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_partitioned_train_worker, args=(r, 2, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    got = {}
-    while not results.empty():
-        rank, status, curve = results.get()
-        got[rank] = (status, curve)
-    assert set(got) == {0, 1} and all(p.exitcode == 0 for p in procs), got
-    assert got[0][0] == ["ok", "ok"], got[0][0]
+    got = _train_under_torchrun(_single_graph_cfg(), 2)
     _, one, _ = train.run(_single_graph_cfg(), progress=False, log=lambda m: None)
     for backend in ("fused3s", "pyg"):
         want = [p["loss"] for p in one if p["backend"] == backend]
