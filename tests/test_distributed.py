@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gt_fused3s.distributed import (exchange_halo, local_graph, partition_nodes, partition_stats,
-                                    partitioned_attention)
+from gt_fused3s.bench.distributed import global_batch_losses
+from gt_fused3s.distributed import (exchange_halo, exchange_timer, local_graph, partition_nodes,
+                                    partition_stats, partitioned_attention)
 from gt_fused3s.reference import attention_reference
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -66,8 +67,11 @@ def _worker(rank: int, world: int, init: str, case: str, errors):
         for got, want in zip(mine, full[:3]):          # dK, dV include the halo's gradients
             torch.testing.assert_close(got.grad, want.grad[lg.nodes])
         torch.testing.assert_close(b.grad, full[3].grad[lg.edge_ids])
-        # the halo received is the owners' rows, in order
-        torch.testing.assert_close(exchange_halo(k[lg.nodes], lg), k[lg.halo])
+        # the halo received is the owners' rows, in order; the timer sees one exchange
+        with exchange_timer() as timer:
+            torch.testing.assert_close(exchange_halo(k[lg.nodes], lg), k[lg.halo])
+        assert timer.count == 1 and timer.ms() >= 0
+        assert timer.bytes == lg.send_index.numel() * H * D * 8
         dist.barrier()
     except Exception as e:          # reported by the parent
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
@@ -213,32 +217,6 @@ def _train_under_torchrun(cfg, world: int) -> dict:
     return got
 
 
-def _single_process_losses(cfg, world):
-    """What DDP over `world` ranks computes, in one process: each step is the
-    mean loss of `world` batches (rank r's batch: order[s * world + r])."""
-    from gt_fused3s.bench import train
-    from gt_fused3s.bench.stream import num_graphs
-    task = train.load_task(cfg, torch.device("cpu"))
-    model = train.build_model(task, cfg, torch.device("cpu"))
-    model.train()
-    torch.manual_seed(cfg["seed"])
-    opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-    order = train.step_order(len(task.batches), cfg["steps"] * world, cfg["seed"])
-    losses = []
-    for s in range(cfg["steps"]):
-        opt.zero_grad()
-        per = []
-        for r in range(world):
-            d = task.batches[order[s * world + r]]
-            out = model(d.x, d.edge_index, d.batch, num_graphs=num_graphs(d), edge_attr=d.edge_attr)
-            per.append(task.loss_of(out, d.y))
-        loss = torch.stack(per).mean()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return losses
-
-
 def test_data_parallel_training_equals_one_process_on_the_same_global_batches():
     """`gt-fused3s train` under a 2-rank process group (torchrun's
     environment, Gloo): DistributedDataParallel steps give the losses of one
@@ -248,7 +226,7 @@ def test_data_parallel_training_equals_one_process_on_the_same_global_batches():
     from gt_fused3s.models import GraphTransformer
     with tempfile.TemporaryDirectory() as tmp:
         got = _train_under_torchrun(_train_cfg(tmp, checkpoint=tmp), 2)
-        expect = _single_process_losses(_train_cfg(tmp), 2)
+        expect = global_batch_losses(_train_cfg(tmp), 2, torch.device("cpu"))
         for backend in ("fused3s", "pyg"):
             losses = [loss for b, loss in got[0][1] if b == backend]
             assert losses == pytest.approx(expect, rel=1e-4), (backend, losses, expect)
@@ -322,3 +300,42 @@ def test_training_a_partitioned_graph_equals_one_process():
         want = [p["loss"] for p in one if p["backend"] == backend]
         losses = [loss for b, loss in got[0][1] if b == backend]
         assert losses == pytest.approx(want, rel=1e-4), (backend, losses, want)
+
+
+def test_scaling_runs_and_report(tmp_path):
+    """`bench_distributed.py scaling` under 2 ranks (Gloo): a row per size with
+    the exchange's share; the report puts world sizes side by side."""
+    from gt_fused3s.bench import distributed as bench
+    csv = tmp_path / "scale_2.csv"
+    _run_ranks(_scaling_rank, 2, str(csv))
+    import csv as csvlib
+    rows = list(csvlib.DictReader(open(csv)))
+    assert [int(r["N"]) for r in rows] == [600, 1200] and all(r["status"] == "ok" for r in rows)
+    assert all(0 < float(r["exchange_share"]) < 1 and int(r["halo_rows"]) > 0 for r in rows)
+    one = tmp_path / "scale_1.csv"
+    one.write_text(csv.read_text().replace("\n2,", "\n1,"))     # as if one rank had run it
+    report = bench.scaling_report([str(one), str(csv)])
+    assert "1.00x" in report and "exchange" in report
+
+
+def _scaling_rank(rank, world, init, path, errors):
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))     # train.run reads torchrun's env
+        from gt_fused3s.bench import distributed as bench
+        from gt_fused3s.bench import train
+        cfg = train.validate_config({
+            "device": "cpu", "steps": 3, "warmup": 1, "backends": ["fused3s"],
+            "model": {"hidden": 16, "layers": 2, "heads": 2}, "target": "structure",
+            "dataset": {"name": "plaw", "kind": "powerlaw",
+                        "params": {"num_nodes": 600, "avg_degree": 6, "max_degree": 60, "num_features": 8}}})
+        rows = bench.run_scaling(cfg, [600, 1200], lambda m: None)
+        if rank == 0:
+            from gt_fused3s.bench import common
+            common.write_csv(rows, bench.SCALING_COLUMNS, path)
+    except Exception as e:
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -62,7 +62,11 @@ means over the ranks, and rank 0 alone logs and writes the CSV
 task) is partitioned instead (``distributed.partitioner``): each rank trains
 on its nodes' rows, every attention layer exchanges the K and V halo, and the
 parameters' gradients are summed over the ranks, so a step is the whole
-graph's. Runs are eager for now.
+graph's; the table adds the halo exchange's time per step and its share.
+Partitioned runs are eager; data-parallel ones eager (DDP) or, for
+``fused3s@graph``, one CUDA-graph replay per step with the gradients averaged
+by an all-reduce captured inside it. Under torchrun ms/step and peak MB are
+the largest rank's.
 ``checkpoint`` saves each run's weights and optimizer state; ``resume``
 starts every run from a checkpoint's weights.
 
@@ -164,8 +168,9 @@ CURVE_COLUMNS = ["step", "backend", "loss", "ms", "timed", "dataset", "hidden", 
 #: columns of the summary CSV (one row per run), in order
 SUMMARY_COLUMNS = ["backend", "mode", "status", "note", "steps", "loss_first", "loss_last", "ms_median",
                    "ms_std", "kernel_ms", "peak_mem_mb", "reserved_mb", "speedup_vs_pyg",
-                   "speedup_vs_pyg_best", "pyg_best", "mem_vs_pyg", "shapes", "setup_s", "dataset",
-                   "hidden", "layers", "dtype", "device", "device_name", "torch", "git_sha", "config"]
+                   "speedup_vs_pyg_best", "pyg_best", "mem_vs_pyg", "shapes", "setup_s", "ranks",
+                   "exchange_ms", "exchange_share", "halo_rows", "dataset", "hidden", "layers", "dtype", "device",
+                   "device_name", "torch", "git_sha", "config"]
 #: the pyg runs the "best compiled" ratio takes the fastest of
 _PYG_PEERS = ("pyg", "pyg@compile", "pyg@reduce-overhead")
 
@@ -386,13 +391,18 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     shards = 1 if s.local_graph is not None else world
     order = data_parallel.shard(step_order(len(task.batches), cfg["steps"] * shards, cfg["seed"]),
                                 rank if shards > 1 else 0, shards)
-    runs = common.expand_runs(cfg["backends"], device, eager=eager or world > 1,
+    # under torchrun: a partitioned graph trains eagerly; data parallel
+    # eagerly (DDP) and captured (fused3s@graph, gradients averaged inside
+    # the replayed step)
+    runs = common.expand_runs(cfg["backends"], device, eager=eager or s.local_graph is not None,
                               compiled_runs=cfg["compiled_runs"] and world == 1)
+    env["ranks"] = world
     if world > 1:
-        env["ranks"] = world
-        if any(common.parse_run(r)[1] != "eager" for r in runs):
-            raise ValueError("data-parallel training runs eagerly for now: drop the @mode of "
-                             f"{[r for r in runs if common.parse_run(r)[1] != 'eager']}")
+        allowed = ("eager",) if s.local_graph is not None else ("eager", *common.CAPTURED_MODES)
+        bad = [r for r in runs if common.parse_run(r)[1] not in allowed]
+        if bad:
+            raise ValueError(f"under torchrun the {'partitioned' if s.local_graph is not None else 'data-parallel'}"
+                             f" runs are {' or '.join(allowed)} for now: drop the @mode of {bad}")
     rows, curve = [], []
     for name in runs:
         row, points = train_backend(model, initial, name, task, order, s)
@@ -491,9 +501,26 @@ def train_backend(model: GraphTransformer, initial: dict, name: str, task: Task,
                reserved_mb=common.peak_reserved_mb(s.device),
                setup_s=sum(setup_ms) / 1e3 if setup_ms else None,
                shapes=trainer.num_shapes())
+    if s.world > 1:
+        _over_ranks(row, trainer, warmup, s.device)
     if s.device.type == "cuda":     # after training: these steps move the weights on
-        row["kernel_ms"] = kernel_time(lambda: trainer.step(order[-1]), name="", reps=3, flush=False)
+        reps = 3 if row["ms_median"] < 1000 else 1      # a large graph's step is long enough
+        row["kernel_ms"] = kernel_time(lambda: trainer.step(order[-1]), name="", reps=reps, flush=False)
     return row, points
+
+
+def _over_ranks(row: dict, trainer: "_Trainer", warmup: int, device: torch.device) -> None:
+    """A distributed run's row: the largest rank's peak memory and step time
+    (collectives: every rank calls this), and for a partitioned graph the
+    median halo-exchange time of a timed step and its share of the step."""
+    for key in ("peak_mem_mb", "reserved_mb"):
+        if row[key] is not None:
+            row[key] = data_parallel.max_over_ranks(row[key], device)
+    row["ms_median"] = data_parallel.max_over_ranks(row["ms_median"], device)
+    if trainer.local_graph is not None:
+        ex = data_parallel.max_over_ranks(statistics.median(trainer.exchange_ms[warmup:]), device)
+        halo = data_parallel.max_over_ranks(trainer.local_graph.halo.numel(), device)
+        row.update(exchange_ms=ex, exchange_share=ex / row["ms_median"], halo_rows=int(halo))
 
 
 class _Trainer:
@@ -515,8 +542,12 @@ class _Trainer:
         self._shapes: set = set()
         self.forward = model
         self.world, self.local_graph = s.world, s.local_graph
-        if s.world > 1 and s.local_graph is None:   # data parallel: gradients averaged over the ranks
+        # data parallel: gradients averaged over the ranks, by DDP's hooks
+        # eagerly, by one all-reduce inside the captured step otherwise
+        self.average = s.world > 1 and s.local_graph is None
+        if self.average and mode == "eager":
             self.forward = data_parallel.wrap(model, s.device)
+        self.exchange_ms: list[float] = []     # partitioned: the halo exchanges of each step
         if mode in common.COMPILED_MODES:
             self.forward = torch.compile(model, mode="reduce-overhead" if mode == "reduce-overhead"
                                          else None, dynamic=False)
@@ -575,16 +606,19 @@ class _Trainer:
         gradients summed over the ranks (the whole graph's gradient).
         Returns this rank's share of the mean loss (summed over the ranks by
         :meth:`timed_step`)."""
+        from ..distributed import exchange_timer
         lg, model = self.local_graph, self.model
         self.opt.zero_grad(set_to_none=True)
-        with self.autocast:
-            out = model(data.x[lg.nodes], None, graph=lg,
-                        edge_attr=data.edge_attr[lg.edge_ids] if model.edge_vocab is not None else None)
-        share = lg.num_local / data.num_nodes
-        loss = self.task.loss_of(out, data.y[lg.nodes]) * share
-        loss.backward()
+        with exchange_timer() as timer:
+            with self.autocast:
+                out = model(data.x[lg.nodes], None, graph=lg,
+                            edge_attr=data.edge_attr[lg.edge_ids] if model.edge_vocab is not None else None)
+            share = lg.num_local / data.num_nodes
+            loss = self.task.loss_of(out, data.y[lg.nodes]) * share
+            loss.backward()
         data_parallel.sum_gradients(model)
         self.opt.step()
+        self.exchange_ms.append(timer.ms())
         return loss.detach()
 
     # -------------------------------------------------------------- captured
@@ -603,9 +637,13 @@ class _Trainer:
         model, task, opt = self.forward, self.task, self.opt
         compiled = self.mode == "compile-graph"
 
+        average = self.average
+
         def finish(out, y, mask):
             loss = task.loss_of(out, y, mask)
             loss.backward()
+            if average:
+                data_parallel.sum_gradients(self.model, average=True)
             opt.step()
             return loss.detach()
 
@@ -707,13 +745,18 @@ _TABLE = [  # header, key, format
     ("reserved MB", "reserved_mb", "{:.0f}"),
     ("vs pyg", "speedup_vs_pyg", "{:.2f}x"), ("vs best pyg", "speedup_vs_pyg_best", "{:.2f}x"),
     ("mem/pyg", "mem_vs_pyg", "{:.2f}"), ("shapes", "shapes", "{}"), ("setup s", "setup_s", "{:.1f}"),
+    ("exchange ms", "exchange_ms", "{:.1f}"), ("exchange share", "exchange_share", "{:.1%}"),
     ("note", "note", "{}"),
 ]
+#: columns shown only where some row has them (a partitioned graph's)
+_OPTIONAL = {"exchange_ms", "exchange_share"}
 
 
 def format_table(rows: list[dict]) -> str:
     """The rows as a text table (one line per backend), with a legend."""
-    return common.text_table(rows, _TABLE, {"backend", "note"},
+    exchange = any(r.get("exchange_ms") is not None for r in rows)
+    columns = [c for c in _TABLE if exchange or c[1] not in _OPTIONAL]
+    return common.text_table(rows, columns, {"backend", "note"},
                       "ms/step: median wall time of a training step (synchronised, warmup "
                       "steps and the first step of each shape of captured / compiled runs "
                       "excluded); kernel ms: GPU kernel time of a step (profiler); peak MB: CUDA "
@@ -722,7 +765,9 @@ def format_table(rows: list[dict]) -> str:
                       "not in peak MB); vs pyg: eager pyg's ms/step over "
                       "this row's; vs best pyg: the fastest pyg run's (eager or compiled); "
                       "mem/pyg: this row's peak over eager pyg's; shapes: static shapes "
-                      "(buckets) the run saw; setup s: time of the steps that captured or compiled.")
+                      "(buckets) the run saw; setup s: time of the steps that captured or compiled"
+                      + ("; exchange ms: the halo exchanges of a step (forward and backward, "
+                         "not overlapped with compute), share: of ms/step" if exchange else "") + ".")
 
 
 def format_footer(rows: list[dict], task: Task) -> str:

@@ -12,6 +12,10 @@ bipartite layer).
 """
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -21,6 +25,52 @@ from ..plan import GraphPlan
 from .partition import LocalGraph
 
 
+class ExchangeTimer:
+    """The time the halo exchanges of a span took, as the compute stream saw
+    it (see :func:`exchange_timer`)."""
+
+    def __init__(self):
+        self._spans: list = []     # (start, end): CUDA events, or perf_counter seconds
+        self.count = 0             #: exchanges (forward and backward)
+        self.bytes = 0             #: bytes this rank sent
+
+    def _record(self, x: Tensor):
+        if x.is_cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self) -> float:
+        """Milliseconds of the exchanges so far (synchronises the device)."""
+        total = 0.0
+        for s, e in self._spans:
+            if isinstance(s, float):
+                total += (e - s) * 1e3
+            else:
+                e.synchronize()
+                total += s.elapsed_time(e)
+        return total
+
+
+_TIMER: ExchangeTimer | None = None
+
+
+@contextlib.contextmanager
+def exchange_timer() -> Iterator[ExchangeTimer]:
+    """Time every halo exchange run inside the ``with`` block, forward and
+    backward. On CUDA an exchange is timed by events on the current stream
+    around the collective, which that stream waits for: the time is what the
+    exchange adds to the step (the transfer and any wait for a slower rank);
+    the exchange does not overlap the attention, which needs its rows."""
+    global _TIMER
+    _TIMER = timer = ExchangeTimer()
+    try:
+        yield timer
+    finally:
+        _TIMER = None
+
+
 def _all_to_all(x: Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group) -> Tensor:
     out = x.new_empty((out_rows, *x.shape[1:]))
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -28,8 +78,14 @@ def _all_to_all(x: Tensor, out_rows: int, out_splits: list[int], in_splits: list
     if len(in_splits) != dist.get_world_size(group):
         raise ValueError(f"the local graph was built for {len(in_splits)} parts but the process group "
                          f"has {dist.get_world_size(group)} ranks: pass parts=world_size to local_graph")
+    timer = _TIMER
+    start = timer._record(x) if timer is not None else None
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
                            input_split_sizes=in_splits, group=group)
+    if timer is not None:
+        timer._spans.append((start, timer._record(x)))
+        timer.count += 1
+        timer.bytes += x.numel() * x.element_size()
     return out
 
 

@@ -55,14 +55,26 @@ def mean_over_ranks(value: float, device: torch.device) -> float:
     return float(t) / dist.get_world_size()
 
 
-def sum_gradients(model: nn.Module) -> None:
-    """Sum every parameter's gradient over the ranks (in place, one
-    all-reduce of the flattened gradients)."""
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest of a per-rank number over the ranks (a collective)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def sum_gradients(model: nn.Module, *, average: bool = False) -> None:
+    """Sum (``average``: average) every parameter's gradient over the ranks
+    (in place, one all-reduce of the flattened gradients). No host
+    synchronisation: a captured training step may contain it (NCCL
+    collectives are recorded into a CUDA graph like kernels), which is how
+    a data-parallel step runs as one replay, without DDP's hooks."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
+    if average:
+        flat /= dist.get_world_size()
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
