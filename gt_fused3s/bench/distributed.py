@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import os
 import socket
 import sys
@@ -180,9 +181,10 @@ def run_check(graphs: list[str], device, log, layers: int = 10) -> list[dict]:
 
 
 # ----------------------------------------------------------------- scaling
-def run_scaling(cfg: dict, nodes: list[int], log) -> list[dict]:
+def run_scaling(cfg: dict, nodes: list[int], log, on_row=None) -> list[dict]:
     """``gt-fused3s train`` of ``cfg``'s single graph at each node count
-    (partitioned over the ranks under torchrun), one row per size."""
+    (partitioned over the ranks under torchrun), one row per size;
+    ``on_row(rows)`` after each size (to save what ran so far)."""
     from . import train
     world = dist.get_world_size() if dist.is_initialized() else 1
     params = cfg["dataset"]["params"]
@@ -210,6 +212,8 @@ def run_scaling(cfg: dict, nodes: list[int], log) -> list[dict]:
         if row["ms_step"]:
             row["steps_per_s"] = 1e3 / row["ms_step"]
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
         del task, got
         _free()
     return rows
@@ -334,7 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "scaling":
         if not args.nodes or cfg is None:
             p.error("scaling needs --config and --nodes")
-        rows, columns = run_scaling(cfg, [int(n) for n in args.nodes], log), SCALING_COLUMNS
+        def save(rows):       # a long run keeps what it measured
+            log(f"{rows[-1]['N']} nodes: {rows[-1]['status']}, {rows[-1].get('ms_step')} ms/step, "
+                f"peak {rows[-1].get('peak_mem_mb')} MB")
+            if args.csv and rank == 0:
+                common.write_csv(rows, SCALING_COLUMNS, args.csv)
+        rows = run_scaling(cfg, [int(n) for n in args.nodes], log, save)
+        columns = SCALING_COLUMNS
     else:
         if cfg is None:
             p.error("ddp-losses needs --config")
@@ -345,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         print(common.text_table(shown, [(c, c, "{}") for c in columns], set(columns)))
         if args.csv:
             common.write_csv(rows, columns, args.csv)
+    gc.collect()           # captured graphs (with NCCL work in them) go before the group does
     dist.barrier()
     dist.destroy_process_group()
     return 0
