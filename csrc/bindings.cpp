@@ -71,7 +71,7 @@ at::Tensor aligned_rows(const at::Tensor& t) {
 // and shape of q, last dim contiguous, rows and heads 16-byte aligned. A
 // tensor that is not (a column slice of a wider projection, say) is copied
 // here, where the check costs nothing next to the Python caller's.
-at::Tensor kernel_input(const at::Tensor& t, const char* name, const at::Tensor& q) {
+at::Tensor kernel_input(const at::Tensor& t, const char* name, const at::Tensor& q, int64_t rows = -1) {
     TORCH_CHECK(t.defined(), name, " must be a tensor (got an undefined tensor)");
     TORCH_CHECK(t.device() == q.device(), name, " must be on the device of q (", q.device().str(), "), got ",
                 t.device().str());
@@ -80,8 +80,26 @@ at::Tensor kernel_input(const at::Tensor& t, const char* name, const at::Tensor&
     TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have the dtype of q (",
                 dtype_name(q.scalar_type()), "), got ", dtype_name(t.scalar_type()));
     TORCH_CHECK(t.dim() == 3, name, " must have shape [N, H, D] (got ", shape(t.sizes()), ")");
-    TORCH_CHECK(t.sizes() == q.sizes(), name, " must have the shape of q ", shape(q.sizes()), " (got ", shape(t.sizes()), ")");
+    if (rows < 0) {
+        TORCH_CHECK(t.sizes() == q.sizes(), name, " must have the shape of q ", shape(q.sizes()), " (got ",
+                    shape(t.sizes()), ")");
+    } else {
+        TORCH_CHECK(t.size(0) == rows && t.size(1) == q.size(1) && t.size(2) == q.size(2), name,
+                    " must have shape ", shape({rows, q.size(1), q.size(2)}), " (got ", shape(t.sizes()), ")");
+    }
     return aligned_rows(t);
+}
+
+// k and v: [N, H, D] with q's heads and head dim; N, the graph's node count,
+// may exceed q's rows (a graph whose destinations are its first q.size(0)
+// nodes: the rows of one rank's share of a partitioned graph, say).
+std::pair<at::Tensor, at::Tensor> key_value_inputs(const at::Tensor& k_in, const at::Tensor& v_in,
+                                                   const at::Tensor& q) {
+    TORCH_CHECK(k_in.defined() && k_in.dim() == 3, "k must have shape [N, H, D]");
+    const at::Tensor k = kernel_input(k_in, "k", q, k_in.size(0)), v = kernel_input(v_in, "v", q, k_in.size(0));
+    TORCH_CHECK(q.size(0) <= k.size(0), "q has ", num(q.size(0)), " rows, more than the ", num(k.size(0)),
+                " nodes of k and v");
+    return {k, v};
 }
 
 void check_index(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Tensor& q) {
@@ -190,12 +208,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                                             int64_t dropout_seed) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
-    const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q_in),
-                     v = kernel_input(v_in, "v", q_in);
-    const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+    const at::Tensor q = kernel_input(q_in, "q", q_in);
+    const auto [k, v] = key_value_inputs(k_in, v_in, q);
+    // N: the graph's nodes (k, v); Nq <= N: the destination rows (q, out)
+    const int64_t N = k.size(0), Nq = q.size(0), H = q.size(1), D = q.size(2);
     TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256,
                 "head dim D must be 16, 32, 64, 128 or 256 (got ", num(D), "); pad other multiples of 8");
-    TORCH_CHECK(N < (int64_t(1) << 31), "q has ", num(N), " nodes, more than the int32 format allows");
+    TORCH_CHECK(N < (int64_t(1) << 31), "k has ", num(N), " nodes, more than the int32 format allows");
     TORCH_CHECK(H >= 1, "q must have at least one head (got H = ", num(H), ")");
 
     check_index(rw_offset, "rw_offset", at::kInt, q);
@@ -206,10 +225,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     check_index(slots, "slots", at::kInt, q);
     const int64_t R = (N + 15) / 16;
     TORCH_CHECK(rw_offset.dim() == 1 && rw_offset.numel() == R + 1, "rw_offset has ", num(rw_offset.numel()),
-                " entries but q has N = ", num(N), " nodes, which needs ceil(N / 16) + 1 = ", num(R + 1),
+                " entries but k has N = ", num(N), " nodes, which needs ceil(N / 16) + 1 = ", num(R + 1),
                 "; the BSB was built for another graph");
     TORCH_CHECK(window_order.dim() == 1 && window_order.numel() == R, "window_order has ",
-                num(window_order.numel()), " entries but q has N = ", num(N), " nodes, which needs ceil(N / 16) = ",
+                num(window_order.numel()), " entries but k has N = ", num(N), " nodes, which needs ceil(N / 16) = ",
                 num(R), "; the BSB was built for another graph");
     TORCH_CHECK(bitmap.dim() == 2 && bitmap.size(1) == 2, "bitmap must have shape [T, 2] (got ",
                 shape(bitmap.sizes()), ")");
@@ -232,9 +251,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     check_dropout(dropout_p);
 
     const c10::cuda::CUDAGuard device_guard(q.device());
-    auto out = at::empty({N, H, D}, q.options().dtype(out_fp32 ? at::kFloat : q.scalar_type()));
-    auto lse = at::empty({N, H}, q.options().dtype(at::kFloat));
-    if (N == 0) return {out, lse};
+    auto out = at::empty({Nq, H, D}, q.options().dtype(out_fp32 ? at::kFloat : q.scalar_type()));
+    auto lse = at::empty({Nq, H}, q.options().dtype(at::kFloat));
+    if (Nq == 0) return {out, lse};
     // Workspace of split windows only (most batches split none: no allocation).
     const int64_t S = slots.size(0);
     const auto f32 = q.options().dtype(at::kFloat);
@@ -266,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     p.counters_ptr = S > 0 ? counters.data_ptr<int32_t>() : nullptr;
     p.part_o_ptr = S > 0 ? part_o.data_ptr<float>() : nullptr;
     p.part_ml_ptr = S > 0 ? part_ml.data_ptr<float>() : nullptr;
-    p.num_nodes = static_cast<int32_t>(N);
+    p.num_nodes = static_cast<int32_t>(Nq);   // rows read and written; windows past them have no edges
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
     const auto bias_nnz = to_nnz_order(edge_bias, slot_edge);
@@ -304,7 +323,7 @@ Fused3SOperand operand(const at::Tensor& t) { return {t.data_ptr(), t.stride(0),
 
 // BSB + schedule arguments of one pass, checked against the node count.
 void check_pass(const char* which, const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& items,
-                const at::Tensor& slots, const at::Tensor& q) {
+                const at::Tensor& slots, const at::Tensor& q, int64_t num_nodes) {
     const std::string pre = std::string(which) + " ";
     check_index(cols, (pre + "cols").c_str(), at::kInt, q);
     check_index(bitmap, (pre + "bitmap").c_str(), at::kLong, q);
@@ -319,7 +338,7 @@ void check_pass(const char* which, const at::Tensor& cols, const at::Tensor& bit
                 shape(items.sizes()), ")");
     TORCH_CHECK(slots.dim() == 2 && slots.size(1) == 4, pre, "slots must have shape [S, 4] (got ",
                 shape(slots.sizes()), ")");
-    const int64_t R = (q.size(0) + 15) / 16, H = q.size(1);
+    const int64_t R = (num_nodes + 15) / 16, H = q.size(1);
     TORCH_CHECK(items.size(0) >= R, pre, "items has ", num(items.size(0)), " rows, fewer than the ", num(R),
                 " row windows; the schedule was built for another graph");
     TORCH_CHECK(items.size(0) * H < (int64_t(1) << 31) - (int64_t(1) << 24), pre, "too many work items");
@@ -348,12 +367,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     int64_t dropout_seed) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
-    const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q_in),
-                     v = kernel_input(v_in, "v", q_in), dout = kernel_input(dout_in, "grad_out", q_in);
-    const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+    const at::Tensor q = kernel_input(q_in, "q", q_in), dout = kernel_input(dout_in, "grad_out", q_in);
+    const auto [k, v] = key_value_inputs(k_in, v_in, q);
+    // N: the graph's nodes (k, v, dk, dv); Nq <= N: the rows (q, out, lse, dq)
+    const int64_t N = k.size(0), Nq = q.size(0), H = q.size(1), D = q.size(2);
     TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256,
                 "head dim D must be 16, 32, 64, 128 or 256 (got ", num(D), "); pad other multiples of 8");
-    TORCH_CHECK(N < (int64_t(1) << 31), "q has ", num(N), " nodes, more than the int32 format allows");
+    TORCH_CHECK(N < (int64_t(1) << 31), "k has ", num(N), " nodes, more than the int32 format allows");
     TORCH_CHECK(out_in.defined() && out_in.device() == q.device(), "out must be on the device of q");
     TORCH_CHECK(out_in.scalar_type() == q.scalar_type() || out_in.scalar_type() == at::kFloat,
                 "out must have the dtype of q or float32 (got ", dtype_name(out_in.scalar_type()), ")");
@@ -361,11 +381,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                 shape(q.sizes()), " (got ", shape(out_in.sizes()), ")");
     const at::Tensor out = aligned_rows(out_in);
     TORCH_CHECK(lse.defined() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
-                    lse.dim() == 2 && lse.size(0) == N && lse.size(1) == H && lse.is_contiguous(),
-                "lse must be a contiguous float32 [N, H] = ", shape({N, H}), " tensor on the device of q (got ",
+                    lse.dim() == 2 && lse.size(0) == Nq && lse.size(1) == H && lse.is_contiguous(),
+                "lse must be a contiguous float32 [N, H] = ", shape({Nq, H}), " tensor on the device of q (got ",
                 dtype_name(lse.scalar_type()), " ", shape(lse.sizes()), ")");
-    check_pass("graph", cols, bitmap, items, slots, q);
-    check_pass("transposed graph", t_cols, t_bitmap, t_items, t_slots, q);
+    check_pass("graph", cols, bitmap, items, slots, q, N);
+    check_pass("transposed graph", t_cols, t_bitmap, t_items, t_slots, q, N);
     TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
     const bool has_edges = check_slots(nnz_offset, slot_edge, bitmap, q, "");
     TORCH_CHECK(check_slots(t_nnz_offset, t_slot_edge, t_bitmap, q, "transposed graph ") == has_edges,
@@ -384,7 +404,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     if (edge_bias.has_value()) check_edge_slot(*edge_slot, *slot_edge, q);
     if (delta_extra.has_value()) {
         TORCH_CHECK(delta_extra->device() == q.device() && delta_extra->scalar_type() == at::kFloat &&
-                        delta_extra->dim() == 2 && delta_extra->size(0) == N && delta_extra->size(1) == H &&
+                        delta_extra->dim() == 2 && delta_extra->size(0) == Nq && delta_extra->size(1) == H &&
                         delta_extra->is_contiguous(),
                     "delta_extra must be a contiguous float32 [N, H] tensor on the device of q");
     }
@@ -392,7 +412,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     const auto grad_opts = q.options().dtype(grad_fp32 ? at::kFloat : q.scalar_type());
-    auto dq = at::empty({N, H, D}, grad_opts);
+    auto dq = at::empty({Nq, H, D}, grad_opts);
     auto dk = at::empty({N, H, D}, grad_opts);
     auto dv = at::empty({N, H, D}, grad_opts);
     // every edge's score lies in one chunk of the dQ pass, which writes it once
@@ -403,8 +423,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         return has_bias ? to_edge_order(ds_nnz, *edge_slot) : at::empty({0}, q.options().dtype(at::kFloat));
     };
     if (N == 0) return {dq, dk, dv, grad_bias()};
+    if (Nq == 0) {            // no rows, so no edges: k and v get nothing
+        dk.zero_();
+        dv.zero_();
+        return {dq, dk, dv, grad_bias()};
+    }
     const auto f32 = q.options().dtype(at::kFloat);
-    auto stats = at::empty({N, H, 2}, f32);   // (lse log2e, delta) per row, from the dQ pass
+    auto stats = at::empty({Nq, H, 2}, f32);   // (lse log2e, delta) per row, from the dQ pass
     const int64_t S = slots.size(0), St = t_slots.size(0);
     at::Tensor part_q, part_k, part_v, counters;   // split windows only
     if (S > 0) part_q = at::empty({S, H, 16, D}, f32);
@@ -421,13 +446,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     common.lse_ptr = lse.data_ptr<float>();
     common.stats_ptr = reinterpret_cast<float2*>(stats.data_ptr<float>());
     common.grad_fp32 = grad_fp32;
-    common.num_nodes = static_cast<int32_t>(N);
     common.num_heads = static_cast<int32_t>(H);
     common.scale = static_cast<float>(scale);
     common.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
     common.delta_extra_ptr = opt_ptr(delta_extra);
 
     Fused3SBwdParams dq_pass = common;
+    dq_pass.num_nodes = static_cast<int32_t>(Nq);   // rows of q, dO, O, dq (windows past them are empty)
     dq_pass.a1 = operand(q);
     dq_pass.a2 = operand(dout);
     dq_pass.g1 = operand(k);
@@ -446,6 +471,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     if (has_edges) set_dropout(dq_pass.bias, *slot_edge, dropout_p, dropout_seed);
 
     Fused3SBwdParams dkv_pass = common;
+    dkv_pass.num_nodes = static_cast<int32_t>(N);    // rows of k, v, dk, dv; its columns are rows < Nq
     dkv_pass.a1 = operand(k);
     dkv_pass.a2 = operand(v);
     dkv_pass.g1 = operand(q);
@@ -492,15 +518,18 @@ at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::
                       const std::optional<at::Tensor>& edge_bias) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
-    const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q_in);
-    const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+    const at::Tensor q = kernel_input(q_in, "q", q_in);
+    TORCH_CHECK(k_in.defined() && k_in.dim() == 3, "k must have shape [N, H, D]");
+    const at::Tensor k = kernel_input(k_in, "k", q, k_in.size(0));
+    TORCH_CHECK(q.size(0) <= k.size(0), "q has more rows than k");
+    const int64_t N = k.size(0), Nq = q.size(0), H = q.size(1), D = q.size(2);
     TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256,
                 "head dim D must be 16, 32, 64, 128 or 256 (got ", num(D), "); pad other multiples of 8");
     TORCH_CHECK(lse.defined() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
-                    lse.dim() == 2 && lse.size(0) == N && lse.size(1) == H,
-                "lse must be a float32 [N, H] = ", shape({N, H}), " tensor on the device of q");
+                    lse.dim() == 2 && lse.size(0) == Nq && lse.size(1) == H,
+                "lse must be a float32 [N, H] = ", shape({Nq, H}), " tensor on the device of q");
     const at::Tensor slots_unused = at::empty({0, 4}, items.options());
-    check_pass("graph", cols, bitmap, items, slots_unused, q);
+    check_pass("graph", cols, bitmap, items, slots_unused, q, N);
     check_slots(nnz_offset, slot_edge, bitmap, q, "");
     check_edge_slot(edge_slot, slot_edge, q);
     const int64_t E = slot_edge.numel();
@@ -509,7 +538,7 @@ at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     auto probs = at::empty({H, E}, q.options().dtype(at::kFloat));   // non-zero order
-    if (N == 0 || E == 0) return to_edge_order(probs, edge_slot);
+    if (Nq == 0 || E == 0) return to_edge_order(probs, edge_slot);
     Fused3SParams p{};
     p.q_ptr = q.data_ptr();
     p.k_ptr = k.data_ptr();
@@ -521,7 +550,7 @@ at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::
     p.bitmap_ptr = reinterpret_cast<const uint64_t*>(bitmap.data_ptr<int64_t>());
     p.items_ptr = reinterpret_cast<const Fused3SItem*>(items.data_ptr<int32_t>());
     p.num_items = static_cast<int32_t>(items.size(0));
-    p.num_nodes = static_cast<int32_t>(N);
+    p.num_nodes = static_cast<int32_t>(Nq);
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
     const auto bias_nnz = to_nnz_order(edge_bias, slot_edge);

@@ -57,7 +57,7 @@ _LIB.define("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor rw_offset, T
 @torch.library.register_fake("gt_fused3s::fwd")
 def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
               edge_bias=None, nnz_offset=None, slot_edge=None, dropout_p=0.0, dropout_seed=0):
-    N, H, D = q.shape
+    N, H, D = q.shape       # q's rows: k and v may have more (the graph's nodes)
     return (q.new_empty((N, H, D), dtype=torch.float32 if out_fp32 else q.dtype),
             q.new_empty((N, H), dtype=torch.float32))
 
@@ -70,7 +70,8 @@ def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t
     dtype = torch.float32 if grad_fp32 else q.dtype
     grad_bias = (torch.empty_like(edge_bias) if edge_bias is not None
                  else q.new_empty((0,), dtype=torch.float32))
-    return (*(q.new_empty(q.shape, dtype=dtype) for _ in range(3)), grad_bias)
+    return (q.new_empty(q.shape, dtype=dtype), *(k.new_empty(k.shape, dtype=dtype) for _ in range(2)),
+            grad_bias)
 
 
 @torch.library.register_fake("gt_fused3s::probs")
@@ -116,7 +117,10 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
     Args:
         q, k, v: [N, H, D] node queries, keys and values (fp16 or bf16 for
             the kernel; fp32 is accepted and computed in ``compute_dtype``;
-            float64 on the CPU path stays float64).
+            float64 on the CPU path stays float64). With a plan built with
+            ``num_rows`` (a graph whose destinations are its first nodes,
+            such as a rank's share of a partitioned graph), q has
+            ``num_rows`` rows and k, v the graph's ``num_nodes``.
         graph: a :class:`~gt_fused3s.plan.GraphPlan` (prepared ahead:
             :meth:`~gt_fused3s.plan.GraphPlan.prepare`, so that the call
             builds nothing and makes no host synchronisation), a
@@ -161,9 +165,12 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
         out = _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype)
         if out is not None:
             return out
-    N, H, D = _check_qkv(q, k, v)
-    if v.shape != q.shape:
-        raise ValueError(f"v must have the shape of q {tuple(q.shape)} (got {tuple(v.shape)})")
+    N, H, D = _check_qkv(q, k, v, rows=True)
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)} (got {tuple(v.shape)})")
+    if k.size(0) != N and not isinstance(graph, GraphPlan):
+        raise ValueError(f"q has {N} rows and k, v {k.size(0)}: pass a GraphPlan built with "
+                         f"num_rows={N} (GraphPlan.from_edge_index(edge_index, {k.size(0)}, num_rows={N}))")
     if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
         raise ValueError(f"out_dtype must be a floating-point torch.dtype (got {out_dtype})")
     scale = default_scale(D) if scale is None else float(scale)
@@ -176,7 +183,7 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
             edges = graph
         else:
             plan = as_plan(graph)
-            _check_plan_for(plan, N, q.device)
+            _check_plan_for(plan, q, k)
             edges = plan.edge_index
         _check_edge_bias(edge_bias, edges.size(1), H, q.device)
         drop = _dropout(dropout_p, dropout_seed)
@@ -186,7 +193,7 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
                                    compute_dtype=torch.float64 if q.dtype == torch.float64
                                    else torch.float32)
     plan = as_plan(graph, N if num_nodes is None else num_nodes)
-    _check_plan_for(plan, N, q.device)
+    _check_plan_for(plan, q, k)
     _check_kernel_inputs(q, k, v)
     _check_edge_bias(edge_bias, plan.num_edges, H, q.device)
     Dp = padded_head_dim(D)
@@ -281,7 +288,8 @@ def _check_edge_bias(edge_bias: Tensor | None, E: int, H: int, device: torch.dev
 def _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype) -> Tensor | None:
     """The call on a plan prepared for q's heads and head dim, in eager mode,
     with fp16 / bf16 operands of a compiled head dim: straight to the kernel
-    (the binding checks q, k, v and the graph arrays itself). None: take the
+    (the binding checks q, k, v against the graph arrays itself; q's rows
+    against the plan's are checked here). None: take the
     general path, which checks and converts everything."""
     if (type(graph) is not GraphPlan or out_dtype is not None or compute_dtype is not None
             or not isinstance(q, Tensor) or q.dim() != 3 or q.dtype not in _KERNEL_DTYPES
@@ -289,7 +297,7 @@ def _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype) -> Tensor | None
         return None
     N, H, D = q.shape
     fwd_args = graph._fwd_args.get((H, D))      # a compiled D is its own padded head dim
-    if fwd_args is None or N != graph.num_nodes or not kernel_available(q.device):
+    if fwd_args is None or N != graph.num_rows or not kernel_available(q.device):
         return None
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -337,8 +345,12 @@ def kernel_accepts(head_dim: int, dtype: torch.dtype) -> bool:
             and dtype in _KERNEL_DTYPES + (torch.float32,))
 
 
-def _check_plan_for(plan: GraphPlan, N: int, device: torch.device) -> None:
-    plan.bsb.check_nodes(N)
+def _check_plan_for(plan: GraphPlan, q: Tensor, k: Tensor) -> None:
+    plan.bsb.check_nodes(k.size(0), "k" if k.size(0) != q.size(0) else "q")
+    if q.size(0) != plan.num_rows:
+        raise ValueError(f"q has {q.size(0)} rows but the plan's destinations are its first "
+                         f"num_rows={plan.num_rows} nodes")
+    device = q.device
     if plan.device != device:
         raise ValueError(f"graph is on {plan.device} but q, k, v are on {device}; "
                          f"move it once with graph.to(q.device)")

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .graph import BSBGraph, _check_edge_index, _check_num_nodes, _in_capture_or_compile, edge_slots
+from .graph import (BSBGraph, _check_edge_index, _check_num_nodes, _check_range, _in_capture_or_compile,
+                    edge_slots)
 from .schedule import work_schedule
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -45,6 +46,10 @@ class GraphPlan:
             with ``backward=True`` if not given).
         edge_index: the edges [2, E] ``bsb`` was built from, in the order
             an ``edge_bias`` [E, H] follows (default: ``bsb.edge_index``).
+        num_rows: the destinations are the first ``num_rows`` nodes (default
+            all): q and the output then have ``num_rows`` rows, k and v
+            ``num_nodes`` (one rank's rows of a partitioned graph, whose
+            columns add the halo). No edge may point past them.
 
     Build it with :meth:`from_edge_index` (or from a BSB: ``GraphPlan(bsb)``)
     and :meth:`prepare` it for the heads and head dims of the model::
@@ -54,9 +59,12 @@ class GraphPlan:
     """
 
     def __init__(self, bsb: BSBGraph, transposed: BSBGraph | None = None,
-                 edge_index: Tensor | None = None):
+                 edge_index: Tensor | None = None, *, num_rows: int | None = None):
         if not isinstance(bsb, BSBGraph):
             raise ValueError(f"bsb must be a BSBGraph (got {type(bsb).__name__})")
+        num_rows = bsb.num_nodes if num_rows is None else _check_num_nodes(num_rows)
+        if num_rows > bsb.num_nodes:
+            raise ValueError(f"num_rows={num_rows} is more than the graph's {bsb.num_nodes} nodes")
         if transposed is not None and (transposed.num_nodes != bsb.num_nodes
                                        or transposed.device != bsb.device):
             raise ValueError("transposed must be the BSB of the same graph reversed, on its device")
@@ -68,6 +76,7 @@ class GraphPlan:
                                  f"{edge_index.device})")
         self.bsb = bsb
         self.transposed = transposed
+        self.num_rows = num_rows    #: rows of q and of the output (destinations: the first nodes)
         self._edges = edge_index if edge_index is not None else bsb.edge_index
         # bias_args(): where each edge sits in the BSB and its transpose (per-edge terms)
         self._bias_args: tuple[Tensor, ...] | None = None
@@ -78,13 +87,17 @@ class GraphPlan:
     # ------------------------------------------------------------------ build
     @classmethod
     def from_edge_index(cls, edge_index: Tensor, num_nodes: int | None = None, *,
-                        static: bool | None = None) -> "GraphPlan":
+                        static: bool | None = None, num_rows: int | None = None) -> "GraphPlan":
         """The plan of ``edge_index`` [2, E] (row 0 sources, row 1
         destinations; duplicates count with their multiplicity), built on
         its device. ``static``: see :meth:`BSBGraph.from_edge_index`. An
-        ``edge_bias`` follows the order of ``edge_index``."""
-        return cls(BSBGraph.from_edge_index(edge_index, num_nodes, static=static),
-                   edge_index=edge_index)
+        ``edge_bias`` follows the order of ``edge_index``. ``num_rows``:
+        the destinations are the first ``num_rows`` nodes (checked here,
+        unless static)."""
+        bsb = BSBGraph.from_edge_index(edge_index, num_nodes, static=static)
+        if num_rows is not None and num_rows < bsb.num_nodes and not bsb.static and edge_index.numel():
+            _check_range("edge_index[1] (destinations)", edge_index[1], 0, num_rows)
+        return cls(bsb, edge_index=edge_index, num_rows=num_rows)
 
     def prepare(self, heads: int, head_dim: int, *, backward: bool = True,
                 edge_bias: bool = False) -> "GraphPlan":
@@ -169,11 +182,12 @@ class GraphPlan:
             return self
         return GraphPlan(self.bsb.to(device),
                          self.transposed.to(device) if self.transposed is not None else None,
-                         self._edges.to(device))
+                         self._edges.to(device), num_rows=self.num_rows)
 
     def __repr__(self) -> str:
         prepared = sorted(self._fwd_args)
-        return (f"GraphPlan({self.bsb!r}, backward={self.transposed is not None}, "
+        rows = f", num_rows={self.num_rows}" if self.num_rows != self.num_nodes else ""
+        return (f"GraphPlan({self.bsb!r}{rows}, backward={self.transposed is not None}, "
                 f"prepared (heads, head_dim)={prepared})")
 
 

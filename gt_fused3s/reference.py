@@ -17,7 +17,9 @@ from torch import Tensor
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int]:
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, *, rows: bool = False) -> tuple[int, int, int]:
+    """(N, H, D) of q; k, v must share q's [N, H] (``rows``: q may have
+    fewer rows than k and v, the destinations being the first nodes)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
@@ -25,7 +27,8 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int]:
             raise ValueError(f"{name} must have shape [N, H, D] (got {tuple(t.shape)})")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor (got {t.dtype})")
-    if k.shape != q.shape or v.shape[:2] != q.shape[:2]:
+    same_rows = k.size(0) == q.size(0) or (rows and q.size(0) <= k.size(0))
+    if not same_rows or k.shape[1:] != q.shape[1:] or v.shape[:2] != k.shape[:2]:
         raise ValueError(f"q, k, v must share [N, H] and q, k must share D "
                          f"(got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
     if not (q.device == k.device == v.device):
@@ -48,6 +51,8 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
 
     Args:
         q, k, v: [N, H, D] (v may have its own last dim), any float dtype.
+            q may have fewer rows than k and v: the destinations are then
+            the first ``q.size(0)`` nodes.
         edge_index: [2, E] int64, sources in row 0, destinations in row 1.
         scale: score scale, default ``1 / sqrt(D)``.
         edge_bias: optional [E, H] bias added to the scaled scores, one row
@@ -69,7 +74,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
         [N, H, Dv] (and the weights [E, H] with ``return_weights``).
         Differentiable with respect to q, k, v and edge_bias.
     """
-    N, H, D = _check_qkv(q, k, v)
+    N, H, D = _check_qkv(q, k, v, rows=True)
     scale = default_scale(D) if scale is None else float(scale)
     low = compute_dtype in _LOW_PRECISION
     acc = torch.float32 if low else compute_dtype

@@ -113,11 +113,13 @@ def _check_inverse(slot_edge, edge_slot):
     assert torch.equal(edge_slot.long()[slot_edge.long()], torch.arange(slot_edge.numel()))
 
 
-def _check_operands(*ts):
-    q = ts[0]
+def _check_operands(q, k, v=None, do=None):
+    """q (and dO) [Nq, H, D]; k (and v) [N, H, D] with Nq <= N (a plan's
+    destinations may be its first nodes)."""
     assert q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) in KERNEL_HEAD_DIMS
-    for t in ts:
-        assert t.dtype == q.dtype and t.shape == q.shape
+    assert k.dtype == q.dtype and k.shape[1:] == q.shape[1:] and q.size(0) <= k.size(0)
+    assert v is None or (v.dtype == q.dtype and v.shape == k.shape)
+    assert do is None or (do.dtype == q.dtype and do.shape == q.shape)
 
 
 def _sorted(ei):

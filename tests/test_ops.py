@@ -40,7 +40,7 @@ def test_errors_are_clear():
     g = BSBGraph.from_edge_index(ei, 50)
     with pytest.raises(ValueError, match="q has 49 nodes but the BSB graph was built for num_nodes=50"):
         fused3s_attention(q[:49], k[:49], v[:49], g)
-    with pytest.raises(ValueError, match="v must have the shape of q"):
+    with pytest.raises(ValueError, match="v must have the shape of k"):
         fused3s_attention(q, k, v[..., :8], g)
     with pytest.raises(ValueError, match="graph must be a GraphPlan, a BSBGraph or an edge_index"):
         fused3s_attention(q, k, v, [[0], [1]])

@@ -112,3 +112,37 @@ def test_custom_op_is_registered_with_a_schema():
     schema = str(torch.ops.gt_fused3s.attention.default._schema)
     assert "Tensor[] fwd_graph" in schema and "-> (Tensor, Tensor, Tensor)" in schema
     assert isinstance(ops_mod._attention_op, torch._library.custom_ops.CustomOpDef)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_destinations_as_the_first_rows(stand_in_kernels, bias):
+    """A plan whose destinations are its first num_rows nodes (a rank's rows
+    of a partitioned graph plus its halo columns): q and the output have
+    num_rows rows, k and v all nodes; equal to the square graph's rows, and
+    its gradients, through the kernel path and the reference path."""
+    g = torch.Generator().manual_seed(3)
+    n, rows = 90, 37
+    ei = torch.stack([torch.randint(0, n, (500,), generator=g), torch.randint(0, rows, (500,), generator=g)])
+    plan = GraphPlan.from_edge_index(ei, n, num_rows=rows)
+    square = GraphPlan.from_edge_index(ei, n)
+    assert plan.num_rows == rows and "num_rows=37" in repr(plan)
+    q, k, v, do = _inputs(n, 2, 16, torch.float16)
+    b = torch.randn(ei.size(1), 2, generator=g) if bias else None
+    grads = []
+    for graph, nq in ((plan, rows), (square, n)):
+        leaves = [t.clone().requires_grad_() for t in (q[:nq], k, v)]
+        eb = b.clone().requires_grad_() if bias else None
+        out = fused3s_attention(*leaves, graph, edge_bias=eb)
+        assert out.shape == (nq, 2, 16)
+        out.backward(do[:nq])
+        grads.append([out[:rows], *(t.grad for t in leaves), *([eb.grad] if bias else [])])
+    for a, s in zip(grads[0], grads[1]):
+        torch.testing.assert_close(a, s[:a.size(0)])
+    ref = attention_reference(q[:rows], k, v, ei, edge_bias=b)          # the reference path too
+    torch.testing.assert_close(ref.to(torch.float16), grads[0][0], atol=2e-3, rtol=0)
+    with pytest.raises(ValueError, match="q has 90 rows but the plan's destinations are its first num_rows=37"):
+        fused3s_attention(q, k, v, plan)
+    with pytest.raises(ValueError, match=r"pass a GraphPlan built with num_rows=37"):
+        fused3s_attention(q[:rows], k, v, ei)
+    with pytest.raises(ValueError, match=r"edge_index\[1\] \(destinations\) has index"):
+        GraphPlan.from_edge_index(ei, n, num_rows=20)

@@ -413,12 +413,30 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     return rows, curve, task
 
 
+@dataclass
+class _LocalBatch:
+    """A rank's rows of a partitioned graph, in place of the whole graph's
+    batch (which every rank loaded and no longer needs)."""
+
+    x: Tensor
+    y: Tensor
+    edge_attr: Tensor | None
+    edge_index: Tensor      # the local graph's (its shape names the run's one static shape)
+    num_nodes: int          # the whole graph's
+
+
 def _partition(task: Task, cfg: dict, world: int, rank: int):
-    """This rank's share of the task's one graph, partitioned over ``world`` ranks."""
+    """This rank's share of the task's one graph, partitioned over ``world``
+    ranks; the task keeps only this rank's rows of it."""
     from ..distributed import local_graph, partition_nodes
     data = task.batches[0]
     part = partition_nodes(data.edge_index, data.num_nodes, world, cfg["distributed"]["partitioner"])
-    return local_graph(data.edge_index, data.num_nodes, part, rank, parts=world)
+    lg = local_graph(data.edge_index, data.num_nodes, part, rank, parts=world)
+    edge_attr = getattr(data, "edge_attr", None)
+    task.batches[0] = _LocalBatch(data.x[lg.nodes], data.y[lg.nodes],
+                                  edge_attr[lg.edge_ids] if edge_attr is not None else None,
+                                  lg.edge_index, data.num_nodes)
+    return lg
 
 
 def describe_run(task: Task, cfg: dict, dtype: str) -> str:
@@ -610,11 +628,11 @@ class _Trainer:
         lg, model = self.local_graph, self.model
         self.opt.zero_grad(set_to_none=True)
         with exchange_timer() as timer:
-            with self.autocast:
-                out = model(data.x[lg.nodes], None, graph=lg,
-                            edge_attr=data.edge_attr[lg.edge_ids] if model.edge_vocab is not None else None)
+            with self.autocast:       # data: this rank's rows (_LocalBatch)
+                out = model(data.x, None, graph=lg,
+                            edge_attr=data.edge_attr if model.edge_vocab is not None else None)
             share = lg.num_local / data.num_nodes
-            loss = self.task.loss_of(out, data.y[lg.nodes]) * share
+            loss = self.task.loss_of(out, data.y) * share
             loss.backward()
         data_parallel.sum_gradients(model)
         self.opt.step()

@@ -7,8 +7,9 @@ backward returns the halo's dK and dV to the owners by the reverse exchange,
 where they are added to the local gradients. The local attention runs on the
 local graph (rows: this rank's nodes; columns: its nodes, then the halo)
 through :func:`gt_fused3s.fused3s_attention` (the fused kernel on CUDA, the
-reference on a CPU), with the rows padded to the column count (as a
-bipartite layer).
+reference on a CPU): the plan's destinations are its first rows, so q and
+the output keep this rank's rows, and K and V are read as two views of the
+one buffer the halo is received into.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops import fused3s_attention
+from ..ops import fused3s_attention, kernel_available
 from ..plan import GraphPlan
+from ..reference import attention_reference
 from .partition import LocalGraph
 
 
@@ -71,8 +73,12 @@ def exchange_timer() -> Iterator[ExchangeTimer]:
         _TIMER = None
 
 
-def _all_to_all(x: Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group) -> Tensor:
-    out = x.new_empty((out_rows, *x.shape[1:]))
+def _all_to_all(x: Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group,
+                out: Tensor | None = None) -> Tensor:
+    """Rows of ``x`` split ``in_splits`` over the ranks, received ``out_splits``
+    from them into ``out`` (a contiguous [out_rows, ...] block; default new)."""
+    if out is None:
+        out = x.new_empty((out_rows, *x.shape[1:]))
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return out             # one rank: no halo, nothing to exchange
     if len(in_splits) != dist.get_world_size(group):
@@ -114,14 +120,51 @@ def exchange_halo(x: Tensor, lg: LocalGraph, group=None) -> Tensor:
     return _HaloExchange.apply(x, lg, group)
 
 
-def _local_plan(lg: LocalGraph, device: torch.device):
-    """The local attention graph, built once per device: a plan where the
-    kernel runs, else the edge list (the reference reads only that)."""
+class _HaloKeysValues(torch.autograd.Function):
+    """(k, v) [n_local, H, D] -> (k_all, v_all) [n_local + n_halo, H, D]: two
+    views of one buffer [n_columns, H, 2D] that holds this rank's rows and,
+    received by one exchange straight into its tail, the halo's. No
+    concatenation, no padding: the kernels read the views by their strides.
+    The backward sends the halo rows' dK and dV back to their owners, in one
+    exchange, and adds them to the local rows'."""
+
+    @staticmethod
+    def forward(ctx, k, v, lg: LocalGraph, group):
+        n, H, D = k.shape
+        kv = k.new_empty((lg.num_columns, H, 2 * D))
+        kv[:n, :, :D] = k
+        kv[:n, :, D:] = v
+        send = kv[:n].index_select(0, lg.send_index.to(k.device))
+        _all_to_all(send, lg.halo.numel(), lg.halo_counts, lg.send_counts, group, out=kv[n:])
+        ctx.lg, ctx.group, ctx.n, ctx.D = lg, group, n, D
+        return kv[..., :D], kv[..., D:]
+
+    @staticmethod
+    def backward(ctx, dk_all, dv_all):
+        lg, n, D = ctx.lg, ctx.n, ctx.D
+        halo = torch.cat([dk_all[n:], dv_all[n:]], -1)
+        back = _all_to_all(halo, lg.send_index.numel(), lg.send_counts, lg.halo_counts, ctx.group)
+        # the local rows' gradients, written in place: dk_all, dv_all are the
+        # attention's own fresh gradients, read by nothing else
+        dk, dv = dk_all[:n], dv_all[:n]
+        index = lg.send_index.to(dk.device)
+        start = 0
+        for count in lg.send_counts:      # a row is sent at most once to each rank: no atomics
+            if count:
+                rows, part = index[start:start + count], back[start:start + count]
+                dk.index_copy_(0, rows, dk.index_select(0, rows) + part[..., :D])
+                dv.index_copy_(0, rows, dv.index_select(0, rows) + part[..., D:])
+            start += count
+        return dk, dv, None, None
+
+
+def _local_plan(lg: LocalGraph, device: torch.device) -> GraphPlan:
+    """The local attention graph's plan (rows: this rank's nodes; columns:
+    its nodes, then the halo), built once per device."""
     plans = lg.__dict__.setdefault("_plans", {})
     if device not in plans:
-        ei = lg.edge_index.to(device)
-        from ..ops import kernel_available
-        plans[device] = GraphPlan.from_edge_index(ei, lg.num_columns) if kernel_available(device) else ei
+        plans[device] = GraphPlan.from_edge_index(lg.edge_index.to(device), lg.num_columns,
+                                                  num_rows=lg.num_local)
     return plans[device]
 
 
@@ -133,26 +176,30 @@ def partitioned_attention(q: Tensor, k: Tensor, v: Tensor, lg: LocalGraph, scale
     (``lg.nodes``). ``edge_bias``: optional [E_local, H] in the order of
     ``lg.edge_index`` (the global bias rows ``lg.edge_ids``). A collective:
     every rank of ``group`` calls it, once per layer. K and V travel in one
-    exchange. ``attention``: another local attention, ``(q, k, v, graph,
-    scale, edge_bias)`` with ``graph`` the local graph as an
-    :class:`~gt_fused3s.backends.AttentionGraph` (a backend of
-    :data:`gt_fused3s.backends.BACKENDS`); default the fused one.
+    exchange. The default attention is the fused one on the local graph
+    (q's rows only: the plan's destinations are its first rows), or the
+    reference where the kernel is unavailable. ``attention``: another local
+    attention, ``(q, k, v, graph, scale, edge_bias)`` with ``graph`` the
+    local graph as an :class:`~gt_fused3s.backends.AttentionGraph` (a
+    backend of :data:`gt_fused3s.backends.BACKENDS`), given q padded to the
+    columns.
     """
     n = lg.num_local
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3 or t.size(0) != n:
             raise ValueError(f"{name} must be [n_local, H, D] = [{n}, H, D] on rank {lg.rank} "
                              f"(got {tuple(t.shape)})")
-    D = k.size(-1)
-    halo = exchange_halo(torch.cat([k, v], -1), lg, group)
-    k_all = torch.cat([k, halo[..., :D]])
-    v_all = torch.cat([v, halo[..., D:]])
-    q_all = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, lg.halo.numel()))   # no edge reaches a halo row
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape (got {tuple(k.shape)} and {tuple(v.shape)})")
+    k_all, v_all = _HaloKeysValues.apply(k, v, lg, group)
     if attention is not None:
-        out = attention(q_all, k_all, v_all, _attention_graph(lg, q.device), scale, edge_bias)
-    else:
-        out = fused3s_attention(q_all, k_all, v_all, _local_plan(lg, q.device), scale, edge_bias=edge_bias)
-    return out[:n]
+        q_all = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, lg.halo.numel()))   # no edge reaches a halo row
+        return attention(q_all, k_all, v_all, _attention_graph(lg, q.device), scale, edge_bias)[:n]
+    if kernel_available(q.device):
+        return fused3s_attention(q, k_all, v_all, _local_plan(lg, q.device), scale, edge_bias=edge_bias)
+    exact = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return attention_reference(q, k_all, v_all, lg.edge_index.to(q.device), scale, edge_bias=edge_bias,
+                               compute_dtype=exact, out_dtype=q.dtype)
 
 
 def _attention_graph(lg: LocalGraph, device: torch.device):

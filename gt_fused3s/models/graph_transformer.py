@@ -327,7 +327,9 @@ def _forward_partitioned_impl(model: "GraphTransformer", x: Tensor, lg, batch, n
 
     def attend(q, k, v, scale, bias):
         with model._span("attention", x.device):
-            return partitioned_attention(q, k, v, lg, scale, edge_bias=bias, attention=model._attention_fn)
+            # fused3s: partitioned_attention's own (no padded rows); others through their backend
+            other = None if model.backend == "fused3s" else model._attention_fn
+            return partitioned_attention(q, k, v, lg, scale, edge_bias=bias, attention=other)
 
     h = model.embed(x)
     for block in model.blocks:
