@@ -259,7 +259,8 @@ def test_destinations_as_the_first_rows_equal_the_square_graph(bias, rows):
     """A plan with num_rows (q, out, dq: the first rows; k, v, dk, dv: all
     nodes, as on one rank of a partitioned graph) computes exactly what the
     square graph computes on those rows: forward, weights and backward (one
-    heavy row that splits, a window that straddles num_rows)."""
+    heavy row that splits, a window that straddles num_rows). Up to rounding:
+    split windows add their partial results in arrival order."""
     from gt_fused3s import GraphPlan
     g = torch.Generator().manual_seed(7)
     n, E = 2500, 30000
@@ -277,4 +278,5 @@ def test_destinations_as_the_first_rows_equal_the_square_graph(bias, rows):
         res.append([out[:rows], w, *(t.grad for t in leaves), *([eb.grad] if bias else [])])
     torch.cuda.synchronize()
     for a, s in zip(*res):
-        torch.testing.assert_close(a, s[:a.size(0)], atol=0, rtol=0)   # the same kernels, the same sums
+        s = s[:a.size(0)].float()
+        torch.testing.assert_close(a.float(), s, atol=1e-3 * float(s.abs().max()), rtol=1e-2)

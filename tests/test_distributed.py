@@ -105,6 +105,51 @@ def test_partitioned_attention_equals_single_process(world, case):
     _run_ranks(_worker, world, case)
 
 
+def _pipelined_worker(rank, world, init, full_send, chunks, errors):
+    """The fused path (CPU stand-ins of the kernels): the K/V exchange
+    pipelined in head chunks, full and partial halo blocks."""
+    try:
+        import stand_in_kernels
+        patch = pytest.MonkeyPatch()
+        stand_in_kernels.install(patch)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        ei, n, _ = _graph("hub")
+        lg = local_graph(ei, n, partition_nodes(ei, n, world), rank, parts=world, full_send=full_send)
+        lg.head_chunks = chunks
+        g = torch.Generator().manual_seed(2)
+        H, D = 4, 16
+        q, k, v, do = (torch.randn(n, H, D, generator=g).half() for _ in range(4))
+        bias = torch.randn(ei.size(1), H, generator=g)
+        full = [t.double().requires_grad_() for t in (q, k, v, bias)]
+        ref = attention_reference(*full[:3], ei, 0.3, edge_bias=full[3], compute_dtype=torch.float64)
+        (ref * do.double()).sum().backward()
+        mine = [t[lg.nodes].clone().requires_grad_() for t in (q, k, v)]
+        b = bias[lg.edge_ids].clone().requires_grad_()
+        with exchange_timer() as timer:
+            out = partitioned_attention(*mine, lg, 0.3, edge_bias=b)
+            out.backward(do[lg.nodes])
+        assert out.dtype == torch.float16 and timer.count == 3 * min(chunks, H)   # K|V out, dK and dV back
+        tol = dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out.double(), ref[lg.nodes].detach(), **tol)
+        for got, want in zip(mine, full[:3]):
+            torch.testing.assert_close(got.grad.double(), want.grad[lg.nodes], **tol)
+        torch.testing.assert_close(b.grad.double(), full[3].grad[lg.edge_ids], **tol)
+        assert any(lg.halo_full) or any(lg.send_full)    # node 7 reads every rank's rows
+    except Exception as e:
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,full_send,chunks", [(2, 0.5, 4), (3, 1.0, 2), (3, 0.5, 1), (4, 0.5, 3)])
+def test_pipelined_fused_partitioned_attention(world, full_send, chunks):
+    """The path the GPU takes (kernels stood in on the CPU): chunked
+    exchanges, gradients of q, k, v (the halo's added back) and the bias."""
+    _run_ranks(_pipelined_worker, world, full_send, chunks)
+
+
 def test_local_graphs_cover_the_graph_and_send_lists_match_halos():
     ei, n, _ = _graph("hub")
     P = 4
@@ -140,7 +185,8 @@ def test_partition_stats_and_errors():
     st = partition_stats(ei, n, part, 4, row_bytes=64)
     cut = int((part[ei[0]] != part[ei[1]]).sum())
     assert st["edge_cut"] == cut and st["node_balance"] == pytest.approx(1.0, abs=0.02)
-    assert st["halo_rows_total"] == sum(local_graph(ei, n, part, r).halo.numel() for r in range(4))
+    assert st["halo_rows_total"] == sum(local_graph(ei, n, part, r, full_send=1.0).halo.numel()
+                                        for r in range(4))
     assert st["exchange_bytes_per_layer"] == 64 * st["halo_rows_total"]
     with pytest.raises(ValueError, match="method must be one of"):
         partition_nodes(ei, n, 2, "spectral")

@@ -91,8 +91,9 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     quick: {steps: 6, warmup: 1}   # overrides of these keys under --quick
     checkpoint: null      # a folder: each run's weights and optimizer state, saved after it
     resume: null          # a checkpoint file: every run starts from its weights
-    distributed: {partitioner: contiguous}   # under torchrun, a single graph's nodes are
-                          # partitioned over the ranks (contiguous | metis)
+    distributed: {partitioner: contiguous, head_chunks: 4}   # under torchrun, a single graph's
+                          # nodes are partitioned over the ranks (contiguous | metis); the K/V
+                          # halo exchange is pipelined in head_chunks chunks (1: no overlap)
     dataset:              # one entry, see gt_fused3s.data.load_dataset
       name: zinc
       kind: npz           # molecules | random_graphs | powerlaw | npz | ogb | lrgb | pyg
@@ -151,7 +152,7 @@ DEFAULTS: dict[str, Any] = {
     "quick": {"steps": 6, "warmup": 1},
     "checkpoint": None,
     "resume": None,
-    "distributed": {"partitioner": "contiguous"},
+    "distributed": {"partitioner": "contiguous", "head_chunks": 4},
     "dataset": None,
 }
 TARGETS = ("auto", "labels", "structure")
@@ -201,6 +202,7 @@ def validate_config(raw: dict) -> dict:
         raise ValueError(f"model.edge_features must be true or false (got {cfg['model']['edge_features']!r})")
     _check_choice("target", cfg["target"], TARGETS)
     _check_choice("distributed.partitioner", cfg["distributed"]["partitioner"], ("contiguous", "metis"))
+    _check_int("distributed.head_chunks", cfg["distributed"]["head_chunks"], 1)
     _check_choice("loss", cfg["loss"], LOSSES)
     bad = set(cfg["quick"]) - (set(DEFAULTS) - {"quick", "dataset"})
     if bad:
@@ -423,6 +425,7 @@ class _LocalBatch:
     edge_attr: Tensor | None
     edge_index: Tensor      # the local graph's (its shape names the run's one static shape)
     num_nodes: int          # the whole graph's
+    graph_edges: int        # the whole graph's edge count
 
 
 def _partition(task: Task, cfg: dict, world: int, rank: int):
@@ -432,10 +435,11 @@ def _partition(task: Task, cfg: dict, world: int, rank: int):
     data = task.batches[0]
     part = partition_nodes(data.edge_index, data.num_nodes, world, cfg["distributed"]["partitioner"])
     lg = local_graph(data.edge_index, data.num_nodes, part, rank, parts=world)
+    lg.head_chunks = cfg["distributed"]["head_chunks"]
     edge_attr = getattr(data, "edge_attr", None)
     task.batches[0] = _LocalBatch(data.x[lg.nodes], data.y[lg.nodes],
                                   edge_attr[lg.edge_ids] if edge_attr is not None else None,
-                                  lg.edge_index, data.num_nodes)
+                                  lg.edge_index, data.num_nodes, data.edge_index.size(1))
     return lg
 
 

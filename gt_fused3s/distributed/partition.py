@@ -9,7 +9,7 @@ rank ``s``'s send list to ``r`` (sources ascending by global id).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -65,7 +65,10 @@ class LocalGraph:
 
     Local index space of the columns: this rank's nodes first (``nodes``, in
     ascending global id), then the halo (``halo``: remote sources, grouped by
-    owning rank, ascending global id within a rank).
+    owning rank, ascending global id within a rank). Where a rank reads most
+    of another's rows (``full_send`` of :func:`local_graph`), it receives all
+    of them (``halo_full``), which spares the sender a gather and the
+    backward a scatter: the block is then the sender's rows in order.
     """
 
     rank: int
@@ -77,6 +80,18 @@ class LocalGraph:
     send_counts: list[int]  #: rows sent to each rank (0 to itself)
     edge_index: Tensor      #: int64 [2, E_local] (local column, local row) of the owned rows' in-edges
     edge_ids: Tensor        #: int64 [E_local] their global edge ids (in global order)
+    halo_full: list[bool] = field(default_factory=list)   #: per rank: its block is all its rows
+    send_full: list[bool] = field(default_factory=list)   #: per rank: it gets all this rank's rows
+    #: the K/V halo exchange is pipelined in this many head chunks (the
+    #: attention of a chunk overlaps the next one's exchange); 1: one exchange
+    head_chunks: int = 4
+
+    @property
+    def sends_all_rows(self) -> bool:
+        """One destination, which gets every row in order: the send buffer
+        is the local rows themselves."""
+        sending = [c > 0 for c in self.send_counts]
+        return sum(sending) == 1 and all(f for f, on in zip(self.send_full, sending) if on)
 
     @property
     def num_local(self) -> int:
@@ -89,12 +104,14 @@ class LocalGraph:
 
 
 def local_graph(edge_index: Tensor, num_nodes: int, part: Tensor, rank: int,
-                parts: int | None = None) -> LocalGraph:
+                parts: int | None = None, *, full_send: float = 0.8) -> LocalGraph:
     """Rank ``rank``'s :class:`LocalGraph` of ``edge_index`` [2, E] (source,
     destination) under the partition ``part`` [N] (int, values in
     [0, parts)). ``parts``: the number of ranks (default ``part.max() + 1``;
-    pass the world size when a part may be empty). Deterministic: every rank
-    may compute every share."""
+    pass the world size when a part may be empty). ``full_send``: a rank
+    that needs at least this share of another's rows receives all of them
+    (no gather, no scatter; 1.0: only the rows needed). Deterministic:
+    every rank may compute every share, and all agree on who sends what."""
     _check_edge_index(edge_index)
     num_nodes = _check_num_nodes(num_nodes)
     if part.dim() != 1 or part.numel() != num_nodes:
@@ -120,21 +137,43 @@ def local_graph(edge_index: Tensor, num_nodes: int, part: Tensor, rank: int,
     edge_ids = mine.nonzero().flatten()
     s, d = src[edge_ids], dst[edge_ids]
     remote = part[s] != rank
-    # halo: remote sources grouped by owner, ascending id within an owner
-    hkey = torch.unique(part[s[remote]] * N + s[remote])
-    halo = hkey % N if N else hkey
-    halo_counts = torch.bincount(hkey // N, minlength=parts).tolist() if N else [0] * parts
-    col = loc[s]
-    col[remote] = nodes.numel() + torch.searchsorted(hkey, part[s[remote]] * N + s[remote])
+    sizes = torch.bincount(part, minlength=parts).tolist() if N else [0] * parts
 
-    # send lists: for every other rank r, the nodes of this rank that r's rows read
+    def full(needed: int, owner: int) -> bool:     # the owner and the reader decide alike
+        return needed > 0 and needed >= full_send * sizes[owner]
+
+    # halo: remote sources grouped by owner, ascending id within an owner (all
+    # of the owner's rows where most are needed)
+    hkey = torch.unique(part[s[remote]] * N + s[remote])
+    needed = torch.bincount(hkey // N, minlength=parts).tolist() if N else [0] * parts
+    halo_full = [o != rank and full(needed[o], o) for o in range(parts)]
+    blocks = hkey % N if N else hkey
+    if any(halo_full):
+        per_owner = torch.split(blocks, needed)
+        blocks = torch.cat([(part == o).nonzero().flatten() if halo_full[o] else per_owner[o]
+                            for o in range(parts)])
+    halo = blocks
+    halo_counts = [sizes[o] if halo_full[o] else needed[o] for o in range(parts)]
+    column = torch.full((N,), -1, dtype=torch.long, device=device)
+    column[nodes] = torch.arange(nodes.numel(), device=device)
+    column[halo] = nodes.numel() + torch.arange(halo.numel(), device=device)
+    col = column[s]
+
+    # send lists: for every other rank r, the nodes of this rank that r's rows
+    # read (all of them where r needs most)
     cross = (part[src] == rank) & (part[dst] != rank)
     skey = torch.unique(part[dst[cross]] * N + src[cross])
+    wanted = torch.bincount(skey // N, minlength=parts).tolist() if N else [0] * parts
+    send_full = [r != rank and full(wanted[r], rank) for r in range(parts)]
     send_index = loc[skey % N] if N else skey
-    send_counts = torch.bincount(skey // N, minlength=parts).tolist() if N else [0] * parts
+    if any(send_full):
+        every = torch.arange(nodes.numel(), device=device)
+        per_dest = torch.split(send_index, wanted)
+        send_index = torch.cat([every if send_full[r] else per_dest[r] for r in range(parts)])
+    send_counts = [nodes.numel() if send_full[r] else wanted[r] for r in range(parts)]
 
     return LocalGraph(rank, parts, nodes, halo, halo_counts, send_index, send_counts,
-                      torch.stack([col, loc[d]]), edge_ids)
+                      torch.stack([col, loc[d]]), edge_ids, halo_full, send_full)
 
 
 def partition_stats(edge_index: Tensor, num_nodes: int, part: Tensor, parts: int, *,
