@@ -282,7 +282,8 @@ def test_bad_inputs_through_the_op(ops):
     call(1, args[1].bfloat16(), "k must have the dtype of q")
     call(2, args[2].cpu(), "v must be on the device of q")
     call(3, args[3].cpu(), "rw_offset must be on the device of q")
-    call(1, args[1][:, :, :16], "k must have the shape of q")
+    call(1, args[1][:, :, :16], r"k must have shape \[40, 2, 32\] \(got \[40, 2, 16\]\)")
+    call(0, {0: torch.cat([q, q])}, "q has 80 rows, more than the 40 nodes of k and v")
     # a strided last dim is copied by the binding, not refused
     qt = torch.randn(q.size(0), q.size(1), 2 * q.size(2), device=DEV).half()[..., ::2]
     assert torch.equal(ops.fwd(qt, *args[1:])[0], ops.fwd(qt.contiguous(), *args[1:])[0])
