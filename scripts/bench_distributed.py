@@ -3,9 +3,9 @@
 gt_fused3s/bench/distributed.py):
 
     torchrun --nproc_per_node=2 scripts/bench_distributed.py check
-    torchrun --nproc_per_node=2 scripts/bench_distributed.py scaling --config configs/scale-powerlaw.yaml \
+    torchrun --nproc_per_node=2 scripts/bench_distributed.py scaling --config configs/train-scale-powerlaw.yaml \
         --nodes 1e6 2e6 4e6 --csv results/scale_2.csv
-    torchrun --nproc_per_node=2 scripts/bench_distributed.py ddp-losses --config configs/ddp-zinc1024.yaml
+    torchrun --nproc_per_node=2 scripts/bench_distributed.py ddp-losses --config configs/train-ddp-zinc1024.yaml
     python scripts/bench_distributed.py report results/scale_1.csv results/scale_2.csv
 """
 import sys

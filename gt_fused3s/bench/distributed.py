@@ -4,8 +4,8 @@ behind ``scripts/bench_distributed.py``::
 
     torchrun --nproc_per_node=2 scripts/bench_distributed.py check --csv check.csv
     torchrun --nproc_per_node=P scripts/bench_distributed.py scaling \\
-        --config configs/scale-powerlaw.yaml --nodes 1000000 2000000 --csv scale_P.csv
-    torchrun --nproc_per_node=2 scripts/bench_distributed.py ddp-losses --config configs/ddp-zinc1024.yaml
+        --config configs/train-scale-powerlaw.yaml --nodes 1000000 2000000 --csv scale_P.csv
+    torchrun --nproc_per_node=2 scripts/bench_distributed.py ddp-losses --config configs/train-ddp-zinc1024.yaml
     python scripts/bench_distributed.py report scale_1.csv scale_2.csv
 
 * ``check``: on each graph (default the 200k-node power-law graph of
