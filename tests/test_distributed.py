@@ -4,6 +4,7 @@ the single-process attention's; partitions, halos and send lists agree
 between ranks; partition statistics."""
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 
@@ -43,42 +44,54 @@ def _graph(case: str):
     raise ValueError(case)
 
 
-def _worker(rank: int, world: int, init: str, case: str, errors):
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        ei, n, part = _graph(case)
-        if part is None:
-            part = partition_nodes(ei, n, world)
-        lg = local_graph(ei, n, part, rank, parts=world)
-        g = torch.Generator().manual_seed(2)
-        H, D = 2, 8
-        q, k, v, do = (torch.randn(n, H, D, generator=g, dtype=torch.float64) for _ in range(4))
-        bias = torch.randn(ei.size(1), H, generator=g, dtype=torch.float64)
-        # the whole graph in one process: the ground truth
-        full = [t.clone().requires_grad_() for t in (q, k, v, bias)]
-        ref = attention_reference(*full[:3], ei, 0.4, edge_bias=full[3], compute_dtype=torch.float64)
-        (ref * do).sum().backward()
-        # this rank's share
-        mine = [t[lg.nodes].clone().requires_grad_() for t in (q, k, v)]
-        b = bias[lg.edge_ids].clone().requires_grad_()
-        out = partitioned_attention(*mine, lg, 0.4, edge_bias=b)
-        (out * do[lg.nodes]).sum().backward()
-        torch.testing.assert_close(out, ref[lg.nodes].detach())
-        for got, want in zip(mine, full[:3]):          # dK, dV include the halo's gradients
-            torch.testing.assert_close(got.grad, want.grad[lg.nodes])
-        torch.testing.assert_close(b.grad, full[3].grad[lg.edge_ids])
-        # the halo received is the owners' rows, in order; the timer sees one exchange
-        with exchange_timer() as timer:
-            torch.testing.assert_close(exchange_halo(k[lg.nodes], lg), k[lg.halo])
-        assert timer.count == 1 and timer.ms() >= 0
-        assert timer.bytes == lg.send_index.numel() * H * D * 8
-        dist.barrier()
-    except Exception as e:          # reported by the parent
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank(body):
+    """A spawned rank's ``body(rank, world, init, *args)``: its error goes to
+    the parent (the last argument of the call, a queue), and the process
+    group is destroyed however it ends."""
+    @functools.wraps(body)
+    def run(rank, world, init, *args):
+        *args, errors = args
+        try:
+            body(rank, world, init, *args)
+        except Exception as e:          # reported by the parent
+            errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+            raise
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return run
+
+
+@_rank
+def _worker(rank: int, world: int, init: str, case: str):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    ei, n, part = _graph(case)
+    if part is None:
+        part = partition_nodes(ei, n, world)
+    lg = local_graph(ei, n, part, rank, parts=world)
+    g = torch.Generator().manual_seed(2)
+    H, D = 2, 8
+    q, k, v, do = (torch.randn(n, H, D, generator=g, dtype=torch.float64) for _ in range(4))
+    bias = torch.randn(ei.size(1), H, generator=g, dtype=torch.float64)
+    # the whole graph in one process: the ground truth
+    full = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    ref = attention_reference(*full[:3], ei, 0.4, edge_bias=full[3], compute_dtype=torch.float64)
+    (ref * do).sum().backward()
+    # this rank's share
+    mine = [t[lg.nodes].clone().requires_grad_() for t in (q, k, v)]
+    b = bias[lg.edge_ids].clone().requires_grad_()
+    out = partitioned_attention(*mine, lg, 0.4, edge_bias=b)
+    (out * do[lg.nodes]).sum().backward()
+    torch.testing.assert_close(out, ref[lg.nodes].detach())
+    for got, want in zip(mine, full[:3]):          # dK, dV include the halo's gradients
+        torch.testing.assert_close(got.grad, want.grad[lg.nodes])
+    torch.testing.assert_close(b.grad, full[3].grad[lg.edge_ids])
+    # the halo received is the owners' rows, in order; the timer sees one exchange
+    with exchange_timer() as timer:
+        torch.testing.assert_close(exchange_halo(k[lg.nodes], lg), k[lg.halo])
+    assert timer.count == 1 and timer.ms() >= 0
+    assert timer.bytes == lg.send_index.numel() * H * D * 8
+    dist.barrier()
 
 
 def _run_ranks(target, world: int, *args) -> None:
@@ -105,42 +118,36 @@ def test_partitioned_attention_equals_single_process(world, case):
     _run_ranks(_worker, world, case)
 
 
-def _pipelined_worker(rank, world, init, full_send, chunks, errors):
+@_rank
+def _pipelined_worker(rank, world, init, full_send, chunks):
     """The fused path (CPU stand-ins of the kernels): the K/V exchange
     pipelined in head chunks, full and partial halo blocks."""
-    try:
-        import stand_in_kernels
-        patch = pytest.MonkeyPatch()
-        stand_in_kernels.install(patch)
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        ei, n, _ = _graph("hub")
-        lg = local_graph(ei, n, partition_nodes(ei, n, world), rank, parts=world, full_send=full_send)
-        lg.head_chunks = chunks
-        g = torch.Generator().manual_seed(2)
-        H, D = 4, 16
-        q, k, v, do = (torch.randn(n, H, D, generator=g).half() for _ in range(4))
-        bias = torch.randn(ei.size(1), H, generator=g)
-        full = [t.double().requires_grad_() for t in (q, k, v, bias)]
-        ref = attention_reference(*full[:3], ei, 0.3, edge_bias=full[3], compute_dtype=torch.float64)
-        (ref * do.double()).sum().backward()
-        mine = [t[lg.nodes].clone().requires_grad_() for t in (q, k, v)]
-        b = bias[lg.edge_ids].clone().requires_grad_()
-        with exchange_timer() as timer:
-            out = partitioned_attention(*mine, lg, 0.3, edge_bias=b)
-            out.backward(do[lg.nodes])
-        assert out.dtype == torch.float16 and timer.count == 3 * min(chunks, H)   # K|V out, dK and dV back
-        tol = dict(atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(out.double(), ref[lg.nodes].detach(), **tol)
-        for got, want in zip(mine, full[:3]):
-            torch.testing.assert_close(got.grad.double(), want.grad[lg.nodes], **tol)
-        torch.testing.assert_close(b.grad.double(), full[3].grad[lg.edge_ids], **tol)
-        assert any(lg.halo_full) or any(lg.send_full)    # node 7 reads every rank's rows
-    except Exception as e:
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    import stand_in_kernels
+    patch = pytest.MonkeyPatch()
+    stand_in_kernels.install(patch)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    ei, n, _ = _graph("hub")
+    lg = local_graph(ei, n, partition_nodes(ei, n, world), rank, parts=world, full_send=full_send)
+    lg.head_chunks = chunks
+    g = torch.Generator().manual_seed(2)
+    H, D = 4, 16
+    q, k, v, do = (torch.randn(n, H, D, generator=g).half() for _ in range(4))
+    bias = torch.randn(ei.size(1), H, generator=g)
+    full = [t.double().requires_grad_() for t in (q, k, v, bias)]
+    ref = attention_reference(*full[:3], ei, 0.3, edge_bias=full[3], compute_dtype=torch.float64)
+    (ref * do.double()).sum().backward()
+    mine = [t[lg.nodes].clone().requires_grad_() for t in (q, k, v)]
+    b = bias[lg.edge_ids].clone().requires_grad_()
+    with exchange_timer() as timer:
+        out = partitioned_attention(*mine, lg, 0.3, edge_bias=b)
+        out.backward(do[lg.nodes])
+    assert out.dtype == torch.float16 and timer.count == 3 * min(chunks, H)   # K|V out, dK and dV back
+    tol = dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.double(), ref[lg.nodes].detach(), **tol)
+    for got, want in zip(mine, full[:3]):
+        torch.testing.assert_close(got.grad.double(), want.grad[lg.nodes], **tol)
+    torch.testing.assert_close(b.grad.double(), full[3].grad[lg.edge_ids], **tol)
+    assert any(lg.halo_full) or any(lg.send_full)    # node 7 reads every rank's rows
 
 
 @pytest.mark.parametrize("world,full_send,chunks", [(2, 0.5, 4), (3, 1.0, 2), (3, 0.5, 1), (4, 0.5, 3)])
@@ -284,36 +291,30 @@ def test_data_parallel_training_equals_one_process_on_the_same_global_batches():
 
 
 # ------------------------------------------------ the Graph Transformer, partitioned
-def _gt_worker(rank, world, init, errors):
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        from gt_fused3s.models import GraphTransformer
-        ei, n, _ = _graph("hub")
-        g = torch.Generator().manual_seed(5)
-        x = torch.randn(n, 6, generator=g, dtype=torch.float64)
-        ea = torch.randint(0, 3, (ei.size(1), 1), generator=g)
-        w = torch.randn(n, 2, generator=g, dtype=torch.float64)
-        torch.manual_seed(0)
-        model = GraphTransformer(6, 16, 2, num_layers=3, heads=2, edge_vocab=(3,)).double()
-        # one process, the whole graph
-        full = model(x, ei, edge_attr=ea)
-        (full * w).sum().backward()
-        want = {k: p.grad.clone() for k, p in model.named_parameters()}
-        model.zero_grad()
-        # this rank's share; the parameters' gradients are summed over the ranks
-        lg = local_graph(ei, n, partition_nodes(ei, n, world), rank, parts=world)
-        out = model(x[lg.nodes], None, graph=lg, edge_attr=ea[lg.edge_ids])
-        (out * w[lg.nodes]).sum().backward()
-        torch.testing.assert_close(out, full[lg.nodes].detach())
-        for k, p in model.named_parameters():
-            dist.all_reduce(p.grad)
-            torch.testing.assert_close(p.grad, want[k], msg=lambda m, k=k: f"{k}: {m}")
-    except Exception as e:
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+@_rank
+def _gt_worker(rank, world, init):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    from gt_fused3s.models import GraphTransformer
+    ei, n, _ = _graph("hub")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    ea = torch.randint(0, 3, (ei.size(1), 1), generator=g)
+    w = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = GraphTransformer(6, 16, 2, num_layers=3, heads=2, edge_vocab=(3,)).double()
+    # one process, the whole graph
+    full = model(x, ei, edge_attr=ea)
+    (full * w).sum().backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    # this rank's share; the parameters' gradients are summed over the ranks
+    lg = local_graph(ei, n, partition_nodes(ei, n, world), rank, parts=world)
+    out = model(x[lg.nodes], None, graph=lg, edge_attr=ea[lg.edge_ids])
+    (out * w[lg.nodes]).sum().backward()
+    torch.testing.assert_close(out, full[lg.nodes].detach())
+    for k, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        torch.testing.assert_close(p.grad, want[k], msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_graph_transformer_on_a_partitioned_graph_equals_one_process():
@@ -364,24 +365,18 @@ def test_scaling_runs_and_report(tmp_path):
     assert "1.00x" in report and "exchange" in report
 
 
-def _scaling_rank(rank, world, init, path, errors):
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))     # train.run reads torchrun's env
-        from gt_fused3s.bench import distributed as bench
-        from gt_fused3s.bench import train
-        cfg = train.validate_config({
-            "device": "cpu", "steps": 3, "warmup": 1, "backends": ["fused3s"],
-            "model": {"hidden": 16, "layers": 2, "heads": 2}, "target": "structure",
-            "dataset": {"name": "plaw", "kind": "powerlaw",
-                        "params": {"num_nodes": 600, "avg_degree": 6, "max_degree": 60, "num_features": 8}}})
-        rows = bench.run_scaling(cfg, [600, 1200], lambda m: None)
-        if rank == 0:
-            from gt_fused3s.bench import common
-            common.write_csv(rows, bench.SCALING_COLUMNS, path)
-    except Exception as e:
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+@_rank
+def _scaling_rank(rank, world, init, path):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))     # train.run reads torchrun's env
+    from gt_fused3s.bench import distributed as bench
+    from gt_fused3s.bench import train
+    cfg = train.validate_config({
+        "device": "cpu", "steps": 3, "warmup": 1, "backends": ["fused3s"],
+        "model": {"hidden": 16, "layers": 2, "heads": 2}, "target": "structure",
+        "dataset": {"name": "plaw", "kind": "powerlaw",
+                    "params": {"num_nodes": 600, "avg_degree": 6, "max_degree": 60, "num_features": 8}}})
+    rows = bench.run_scaling(cfg, [600, 1200], lambda m: None)
+    if rank == 0:
+        from gt_fused3s.bench import common
+        common.write_csv(rows, bench.SCALING_COLUMNS, path)

@@ -8,6 +8,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from test_distributed import _rank, _run_ranks
 
 pytestmark = [
     pytest.mark.cuda,
@@ -45,43 +46,36 @@ def test_nccl_world_size_one_equals_fused_attention():
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
-def _nccl_rank(rank, world, init, errors):
+@_rank
+def _nccl_rank(rank, world, init):
     """Rank ``rank`` of a 2-GPU group: its share of the partitioned attention
     equals the fused attention on the whole graph (forward, gradients)."""
     from gt_fused3s import GraphPlan, fused3s_attention
     from gt_fused3s.distributed import exchange_timer, local_graph, partition_nodes, partitioned_attention
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
-        g = torch.Generator().manual_seed(0)
-        n = 3000
-        ei = torch.randint(0, n, (2, 20000), generator=g).cuda()
-        lg = local_graph(ei, n, partition_nodes(ei, n, world), rank, parts=world)
-        q, k, v, do = (torch.randn(n, 4, 32, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
-        bias = torch.randn(ei.size(1), 4, generator=g).cuda()
-        a = [t[lg.nodes].clone().requires_grad_() for t in (q, k, v)] + [bias[lg.edge_ids].clone().requires_grad_()]
-        b = [t.clone().requires_grad_() for t in (q, k, v, bias)]
-        with exchange_timer() as timer:
-            out = partitioned_attention(*a[:3], lg, 0.2, edge_bias=a[3])
-            out.backward(do[lg.nodes])
-        # 4 head chunks: K|V out, dK and dV back per chunk
-        assert timer.count == 3 * lg.head_chunks and timer.ms() > 0
-        ref = fused3s_attention(*b[:3], GraphPlan.from_edge_index(ei, n), 0.2, edge_bias=b[3])
-        ref.backward(do)
-        torch.testing.assert_close(out, ref[lg.nodes], atol=2e-2, rtol=2e-2)
-        for x, y, rows in zip(a, b, [lg.nodes] * 3 + [lg.edge_ids]):   # dK, dV: halo gradients added
-            torch.testing.assert_close(x.grad.float(), y.grad[rows].float(), atol=3e-2, rtol=3e-2)
-    except Exception as e:
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(0)
+    n = 3000
+    ei = torch.randint(0, n, (2, 20000), generator=g).cuda()
+    lg = local_graph(ei, n, partition_nodes(ei, n, world), rank, parts=world)
+    q, k, v, do = (torch.randn(n, 4, 32, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+    bias = torch.randn(ei.size(1), 4, generator=g).cuda()
+    a = [t[lg.nodes].clone().requires_grad_() for t in (q, k, v)] + [bias[lg.edge_ids].clone().requires_grad_()]
+    b = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    with exchange_timer() as timer:
+        out = partitioned_attention(*a[:3], lg, 0.2, edge_bias=a[3])
+        out.backward(do[lg.nodes])
+    # 4 head chunks: K|V out, dK and dV back per chunk
+    assert timer.count == 3 * lg.head_chunks and timer.ms() > 0
+    ref = fused3s_attention(*b[:3], GraphPlan.from_edge_index(ei, n), 0.2, edge_bias=b[3])
+    ref.backward(do)
+    torch.testing.assert_close(out, ref[lg.nodes], atol=2e-2, rtol=2e-2)
+    for x, y, rows in zip(a, b, [lg.nodes] * 3 + [lg.edge_ids]):   # dK, dV: halo gradients added
+        torch.testing.assert_close(x.grad.float(), y.grad[rows].float(), atol=3e-2, rtol=3e-2)
 
 
 @two_gpus
 def test_two_gpus_partitioned_attention_equals_one_gpu():
-    from test_distributed import _run_ranks
     _run_ranks(_nccl_rank, 2)
 
 
