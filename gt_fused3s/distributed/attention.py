@@ -1,10 +1,12 @@
 """Full-graph attention over a partitioned graph: each rank computes the rows
 it owns, after receiving the K and V rows of its halo from their owners.
 
-Per layer the ranks exchange, with one ``all_to_all_single``, the rows each
+Per layer the ranks exchange, with ``all_to_all_single``, the rows each
 needs of the others (the send lists of :class:`~.partition.LocalGraph`); the
 backward returns the halo's dK and dV to the owners by the reverse exchange,
-where they are added to the local gradients. The local attention runs on the
+where they are added to the local gradients. With the fused kernel the
+exchange is pipelined over head chunks (``LocalGraph.head_chunks``): the
+attention of the chunks received overlaps the transfer of the next. The local attention runs on the
 local graph (rows: this rank's nodes; columns: its nodes, then the halo)
 through :func:`gt_fused3s.fused3s_attention` (the fused kernel on CUDA, the
 reference on a CPU): the plan's destinations are its first rows, so q and
@@ -73,25 +75,11 @@ def exchange_timer() -> Iterator[ExchangeTimer]:
         _TIMER = None
 
 
-def _all_to_all(x: Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group,
-                out: Tensor | None = None) -> Tensor:
+def _all_to_all(x: Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group) -> Tensor:
     """Rows of ``x`` split ``in_splits`` over the ranks, received ``out_splits``
-    from them into ``out`` (a contiguous [out_rows, ...] block; default new)."""
-    if out is None:
-        out = x.new_empty((out_rows, *x.shape[1:]))
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return out             # one rank: no halo, nothing to exchange
-    if len(in_splits) != dist.get_world_size(group):
-        raise ValueError(f"the local graph was built for {len(in_splits)} parts but the process group "
-                         f"has {dist.get_world_size(group)} ranks: pass parts=world_size to local_graph")
-    timer = _TIMER
-    start = timer._record(x) if timer is not None else None
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
-                           input_split_sizes=in_splits, group=group)
-    if timer is not None:
-        timer._spans.append((start, timer._record(x)))
-        timer.count += 1
-        timer.bytes += x.numel() * x.element_size()
+    from them into a new [out_rows, ...] tensor, waited for."""
+    out = x.new_empty((out_rows, *x.shape[1:]))
+    _exchange(x, out, out_splits, in_splits, group).wait()
     return out
 
 
@@ -298,8 +286,9 @@ def partitioned_attention(q: Tensor, k: Tensor, v: Tensor, lg: LocalGraph, scale
     ``q``, ``k``, ``v``: [n_local, H, D], the rows of the nodes this rank owns
     (``lg.nodes``). ``edge_bias``: optional [E_local, H] in the order of
     ``lg.edge_index`` (the global bias rows ``lg.edge_ids``). A collective:
-    every rank of ``group`` calls it, once per layer. K and V travel in one
-    exchange. The default attention is the fused one on the local graph
+    every rank of ``group`` calls it, once per layer. K and V travel
+    together, in ``lg.head_chunks`` exchanges on the fused path (fp16 /
+    bf16: run it under autocast), one otherwise. The default attention is the fused one on the local graph
     (q's rows only: the plan's destinations are its first rows), or the
     reference where the kernel is unavailable. ``attention``: another local
     attention, ``(q, k, v, graph, scale, edge_bias)`` with ``graph`` the
