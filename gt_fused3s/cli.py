@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except (ValueError, FileNotFoundError) as err:   # bad config or arguments: one line
         parser.exit(2, f"gt-fused3s {args.command}: error: {err}\n")
+    except RuntimeError as err:
+        if "CUDA is not available" not in str(err):      # --device cuda on a machine without one
+            raise
+        parser.exit(2, f"gt-fused3s {args.command}: error: {err}\n")
 
 
 if __name__ == "__main__":

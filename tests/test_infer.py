@@ -1,6 +1,7 @@
 """The main job: `gt-fused3s infer` on the default config's code path, in a
 tiny setting (--quick), end to end through the CLI."""
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,10 +105,31 @@ def test_overrides_skips_and_missing_data(tmp_path, capsys):
     ({"datasets": [{"kind": "molecules"}], "dtype": "fp8"}, "dtype"),
     ({"datasets": [{"kind": "molecules"}], "model": {"hidden": [64, 0]}}, "model.hidden"),
     ({"datasets": [{"kind": "molecules", "fallback": {"kind": "nope"}}]}, "unknown"),
+    ({"datasets": [{"kind": "molecules"}], "repeats": 0}, r"repeats must be an int >= 1 \(got 0\)"),
+    ({"datasets": [{"kind": "molecules"}], "warmup": -1}, r"warmup must be an int >= 0 \(got -1\)"),
 ])
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         infer.validate_config(bad)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    """A broken YAML, a CSV that infer did not write, CUDA asked for where
+    there is none: exit 2 with one line naming the problem."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("datasets: [1,\n")
+    other = tmp_path / "other.csv"
+    other.write_text("x,y\n1,2\n")
+    cases = [(["infer", "--config", str(bad)], r"is not valid YAML \(line 2, column 1\)"),
+             (["plot", str(other), str(tmp_path / "o.png")], "is not a CSV of gt-fused3s infer --csv")]
+    if not torch.cuda.is_available():
+        cases.append((["train", "--device", "cuda", "--quick", "--offline"], "CUDA is not available here"))
+    for argv, match in cases:
+        with pytest.raises(SystemExit) as err:
+            main(argv)
+        msg = capsys.readouterr().err.strip()
+        assert err.value.code == 2 and len(msg.splitlines()) == 1, msg
+        assert re.search(match, msg), msg
 
 
 def test_every_shipped_config_is_valid():

@@ -197,7 +197,15 @@ def read_config(path: str | Path | None, default: Path,
     complete it with ``validate``; ``config`` is the file read."""
     path = resolve_config_path(path, default)
     with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+        try:
+            raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as err:     # one line: where the YAML breaks
+            mark = getattr(err, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            raise ValueError(f"config {path} is not valid YAML{where}: "
+                             f"{getattr(err, 'problem', None) or err}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"config {path} must be a mapping of keys (got {type(raw).__name__})")
     cfg = validate(raw)
     cfg["config"] = str(path)
     return cfg

@@ -180,6 +180,10 @@ def validate_config(raw: dict) -> dict:
     if not hidden or not all(isinstance(h, int) and h > 0 for h in hidden):
         raise ValueError(f"model.hidden must be a positive int or a list of them "
                          f"(got {cfg['model']['hidden']!r})")
+    for key, low in (("warmup", 0), ("repeats", 1)):
+        value = cfg[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{key} must be an int >= {low} (got {value!r})")
     if not cfg["datasets"]:
         raise ValueError("the config lists no datasets")
     for spec in cfg["datasets"]:

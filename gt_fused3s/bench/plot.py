@@ -143,6 +143,11 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    plot_speedups(read_csv(args.csv), args.png, args.backend)
+    rows = read_csv(args.csv)
+    missing = {"dataset", "backend", "status"} - set(rows[0] if rows else {})
+    if missing:
+        raise ValueError(f"{args.csv} is not a CSV of gt-fused3s infer --csv: no column "
+                         f"{', '.join(sorted(missing))}")
+    plot_speedups(rows, args.png, args.backend)
     print(f"wrote {args.png}")
     return 0
