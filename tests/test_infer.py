@@ -41,7 +41,10 @@ def test_default_config_quick_via_cli(tmp_path, capsys):
             assert float(r["ms_median"]) > 0 and 0 < float(r["attn_share"]) < 1
             assert float(r["attn_ms"]) > 0 and float(r["format_ms"]) > 0
             assert float(r["max_abs_diff"]) < 1e-4                      # agreement
-            assert float(r["speedup_vs_pyg"]) > 0
+            if b == "fused3s":      # no kernel on a CPU: the reference path, no speedup reported
+                assert r["speedup_vs_pyg"] == "" and "ran the reference path" in r["note"]
+            else:
+                assert float(r["speedup_vs_pyg"]) > 0
             assert f"{name} " in table and b in table
         assert float(by_backend["pyg"]["speedup_vs_pyg"]) == 1.0
         assert float(by_backend["reference"]["max_abs_diff"]) == 0.0
@@ -49,6 +52,7 @@ def test_default_config_quick_via_cli(tmp_path, capsys):
     assert table.splitlines()[0].split()[:5] == ["dataset", "C", "backend", "N/fwd", "E/fwd"]
     _check_speedups(rows)
     assert "synthetic structures: molecules" in table and "real structures: none" in table
+    assert "fused3s: no speedup reported: with no CUDA kernel on cpu it ran the reference path" in table
 
 
 def _check_speedups(rows):
@@ -58,7 +62,10 @@ def _check_speedups(rows):
     for r in rows:
         groups.setdefault((r["dataset"], r["hidden"]), []).append(r)
     for group in groups.values():
-        ok = {r["backend"]: r for r in group if r["status"] == "ok"}
+        ok = {r["backend"]: r for r in group if r["status"] == "ok" and "reference path" not in r["note"]}
+        for r in group:         # fused3s on a CPU: the reference path, no speedups either way
+            if "reference path" in r["note"]:
+                assert all(r[f"speedup_vs_{b}"] == "" for b in infer.BACKENDS)
         for a, ra in ok.items():
             for b in infer.BACKENDS:
                 value = ra[f"speedup_vs_{b}"]
@@ -215,20 +222,28 @@ def test_hidden_list_and_plot(tmp_path, capsys):
         ("mols", "16"), ("mols", "8"), ("plaw", "16"), ("plaw", "8")]
     assert all(r["prefetch"] == "False" for r in rows)
     _check_speedups(rows)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    summary = capsys.readouterr().out
-    assert "fused3s speedup, geometric mean over all datasets x hidden: vs pyg" in summary
-    # the chart again, from the CSV; its groups: each (dataset, hidden), values or labels
+    # a CPU run: fused3s ran the reference path, so it has no speedups to draw
+    assert not png.exists()
+    captured = capsys.readouterr()
+    assert "no plot: fused3s has no speedups" in captured.err
+    assert "fused3s speedup, geometric mean" not in captured.out
+    assert all(float(r["speedup_vs_reference"]) > 0 for r in rows if r["backend"] == "pyg")   # the rest remain
+    # pyg's chart, from the CSV; its groups: each (dataset, hidden), values or labels
     png2 = tmp_path / "again.png"
-    assert main(["plot", str(out), str(png2)]) == 0 and png2.stat().st_size > 1000
+    assert main(["plot", str(out), str(png2), "--backend", "pyg"]) == 0 and png2.stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        main(["plot", str(out), str(png2)])
+    assert "no speedups of fused3s in the rows" in capsys.readouterr().err
     from gt_fused3s.bench.plot import speedup_groups
-    for r in rows:                                  # as if pyg had run out of memory on one
+    assert speedup_groups(rows)[0] == []
+    for r in rows:                                  # as if reference had run out of memory on one
         if (r["dataset"], r["hidden"]) == ("mols", "8"):
-            r.update({"status": "oom"} if r["backend"] == "pyg" else {"speedup_vs_pyg": ""})
-    labels, others, values = speedup_groups(rows)
+            r.update({"status": "oom"} if r["backend"] == "reference" else {"speedup_vs_reference": ""})
+    labels, others, values = speedup_groups(rows, "pyg")
     assert labels == ["mols\nC=8", "mols\nC=16", "plaw\nC=8", "plaw\nC=16"]
-    assert others == ["pyg", "reference"]
-    assert values[0]["pyg"] == "OOM" and isinstance(values[1]["pyg"], float)
+    assert others == ["fused3s", "reference"]
+    assert values[0]["reference"] == "OOM" and isinstance(values[1]["reference"], float)
+    assert values[1]["fused3s"] == ""
 
 
 def test_streamed_and_single_rows(tmp_path):

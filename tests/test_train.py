@@ -93,8 +93,9 @@ def test_backends_agree_and_the_loss_falls(tmp_path):
         assert statistics.mean(losses[-5:]) < 0.5 * losses[0]
     by_backend = {r["backend"]: r for r in rows}
     assert by_backend["pyg"]["speedup_vs_pyg"] == 1.0
-    assert by_backend["fused3s"]["speedup_vs_pyg"] == pytest.approx(
-        by_backend["pyg"]["ms_median"] / by_backend["fused3s"]["ms_median"])
+    # a CPU has no kernel: fused3s ran the reference path, and no speedup is reported for it
+    assert by_backend["fused3s"].get("speedup_vs_pyg") is None
+    assert "ran the reference path" in by_backend["fused3s"]["note"]
     assert by_backend["fused3s"]["loss_last"] == pytest.approx(statistics.mean(fused[-5:]))
     assert by_backend["fused3s"].get("peak_mem_mb") is None          # CPU: no peak
     assert task.readout == "graph" and task.loss == "mse" and task.out_channels == 1

@@ -255,6 +255,19 @@ CAPTURED_MODES = ("graph", "compile-graph")
 COMPILED_MODES = ("compile", "reduce-overhead", "compile-graph")
 
 
+#: the note of a fused3s row where no kernel ran (its speedups would compare
+#: the reference code with itself or with pyg: none are reported)
+REFERENCE_PATH_NOTE = "no CUDA kernel here: fused3s ran the reference path (no speedup reported)"
+
+
+def runs_reference_path(name: str, device: torch.device) -> bool:
+    """Whether the run ``name`` (backend[@mode]) is fused3s on a device
+    where the fused kernel does not run, so it computes with the reference
+    path: its times say nothing about the kernel."""
+    from ..ops import kernel_available
+    return parse_run(name)[0] == "fused3s" and not kernel_available(torch.device(device))
+
+
 def parse_run(name: str) -> tuple[str, str]:
     """``"pyg@compile"`` -> ``("pyg", "compile")``; no suffix: eager."""
     backend, _, mode = name.partition("@")

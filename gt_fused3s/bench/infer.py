@@ -88,6 +88,7 @@ from ..data import check_entry, load_dataset
 from ..data.bucket import Buckets
 from ..models import GraphTransformer
 from .common import (
+    REFERENCE_PATH_NOTE,
     REPO_ROOT,
     add_run_arguments,
     apply_run_arguments,
@@ -113,6 +114,7 @@ from .common import (
     resolve_dtype,
     revalidate,
     run_header,
+    runs_reference_path,
     run_info,
     save_plot,
     short_error,
@@ -339,6 +341,9 @@ def _run_model(work: _Work, ds, hidden: int, base: dict, s: _Settings) -> list[d
                 if error:
                     row["note"] = f"outputs not compared: {error}"
     rows = [rows[b] for b in runs]
+    for r in rows:
+        if r.get("status") == "ok" and runs_reference_path(r["backend"], device):
+            r["note"] = "; ".join(n for n in (r.get("note"), REFERENCE_PATH_NOTE) if n)
     add_speedups(rows)
     return rows
 
@@ -371,8 +376,10 @@ def _max_abs_diff(outputs: list, target: list) -> float:
 def add_speedups(rows: list[dict]) -> None:
     """Set ``speedup_vs_<b>`` = ms of run b / ms of the row's run on the ok
     rows of one (dataset, hidden size), and ``speedup_vs_pyg_best`` against
-    the fastest pyg run (eager or compiled)."""
-    ok = {r["backend"]: r for r in rows if r.get("status") == "ok"}
+    the fastest pyg run (eager or compiled). A fused3s row that ran the
+    reference path (no kernel on the device) gets none and is nobody's."""
+    ok = {r["backend"]: r for r in rows if r.get("status") == "ok"
+          and REFERENCE_PATH_NOTE not in (r.get("note") or "")}
     peers = [ok[b] for b in ok if parse_run(b)[0] == "pyg"]
     best = min(peers, key=lambda r: r["ms_median"]) if peers else None
     for r in ok.values():
@@ -661,6 +668,9 @@ def format_summary(rows: list[dict], backends: tuple[str, ...] = (
     and which on synthetic ones."""
     lines = []
     names = list(dict.fromkeys(r["backend"] for r in rows if r.get("status") == "ok"))
+    if any(REFERENCE_PATH_NOTE in (r.get("note") or "") for r in rows):
+        lines.append(f"fused3s: no speedup reported: with no CUDA kernel on {rows[0].get('device')} "
+                     f"it ran the reference path")
     for backend in (b for b in backends if b in names):
         mine = [r for r in rows if r.get("backend") == backend and r.get("status") == "ok"]
         for label, subset in (("all", mine),
@@ -734,7 +744,10 @@ def main(args) -> int:
     if args.csv:
         write_csv(rows, args.csv)
         print(f"wrote {args.csv}", file=sys.stderr)
-    if args.plot:
+    if args.plot and not any(r.get("speedup_vs_pyg") for r in rows if r.get("backend") == "fused3s"):
+        print("no plot: fused3s has no speedups in these rows (on a CPU it runs the reference path); "
+              "gt-fused3s plot CSV PNG --backend pyg draws pyg's", file=sys.stderr)
+    elif args.plot:
         from .plot import plot_speedups
         save_plot(lambda: plot_speedups(rows, args.plot), args.plot,
                   f"draw it from the CSV where matplotlib is installed: "

@@ -30,10 +30,13 @@ def _num(value) -> float | None:
 
 def speedup_groups(rows: list[dict], backend: str = "fused3s"):
     """``(labels, others, values)``: one group per (dataset, hidden size) where
-    ``backend`` ran; ``values[g][b]`` is its speedup over ``others[b]``, or a
-    string (the other backend's status) where there is none."""
+    ``backend`` ran with a speedup; ``values[g][b]`` is its speedup over
+    ``others[b]``, or a string (the other backend's status) where there is
+    none. (A fused3s row of a CPU run has none: it ran the reference path.)"""
     keys = list(dict.fromkeys((r["dataset"], str(r.get("hidden", ""))) for r in rows
-                              if r.get("backend") == backend and r.get("status") == "ok"))
+                              if r.get("backend") == backend and r.get("status") == "ok"
+                              and any(_num(v) is not None for k, v in r.items()
+                                      if k.startswith("speedup_vs_"))))
     others = [b for b in BACKENDS if b != backend
               and any(r.get("backend") == b for r in rows)]
     by_key = {(r["dataset"], str(r.get("hidden", "")), r.get("backend")): r for r in rows}
@@ -63,7 +66,8 @@ def plot_speedups(rows: list[dict], path: str | Path, backend: str = "fused3s",
 
     labels, others, values = speedup_groups(rows, backend)
     if not labels:
-        raise ValueError(f"no successful {backend} rows to plot")
+        raise ValueError(f"no speedups of {backend} in the rows (on a CPU fused3s runs the reference "
+                         f"path and has none; --backend pyg draws pyg's)")
     geo = {}
     for b in others:
         vals = [g[b] for g in values if isinstance(g[b], float)]

@@ -743,8 +743,13 @@ def add_ratios(rows: list[dict]) -> None:
     """``speedup_vs_pyg`` = ms/step of eager pyg over the row's;
     ``speedup_vs_pyg_best`` = that of the fastest pyg run (eager or compiled)
     over the row's; ``mem_vs_pyg`` = the row's peak memory over eager pyg's
-    (below 1: less memory). Ok rows only."""
+    (below 1: less memory). Ok rows only; a fused3s row that ran the
+    reference path (no kernel on the device) gets a note instead."""
     ok = {r["backend"]: r for r in rows if r["status"] == "ok"}
+    for name, r in list(ok.items()):
+        if common.runs_reference_path(name, r["device"]):
+            r["note"] = "; ".join(n for n in (r.get("note"), common.REFERENCE_PATH_NOTE) if n)
+            del ok[name]
     base = ok.get(BASELINE)
     peers = [ok[n] for n in _PYG_PEERS if n in ok]
     best = min(peers, key=lambda r: r["ms_median"]) if peers else None
