@@ -201,6 +201,26 @@ def test_ogb_offline_fails_clearly(tmp_path, monkeypatch):
         load_ogb("molhiv", root=tmp_path)
 
 
+def test_ogb_second_offline_run_never_waits_on_stdin(tmp_path, monkeypatch, capsys):
+    """A folder left by a failed download makes ogb ask on stdin whether to
+    update it; the loader answers (and says so) instead of waiting."""
+    pytest.importorskip("ogb")
+    import io
+
+    import ogb.graphproppred.dataset_pyg as graph_mod
+    monkeypatch.setattr(graph_mod, "decide_download", _offline)
+    (tmp_path / "ogbg_molhiv").mkdir()                 # the remnant: no RELEASE_v*.txt in it
+
+    class NoStdin(io.StringIO):
+        def readline(self, *args):
+            raise AssertionError("read stdin")
+    monkeypatch.setattr("sys.stdin", NoStdin())
+    with pytest.raises(DatasetUnavailableError) as err:
+        load_ogb("ogbg-molhiv", root=tmp_path)
+    _assert_clear(err, "ogbg-molhiv", tmp_path)
+    assert "answered 'y' to: Will you update the dataset now? (y/N)" in capsys.readouterr().err
+
+
 def test_lrgb_and_pyg_offline_fail_clearly(tmp_path, monkeypatch):
     import torch_geometric.datasets.lrgb as lrgb_mod
     import torch_geometric.datasets.planetoid as planetoid_mod

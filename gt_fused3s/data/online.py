@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 
@@ -24,12 +26,23 @@ from .base import (GENERATED_BOND_VOCAB, REPO_ROOT, DatasetUnavailableError, Gra
 DEFAULT_ROOT = REPO_ROOT / ".data" / "datasets"
 
 
+def _answer_yes(question: str = "") -> str:
+    """Stands in for ``input`` while a dataset loads: ogb asks on stdin
+    whether to re-download a folder left by a failed download and whether to
+    download a large file, and a run must never wait on a terminal. The
+    config asked for the dataset, so the answer is yes, and the question is
+    shown."""
+    print(f"gt-fused3s: answered 'y' to: {question.strip()}", file=sys.stderr)
+    return "y"
+
+
 def _open(name: str, root: Path, make: Callable[[], Any]):
-    """Run a dataset constructor; turn a failed download into one clear error."""
+    """Run a dataset constructor (never reading stdin); turn a failed
+    download into one clear error."""
     try:
-        return make()
-    # URLError and socket errors are OSErrors; ogb asks on stdin before large
-    # downloads (EOFError without a terminal) and exits when told no.
+        with mock.patch("builtins.input", _answer_yes):
+            return make()
+    # URLError and socket errors are OSErrors; ogb exits when a download fails
     except (OSError, EOFError, SystemExit) as err:
         raise DatasetUnavailableError(
             f"dataset {name} is not in {root} and could not be downloaded (offline?): "
