@@ -223,6 +223,20 @@ def test_bad_features_raise_dgl_error():
         conv(g, random_feat(33, 5))
 
 
+def test_heterograph_with_another_node_type_raises_like_dotgatconv():
+    """One edge type but an extra node type: DotGatConv refuses it, and so
+    does the layer (the edges' ids are per node type); one relation works."""
+    g = dgl.heterograph({("user", "follows", "user"): (torch.tensor([0, 1, 2]), torch.tensor([1, 2, 0]))},
+                        num_nodes_dict={"user": 3, "item": 5})
+    conv = dgl_mod.Fused3SConv(4, 2, 2)
+    with pytest.raises(DGLError, match=r"one edge type and one node type on each side.*g\[etype\]"):
+        conv(g, torch.randn(8, 4))
+    from dgl.nn import DotGatConv
+    with pytest.raises((AssertionError, DGLError)):      # DGL's own layer refuses it too
+        DotGatConv(4, 2, 2)(g, torch.randn(8, 4))
+    assert conv(g["follows"], torch.randn(3, 4)).shape == (3, 2, 2)
+
+
 def test_reset_parameters_and_state_dict():
     conv = make_conv(num_heads=3)
     assert sorted(conv.state_dict()) == sorted(

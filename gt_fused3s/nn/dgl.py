@@ -166,9 +166,16 @@ class Fused3SConv(nn.Module):
         ------
         DGLError
             If there are 0-in-degree nodes in the graph and
-            ``allow_zero_in_degree`` is False, or the features do not match
-            the graph's node counts.
+            ``allow_zero_in_degree`` is False, the features do not match
+            the graph's node counts, or the graph has several edge types or
+            an extra node type (take one relation: ``g[etype]``).
         """
+        if len(graph.canonical_etypes) != 1 or len(graph.srctypes) != 1 or len(graph.dsttypes) != 1:
+            # as DotGatConv, which refuses them too: the edges' node ids are per node type
+            raise DGLError(f"Fused3SConv takes a graph with one edge type and one node type on each "
+                           f"side (homogeneous, bipartite, or a block); got node types "
+                           f"{graph.ntypes} and edge types {graph.canonical_etypes}: take one "
+                           f"relation, g[etype]")
         if not self._allow_zero_in_degree and _has_zero_in_degree(graph):
             raise DGLError(_ZERO_IN_DEGREE_MSG)
 
