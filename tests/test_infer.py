@@ -334,3 +334,22 @@ def test_edge_features_rows_agree_and_dense_is_skipped(tmp_path):
         else:
             assert r["status"] == "ok", r
             assert float(r["max_abs_diff"] or 0) < 1e-4
+
+
+def test_ctrl_c_keeps_the_finished_rows(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second dataset: the first one's rows are printed and
+    written, and the exit status is a shell's for an interrupt (130)."""
+    real = infer._run_dataset
+
+    def second_interrupted(spec, s, rows):
+        if spec["name"] == "plaw":
+            raise KeyboardInterrupt
+        real(spec, s, rows)
+
+    monkeypatch.setattr(infer, "_run_dataset", second_interrupted)
+    out = tmp_path / "o.csv"
+    assert main(["infer", "--device", "cpu", "--config", str(_tiny_config(tmp_path)), "--no-progress",
+                 "--csv", str(out)]) == 130
+    assert {r["dataset"] for r in _rows(out)} == {"mols"}
+    captured = capsys.readouterr()
+    assert "mols" in captured.out and "interrupted (Ctrl-C): 3 finished rows above and in" in captured.err

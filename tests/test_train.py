@@ -290,3 +290,21 @@ def test_edge_features_train_the_same_on_every_backend(tmp_path):
     data = task.batches[0]
     with pytest.raises(ValueError, match="pass edge_attr"):
         model(data.x, data.edge_index, data.batch)
+
+
+def test_ctrl_c_keeps_the_finished_runs(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second run: the first run's row and curve are
+    printed and written; exit status 130."""
+    real = train.train_backend
+
+    def second_interrupted(model, initial, name, *args):
+        if name == "pyg":
+            raise KeyboardInterrupt
+        return real(model, initial, name, *args)
+
+    monkeypatch.setattr(train, "train_backend", second_interrupted)
+    out = tmp_path / "curves.csv"
+    assert main(["train", "--config", str(_config(tmp_path, steps=3)), "--no-progress",
+                 "--csv", str(out)]) == 130
+    assert {r["backend"] for r in csv.DictReader(open(out))} == {"fused3s"}
+    assert "interrupted (Ctrl-C): the 1 finished runs above" in capsys.readouterr().err

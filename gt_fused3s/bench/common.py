@@ -159,6 +159,19 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, carrying what finished before it (``result``:
+    the rows, or the run's usual return value) so that the command can still
+    print and write them."""
+
+    def __init__(self, result: Any):
+        super().__init__()
+        self.result = result
+
+
+INTERRUPTED_EXIT = 130      # a shell's status for a run ended by Ctrl-C
+
+
 def guarded(fn: Callable[[], Any], device: torch.device) -> tuple[Any, str | None]:
     """``(fn(), None)``, or ``(None, note)`` if it raised: "out of memory" or the
     error in one line, so that one backend's failure becomes a row and the

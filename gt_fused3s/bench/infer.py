@@ -88,6 +88,7 @@ from ..data import check_entry, load_dataset
 from ..data.bucket import Buckets
 from ..models import GraphTransformer
 from .common import (
+    INTERRUPTED_EXIT,
     REFERENCE_PATH_NOTE,
     REPO_ROOT,
     add_run_arguments,
@@ -102,6 +103,7 @@ from .common import (
     free_cuda_memory,
     geomean,
     guarded,
+    Interrupted,
     load_batches,
     log_stderr,
     merge_config,
@@ -253,13 +255,17 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     settings = _Settings(cfg, device, autocast(device, dtype, cache=False), warmup, repeats,
                          quick, offline, progress, log, common, runs)
     rows: list[dict] = []
-    for spec in cfg["datasets"]:
-        rows += _run_dataset(spec, settings)
-        free_cuda_memory(device)          # the dataset's batches are gone now
+    try:
+        for spec in cfg["datasets"]:
+            _run_dataset(spec, settings, rows)
+            free_cuda_memory(device)          # the dataset's batches are gone now
+    except KeyboardInterrupt:
+        raise Interrupted(rows) from None     # the rows of every finished (dataset, hidden size)
     return rows
 
 
-def _run_dataset(spec: dict, s: _Settings) -> list[dict]:
+def _run_dataset(spec: dict, s: _Settings, rows: list[dict]) -> None:
+    """Append the rows of one dataset to ``rows``, one model (hidden size) at a time."""
     cfg, device = s.cfg, s.device
     name = spec.get("name", spec["kind"])
     base = {**s.common, "dataset": name}
@@ -273,16 +279,15 @@ def _run_dataset(spec: dict, s: _Settings) -> list[dict]:
             batches = [ds.get(0, device)]
     except Exception as err:   # missing file, offline, bad params: note it, go on
         s.log(f"{name}: dataset not loaded: {short_error(err)}")
-        return [{**base, "backend": "-", "status": "error", "note": f"dataset: {short_error(err)}"}]
+        rows.append({**base, "backend": "-", "status": "error", "note": f"dataset: {short_error(err)}"})
+        return
 
     sizes, line = describe_dataset(ds, spec["kind"], batches)
     s.log(line)
     work = _Work(batches, streamed, spec.get("readout") or ds.level, s)
-    rows = []
     for hidden in _as_list(cfg["model"]["hidden"]):
         rows += _run_model(work, ds, hidden, {**base, **sizes, "hidden": hidden}, s)
         free_cuda_memory(device)
-    return rows
 
 
 def _run_model(work: _Work, ds, hidden: int, base: dict, s: _Settings) -> list[dict]:
@@ -737,8 +742,13 @@ def main(args) -> int:
         cfg["datasets"] = [d for d in cfg["datasets"] if d.get("name", d["kind"]) in names]
     cfg = revalidate(cfg, validate_config)
 
-    rows = run(cfg, quick=args.quick, offline=args.offline, progress=not args.no_progress,
-               eager=args.eager)
+    try:
+        rows, stopped = run(cfg, quick=args.quick, offline=args.offline, progress=not args.no_progress,
+                            eager=args.eager), False
+    except Interrupted as stop:     # Ctrl-C: what finished is still printed and written
+        rows, stopped = stop.result, True
+        if not rows:
+            raise
     print(format_table(rows))
     print("\n".join(format_summary(rows)))
     if args.csv:
@@ -752,4 +762,8 @@ def main(args) -> int:
         save_plot(lambda: plot_speedups(rows, args.plot), args.plot,
                   f"draw it from the CSV where matplotlib is installed: "
                   f"gt-fused3s plot CSV {args.plot}")
+    if stopped:
+        print(f"interrupted (Ctrl-C): {len(rows)} finished rows above"
+              + (f" and in {args.csv}" if args.csv else ""), file=sys.stderr)
+        return INTERRUPTED_EXIT
     return 0 if any(r["status"] == "ok" for r in rows) else 1

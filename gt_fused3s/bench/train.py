@@ -406,11 +406,15 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
             raise ValueError(f"under torchrun the {'partitioned' if s.local_graph is not None else 'data-parallel'}"
                              f" runs are {' or '.join(allowed)} for now: drop the @mode of {bad}")
     rows, curve = [], []
-    for name in runs:
-        row, points = train_backend(model, initial, name, task, order, s)
-        common.free_cuda_memory(device)   # its optimizer state and graph formats are gone now
-        rows.append(row)
-        curve += [{**env, "backend": name, **p} for p in points]
+    try:
+        for name in runs:
+            row, points = train_backend(model, initial, name, task, order, s)
+            common.free_cuda_memory(device)   # its optimizer state and graph formats are gone now
+            rows.append(row)
+            curve += [{**env, "backend": name, **p} for p in points]
+    except KeyboardInterrupt:             # the runs that finished, for the table and the CSVs
+        add_ratios(rows)
+        raise common.Interrupted((rows, curve, task)) from None
     add_ratios(rows)
     return rows, curve, task
 
@@ -842,8 +846,13 @@ def main(args) -> int:
         cfg["model"]["hidden"] = args.hidden
     cfg = common.revalidate(cfg, validate_config)
 
-    rows, curve, task = run(cfg, quick=args.quick, offline=args.offline,
-                            progress=not args.no_progress, eager=args.eager)
+    try:
+        (rows, curve, task), stopped = run(cfg, quick=args.quick, offline=args.offline,
+                                           progress=not args.no_progress, eager=args.eager), False
+    except common.Interrupted as stop:   # Ctrl-C: the finished runs are still printed and written
+        (rows, curve, task), stopped = stop.result, True
+        if not rows:
+            raise
     if data_parallel.world_from_env()[1] != 0:       # under torchrun, rank 0 reports
         return 0 if any(r["status"] == "ok" for r in rows) else 1
     print(format_table(rows))
@@ -857,4 +866,8 @@ def main(args) -> int:
         title = f"{task.name}: training loss ({rows[0]['dtype']}, {rows[0]['device_name']})"
         common.save_plot(lambda: plot_curves(curve, args.plot, title), args.plot,
                   "the CSV has the curves")
+    if stopped:
+        print(f"interrupted (Ctrl-C): the {len(rows)} finished runs above"
+              + (f" and in {args.csv}" if args.csv else ""), file=sys.stderr)
+        return common.INTERRUPTED_EXIT
     return 0 if any(r["status"] == "ok" for r in rows) else 1
