@@ -170,3 +170,27 @@ def test_edge_features_bias_every_backend_alike():
         model(data.x, data.edge_index, data.batch, edge_attr=data.edge_attr.float())
     with pytest.raises(ValueError, match="self_loops adds edges without edge features"):
         GraphTransformer(6, 16, 2, self_loops=True, edge_vocab=(4,))
+
+
+def test_edge_encoder_equals_embedding_lookups():
+    """EdgeEncoder's multi-hot product equals the sum of one embedding lookup
+    per column, forward and gradients (fp32 under bf16 autocast too), and a
+    code outside its column's vocabulary raises instead of adding nothing."""
+    from gt_fused3s.models.graph_transformer import EdgeEncoder
+    torch.manual_seed(0)
+    enc = EdgeEncoder((5, 3, 2), heads=4)
+    attr = torch.stack([torch.randint(0, v, (300,)) for v in enc.vocab], 1)
+    ref = sum(e(attr[:, c]) for c, e in enumerate(enc.embeddings))
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, list(enc.parameters()), grad)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = enc(attr)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    for g, r in zip(torch.autograd.grad(out, list(enc.parameters()), grad), ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+    for bad in (5, -1):
+        wrong = attr.clone()
+        wrong[7, 0] = bad
+        with pytest.raises(RuntimeError, match="outside its column's vocabulary"):
+            enc(wrong)

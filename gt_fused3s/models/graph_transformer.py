@@ -90,7 +90,17 @@ def _make_norm(norm: str, channels: int) -> nn.Module:
 
 class EdgeEncoder(nn.Module):
     """An attention bias [E, heads] from categorical edge features [E, C]:
-    the sum of one embedding per column (vocabulary ``vocab[c]``)."""
+    the sum of one embedding per column (vocabulary ``vocab[c]``).
+
+    Computed as a multi-hot matrix [E, sum(vocab)] times the stacked
+    embedding tables, not as lookups: a lookup's backward adds every edge's
+    gradient into one of a handful of rows (a molecule has 4 bond types),
+    and those atomic adds serialise (0.44 ms of a 5 ms training step on ZINC
+    batches of 1024 graphs, H100), where the GEMM ``hot^T @ grad`` takes a
+    few microseconds. The product runs in the tables' dtype (fp32) outside
+    autocast, so the bias keeps the embeddings' precision. A code outside
+    its column's vocabulary fails on the device (as an embedding lookup
+    does), without a host synchronisation."""
 
     def __init__(self, vocab: tuple[int, ...], heads: int):
         super().__init__()
@@ -99,10 +109,13 @@ class EdgeEncoder(nn.Module):
 
     def forward(self, edge_attr: Tensor) -> Tensor:
         edge_attr = edge_attr.reshape(edge_attr.size(0), -1)
-        out = self.embeddings[0](edge_attr[:, 0])
-        for c in range(1, len(self.embeddings)):
-            out = out + self.embeddings[c](edge_attr[:, c])
-        return out
+        hot = torch.cat([edge_attr[:, c:c + 1] == torch.arange(v, device=edge_attr.device)
+                         for c, v in enumerate(self.vocab)], dim=1)          # [E, sum(vocab)]
+        torch._assert_async((hot.sum(1) == len(self.vocab)).all(),
+                            "gt_fused3s: edge_attr has a code outside its column's vocabulary")
+        table = torch.cat([e.weight for e in self.embeddings])              # [sum(vocab), heads]
+        with torch.autocast(edge_attr.device.type, enabled=False):
+            return hot.to(table.dtype) @ table
 
 
 class GraphTransformerBlock(nn.Module):
