@@ -433,7 +433,12 @@ def _window_columns(key: Tensor, num_nodes: int) -> tuple[Tensor, ...]:
     idx = torch.arange(E, device=device)
     first = torch.ones(E, dtype=torch.bool, device=device)
     first[1:] = key[1:] != key[:-1]
-    copy = idx - torch.cummax(torch.where(first, idx, 0), 0).values if E else idx  # copy number
+    # copy number: the distance to the first copy of its run (a scatter of
+    # the runs' starts, not a cummax: that scan took 0.14 ms for 51k edges)
+    run = torch.cumsum(first, 0) - 1
+    run_start = torch.zeros(E + 1, dtype=torch.long, device=device)
+    run_start.scatter_(0, torch.where(first, run, E), idx)     # later copies write to slot E
+    copy = idx - run_start[run]
     pair = key >> 4                       # window * N + source
     row_in = key & 15
     win = torch.div(pair, N, rounding_mode="floor") if N else pair

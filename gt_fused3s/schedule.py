@@ -98,8 +98,10 @@ def work_schedule(bsb: BSBGraph, heads: int, head_dim: int, *, exact: bool | Non
     # Slot of chunk c of a split window: its window and the window's slot range.
     first = slot - chunk
     rows = torch.stack([win, first, first + nch[p], torch.zeros_like(win)], 1)
+    # row S_cap collects the rest; a scatter, not an index assignment (which
+    # sorts its indices on CUDA: 65 us per schedule for ZINC batches)
     slots = torch.zeros((S_cap + 1, 4), dtype=torch.long, device=dev)
-    slots[torch.where(split, slot, S_cap)] = rows            # row S_cap collects the rest
+    slots.scatter_(0, torch.where(split, slot, S_cap).unsqueeze(1).expand(-1, 4), rows)
     slots = slots[:S_cap].to(torch.int32)
     if exact:
         num_items, num_slots = torch.stack([ends[-1], split.sum()]).tolist()
