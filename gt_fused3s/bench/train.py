@@ -556,10 +556,14 @@ class _Trainer:
         self.model, self.task, self.mode, self.device = model, task, mode, s.device
         if mode != "eager":
             _check_static_run(model, task, mode, s)
-        # a captured optimizer step needs its state on the device (capturable)
+        # a captured optimizer step needs its state on the device (capturable).
+        # Every run on a GPU takes the fused Adam (one kernel per step; the
+        # capturable foreach one launched ~270 per-parameter kernels, 0.35 ms
+        # of a ZINC step), the same optimizer for every backend.
         captured = mode in common.CAPTURED_MODES
         self.opt = torch.optim.Adam(model.parameters(), lr=s.cfg["lr"],
-                                    weight_decay=s.cfg["weight_decay"], capturable=captured)
+                                    weight_decay=s.cfg["weight_decay"], capturable=captured,
+                                    fused=s.device.type == "cuda")
         # fp16 gradients underflow without loss scaling; bf16 and fp32 need none
         self.scaler = torch.amp.GradScaler(s.device.type, enabled=s.dtype == torch.float16)
         self.autocast = common.autocast(s.device, s.dtype, cache=mode == "eager")
