@@ -138,26 +138,6 @@ bool check_slots(const std::optional<at::Tensor>& nnz_offset, const std::optiona
     return true;
 }
 
-// The inverse of slot_edge (edge id -> non-zero), which output per edge needs.
-void check_edge_slot(const at::Tensor& edge_slot, const at::Tensor& slot_edge, const at::Tensor& q) {
-    check_index(edge_slot, "edge_slot", at::kInt, q);
-    TORCH_CHECK(edge_slot.dim() == 1 && edge_slot.numel() == slot_edge.numel(), "edge_slot must have E = ",
-                num(slot_edge.numel()), " entries, as slot_edge");
-}
-
-// A per-edge array [E, H] in the caller's edge order, as the kernels read it:
-// [H, E] in the BSB's non-zero order (slot_edge: the edge of each non-zero).
-std::optional<at::Tensor> to_nnz_order(const std::optional<at::Tensor>& t, const std::optional<at::Tensor>& slot_edge) {
-    if (!t.has_value()) return std::nullopt;
-    return t->t().index_select(1, *slot_edge);
-}
-
-// The kernels' [H, E] in non-zero order back to [E, H] in the caller's order
-// (edge_slot: the non-zero of each edge).
-at::Tensor to_edge_order(const at::Tensor& nnz_major, const at::Tensor& edge_slot) {
-    return nnz_major.t().index_select(0, edge_slot);
-}
-
 // The kernel instance: 0 no edge terms, 1 edge terms, 2 edge terms and dropout.
 int edge_mode(bool has_edges, double dropout_p) { return has_edges ? (dropout_p > 0.0 ? 2 : 1) : 0; }
 
@@ -166,9 +146,9 @@ void check_dropout(double p) {
 }
 
 // Attention dropout of one pass, keyed by the caller's edge id of each
-// non-zero (slot_edge of this pass's BSB), so every pass draws the same mask.
-void set_dropout(EdgeBiasArgs& eb, const at::Tensor& slot_edge, double p, int64_t seed) {
-    eb.slot_edge = slot_edge.data_ptr<int32_t>();
+// non-zero (through slot_edge of this pass's BSB), so every pass draws the
+// same mask.
+void set_dropout(EdgeBiasArgs& eb, double p, int64_t seed) {
     const double t = std::floor(p * 4294967296.0 + 0.5);
     eb.drop_threshold = p > 0.0 ? static_cast<uint32_t>(std::min(t, 4294967295.0)) : 0u;
     eb.drop_scale = p > 0.0 ? static_cast<float>(1.0 / (1.0 - p)) : 1.f;
@@ -179,11 +159,21 @@ void set_dropout(EdgeBiasArgs& eb, const at::Tensor& slot_edge, double p, int64_
 
 const float* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
 
-// The per-edge arrays must be [H, E] in this pass's non-zero order.
-EdgeBiasArgs edge_args(const std::optional<at::Tensor>& nnz_offset, int64_t num_edges,
-                       const std::optional<at::Tensor>& bias, float* grad, const std::optional<at::Tensor>& dp_bias) {
+// The edge terms of one pass: per-edge arrays [E, H] in the caller's edge
+// order, reached through this pass's slot_edge (nnz_offset, slot_edge absent:
+// no edge terms).
+EdgeBiasArgs edge_args(const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
+                       int64_t num_heads, const std::optional<at::Tensor>& bias, float* grad,
+                       const std::optional<at::Tensor>& dp_bias) {
     if (!nnz_offset.has_value()) return EdgeBiasArgs{};
-    return {opt_ptr(bias), grad, opt_ptr(dp_bias), nnz_offset->data_ptr<int32_t>(), num_edges};
+    EdgeBiasArgs eb{};
+    eb.bias = opt_ptr(bias);
+    eb.grad = grad;
+    eb.dp_bias = opt_ptr(dp_bias);
+    eb.nnz_offset = nnz_offset->data_ptr<int32_t>();
+    eb.slot_edge = slot_edge->data_ptr<int32_t>();
+    eb.num_heads = static_cast<int32_t>(num_heads);
+    return eb;
 }
 
 template <typename T, int kEdges>
@@ -288,9 +278,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     p.num_nodes = static_cast<int32_t>(Nq);   // rows read and written; windows past them have no edges
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-    const auto bias_nnz = to_nnz_order(edge_bias, slot_edge);
-    p.bias = edge_args(nnz_offset, has_bias ? slot_edge->numel() : 0, bias_nnz, nullptr, std::nullopt);
-    if (has_bias) set_dropout(p.bias, *slot_edge, dropout_p, dropout_seed);
+    p.bias = edge_args(nnz_offset, slot_edge, H, edge_bias, nullptr, std::nullopt);
+    if (has_bias) set_dropout(p.bias, dropout_p, dropout_seed);
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     const bool half = q.scalar_type() == at::kHalf;
@@ -349,9 +338,9 @@ void check_pass(const char* which, const at::Tensor& cols, const at::Tensor& bit
 // are the graph's BSB and schedule (dQ pass), `t_*` those of the transposed
 // graph (dKV pass). out and lse are the forward's outputs (out in q's dtype or
 // fp32). The gradients are in q's dtype, or fp32 if grad_fp32. Per-edge
-// terms need each pass's nnz_offset / slot_edge (and edge_slot, the inverse
-// of slot_edge, for the bias gradient): the edge_bias of the
-// forward (its gradient dS [E, H] fp32 comes fourth; else an empty tensor),
+// terms (in the caller's edge order) need each pass's nnz_offset and
+// slot_edge: the edge_bias of the forward (its gradient dS [E, H] fp32
+// comes fourth; else an empty tensor),
 // dp_bias [E, H] added to dP and delta_extra [N, H] added to delta (the
 // gradient of returned probabilities, see ops.py).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
@@ -361,7 +350,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& slots, const at::Tensor& t_cols, const at::Tensor& t_bitmap, const at::Tensor& t_items,
     const at::Tensor& t_slots, double scale, bool grad_fp32, const std::optional<at::Tensor>& edge_bias,
     const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
-    const std::optional<at::Tensor>& edge_slot, const std::optional<at::Tensor>& t_nnz_offset,
+    const std::optional<at::Tensor>& t_nnz_offset,
     const std::optional<at::Tensor>& t_slot_edge,
     const std::optional<at::Tensor>& dp_bias, const std::optional<at::Tensor>& delta_extra, double dropout_p,
     int64_t dropout_seed) {
@@ -400,8 +389,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                 " entries, as slot_edge");
     check_edge_array(edge_bias, "edge_bias", E, q);
     check_edge_array(dp_bias, "dp_bias", E, q);
-    TORCH_CHECK(!edge_bias.has_value() || edge_slot.has_value(), "an edge_bias's gradient needs edge_slot");
-    if (edge_bias.has_value()) check_edge_slot(*edge_slot, *slot_edge, q);
     if (delta_extra.has_value()) {
         TORCH_CHECK(delta_extra->device() == q.device() && delta_extra->scalar_type() == at::kFloat &&
                         delta_extra->dim() == 2 && delta_extra->size(0) == Nq && delta_extra->size(1) == H &&
@@ -415,18 +402,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     auto dq = at::empty({Nq, H, D}, grad_opts);
     auto dk = at::empty({N, H, D}, grad_opts);
     auto dv = at::empty({N, H, D}, grad_opts);
-    // every edge's score lies in one chunk of the dQ pass, which writes it once
-    // dS [H, E] in non-zero order (every edge's score lies in one chunk of
-    // the dQ pass, which writes it once), returned [E, H] in edge order
-    auto ds_nnz = has_bias ? at::empty({H, E}, q.options().dtype(at::kFloat)) : at::Tensor();
-    auto grad_bias = [&]() {
-        return has_bias ? to_edge_order(ds_nnz, *edge_slot) : at::empty({0}, q.options().dtype(at::kFloat));
-    };
-    if (N == 0) return {dq, dk, dv, grad_bias()};
+    // dS [E, H] in edge order (every edge's score lies in one chunk of the
+    // dQ pass, which writes it once); without a bias an empty tensor
+    const auto grad_bias = has_bias ? at::empty({E, H}, q.options().dtype(at::kFloat))
+                                    : at::empty({0}, q.options().dtype(at::kFloat));
+    if (N == 0) return {dq, dk, dv, grad_bias};
     if (Nq == 0) {            // no rows, so no edges: k and v get nothing
         dk.zero_();
         dv.zero_();
-        return {dq, dk, dv, grad_bias()};
+        return {dq, dk, dv, grad_bias};
     }
     const auto f32 = q.options().dtype(at::kFloat);
     auto stats = at::empty({Nq, H, 2}, f32);   // (lse log2e, delta) per row, from the dQ pass
@@ -466,9 +450,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dq_pass.num_slots = static_cast<int32_t>(S);
     dq_pass.counters_ptr = S + St > 0 ? counters.data_ptr<int32_t>() : nullptr;
     dq_pass.part1_ptr = S > 0 ? part_q.data_ptr<float>() : nullptr;
-    const auto bias_nnz = to_nnz_order(edge_bias, slot_edge), dp_nnz = to_nnz_order(dp_bias, slot_edge);
-    dq_pass.bias = edge_args(nnz_offset, E, bias_nnz, has_bias ? ds_nnz.data_ptr<float>() : nullptr, dp_nnz);
-    if (has_edges) set_dropout(dq_pass.bias, *slot_edge, dropout_p, dropout_seed);
+    dq_pass.bias = edge_args(nnz_offset, slot_edge, H, edge_bias, has_bias ? grad_bias.data_ptr<float>() : nullptr,
+                             dp_bias);
+    if (has_edges) set_dropout(dq_pass.bias, dropout_p, dropout_seed);
 
     Fused3SBwdParams dkv_pass = common;
     dkv_pass.num_nodes = static_cast<int32_t>(N);    // rows of k, v, dk, dv; its columns are rows < Nq
@@ -487,9 +471,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dkv_pass.counters_ptr = S + St > 0 ? counters.data_ptr<int32_t>() + S * H : nullptr;
     dkv_pass.part1_ptr = St > 0 ? part_k.data_ptr<float>() : nullptr;
     dkv_pass.part2_ptr = St > 0 ? part_v.data_ptr<float>() : nullptr;
-    const auto t_bias_nnz = to_nnz_order(edge_bias, t_slot_edge), t_dp_nnz = to_nnz_order(dp_bias, t_slot_edge);
-    dkv_pass.bias = edge_args(t_nnz_offset, E, t_bias_nnz, nullptr, t_dp_nnz);
-    if (has_edges) set_dropout(dkv_pass.bias, *t_slot_edge, dropout_p, dropout_seed);
+    dkv_pass.bias = edge_args(t_nnz_offset, t_slot_edge, H, edge_bias, nullptr, dp_bias);
+    if (has_edges) set_dropout(dkv_pass.bias, dropout_p, dropout_seed);
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     const bool half = q.scalar_type() == at::kHalf;
@@ -503,7 +486,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                             : mode == 1 ? launch(std::integral_constant<int, 1>{})
                                         : launch(std::integral_constant<int, 2>{});
     C10_CUDA_CHECK(err);
-    return {dq, dk, dv, grad_bias()};
+    return {dq, dk, dv, grad_bias};
 }
 
 // ---- Probabilities per edge ------------------------------------------------------
@@ -513,8 +496,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 // and schedule and the graph's edge slots.
 at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& lse,
                       const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& items,
-                      const at::Tensor& nnz_offset, const at::Tensor& slot_edge, const at::Tensor& edge_slot,
-                      double scale,
+                      const at::Tensor& nnz_offset, const at::Tensor& slot_edge, double scale,
                       const std::optional<at::Tensor>& edge_bias) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
@@ -531,14 +513,13 @@ at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::
     const at::Tensor slots_unused = at::empty({0, 4}, items.options());
     check_pass("graph", cols, bitmap, items, slots_unused, q, N);
     check_slots(nnz_offset, slot_edge, bitmap, q, "");
-    check_edge_slot(edge_slot, slot_edge, q);
     const int64_t E = slot_edge.numel();
     check_edge_array(edge_bias, "edge_bias", E, q);
     TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
 
     const c10::cuda::CUDAGuard device_guard(q.device());
-    auto probs = at::empty({H, E}, q.options().dtype(at::kFloat));   // non-zero order
-    if (Nq == 0 || E == 0) return to_edge_order(probs, edge_slot);
+    auto probs = at::empty({E, H}, q.options().dtype(at::kFloat));   // every edge written once
+    if (Nq == 0 || E == 0) return probs;
     Fused3SParams p{};
     p.q_ptr = q.data_ptr();
     p.k_ptr = k.data_ptr();
@@ -553,8 +534,7 @@ at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::
     p.num_nodes = static_cast<int32_t>(Nq);
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-    const auto bias_nnz = to_nnz_order(edge_bias, slot_edge);
-    p.bias = edge_args(nnz_offset, E, bias_nnz, nullptr, std::nullopt);
+    p.bias = edge_args(nnz_offset, slot_edge, H, edge_bias, nullptr, std::nullopt);
     p.probs_ptr = probs.data_ptr<float>();
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
@@ -570,7 +550,7 @@ at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::
     };
     if (q.scalar_type() == at::kHalf) launch(__half{}); else launch(__nv_bfloat16{});
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return to_edge_order(probs, edge_slot);
+    return probs;
 }
 
 // ---- BSB builder -------------------------------------------------------------

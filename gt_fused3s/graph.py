@@ -458,18 +458,18 @@ def _window_columns(key: Tensor, num_nodes: int) -> tuple[Tensor, ...]:
     return first, win, src, row_in, rank, cols_per_win
 
 
-def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor]:
     """Where the edges of ``edge_index`` (the graph ``bsb`` was built from,
     in any order) sit in the format's non-zero order: TCBs in order, inside
     a TCB word 0 then word 1 of the bitmap, bits ascending.
 
     Returns ``nnz_offset`` int32 [T + 1] (first non-zero of each TCB, over
-    the capacity in static mode), ``slot_edge`` int32 [E] (the index in
-    ``edge_index`` of each non-zero) and its inverse ``edge_slot`` int32 [E]
-    (the non-zero of each edge). Copies of one edge take its columns in the
-    order they are listed. Built once per graph with vectorised ops and
-    static shapes (no host synchronisation), for the kernels' per-edge terms
-    (which they read and write in non-zero order).
+    the capacity in static mode) and ``slot_edge`` int32 [E] (the index in
+    ``edge_index`` of each non-zero). Copies of one edge take its columns in
+    the order they are listed. Built once per graph with vectorised ops and
+    static shapes (no host synchronisation), for the kernels' per-edge terms,
+    which they read and write in the caller's edge order through
+    ``slot_edge``.
     """
     _check_edge_index(edge_index)
     if edge_index.size(1) != bsb.num_edges:
@@ -487,5 +487,4 @@ def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor, Tenso
     below = _popcount64(bsb.bitmap[tcb, word] & ((torch.ones_like(bit) << bit) - 1))
     nnz = nnz_offset[tcb] + below + torch.where(word == 1, counts[tcb, 0], 0)
     slot_edge = torch.empty_like(order, dtype=torch.int32).scatter_(0, nnz, order.int())
-    edge_slot = torch.empty_like(order, dtype=torch.int32).scatter_(0, order, nnz.int())
-    return nnz_offset.int(), slot_edge, edge_slot
+    return nnz_offset.int(), slot_edge

@@ -43,12 +43,12 @@ _LIB.define("fwd(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Te
 _LIB.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cols, "
             "Tensor bitmap, Tensor items, Tensor slots, Tensor t_cols, Tensor t_bitmap, Tensor t_items, "
             "Tensor t_slots, float scale, bool grad_fp32, Tensor? edge_bias=None, "
-            "Tensor? nnz_offset=None, Tensor? slot_edge=None, Tensor? edge_slot=None, "
+            "Tensor? nnz_offset=None, Tensor? slot_edge=None, "
             "Tensor? t_nnz_offset=None, Tensor? t_slot_edge=None, Tensor? dp_bias=None, "
             "Tensor? delta_extra=None, float dropout_p=0.0, int dropout_seed=0) "
             "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_bias)")
 _LIB.define("probs(Tensor q, Tensor k, Tensor lse, Tensor cols, Tensor bitmap, Tensor items, "
-            "Tensor nnz_offset, Tensor slot_edge, Tensor edge_slot, float scale, Tensor? edge_bias=None) "
+            "Tensor nnz_offset, Tensor slot_edge, float scale, Tensor? edge_bias=None) "
             "-> Tensor")
 _LIB.define("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor rw_offset, Tensor cols, "
             "Tensor bitmap, Tensor window_order, Tensor edges, Tensor counters)")
@@ -65,7 +65,7 @@ def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scal
 @torch.library.register_fake("gt_fused3s::bwd")
 def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items,
               t_slots, scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None,
-              edge_slot=None, t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None,
+              t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None,
               dropout_p=0.0, dropout_seed=0):
     dtype = torch.float32 if grad_fp32 else q.dtype
     grad_bias = (torch.empty_like(edge_bias) if edge_bias is not None
@@ -75,7 +75,7 @@ def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t
 
 
 @torch.library.register_fake("gt_fused3s::probs")
-def _probs_fake(q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, edge_slot, scale, edge_bias=None):
+def _probs_fake(q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, scale, edge_bias=None):
     return q.new_empty((slot_edge.size(0), q.size(1)), dtype=torch.float32)
 
 
@@ -417,7 +417,7 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: flo
     probs = None
     if return_probs:
         _, cols, bitmap, _, items, _ = fwd_args
-        probs = _op("probs")(q, k, lse, cols, bitmap, items, *slots[:3], scale, bias)
+        probs = _op("probs")(q, k, lse, cols, bitmap, items, *slots[:2], scale, bias)
     if Dp != D:
         out = out[..., :D].contiguous()
     return (out if out.dtype == out_dtype else out.to(out_dtype)), lse, probs
@@ -429,7 +429,7 @@ def _kernel_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     """Gradients of :func:`_kernel_forward` with respect to q, k, v, in their
     dtype (fp32 inputs get fp32 gradients straight from the fp32 accumulators),
     and to the edge bias (fp32 [E, H]; empty without a bias). ``edge``: ()
-    or the bwd op's per-edge arguments (edge_bias or None, the plan's five
+    or the bwd op's per-edge arguments (edge_bias or None, the plan's four
     slot arrays, dp_bias or None, delta_extra or None, dropout p and seed)."""
     _, cols, bitmap, _, items, slots = fwd_args
     dtype = q.dtype

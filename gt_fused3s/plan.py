@@ -138,11 +138,11 @@ class GraphPlan:
     def bias_args(self) -> tuple[Tensor, ...]:
         """The kernels' per-edge arguments (:func:`~gt_fused3s.graph.edge_slots`),
         for an ``edge_bias`` or weights in the order of :attr:`edge_index`:
-        ``nnz_offset``, ``slot_edge`` and ``edge_slot`` of the BSB, then
-        ``nnz_offset`` and ``slot_edge`` of the transposed BSB."""
+        ``nnz_offset`` and ``slot_edge`` of the BSB, then those of the
+        transposed BSB."""
         if self._bias_args is None:
             self._bias_args = (*edge_slots(self.bsb, self._edges),
-                               *edge_slots(self._transposed(), self._edges.flip(0))[:2])
+                               *edge_slots(self._transposed(), self._edges.flip(0)))
         return self._bias_args
 
     def _transposed(self) -> BSBGraph:

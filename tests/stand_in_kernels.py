@@ -107,10 +107,11 @@ def _dropout_mask(items, cols, bitmap, nnz_offset, slot_edge, p, seed, heads):
     return dropout_keep(seed, p, slot_edge.numel(), heads)[ids]
 
 
-def _check_inverse(slot_edge, edge_slot):
-    """edge_slot is the inverse permutation of slot_edge."""
-    assert edge_slot is not None and edge_slot.dtype == torch.int32
-    assert torch.equal(edge_slot.long()[slot_edge.long()], torch.arange(slot_edge.numel()))
+def _check_permutation(slot_edge):
+    """slot_edge lists every edge id once (the kernels write each edge's
+    output through it)."""
+    assert slot_edge.dtype == torch.int32
+    assert torch.equal(torch.sort(slot_edge.long()).values, torch.arange(slot_edge.numel()))
 
 
 def _check_operands(q, k, v=None, do=None):
@@ -143,7 +144,7 @@ class StandIns:
         return (out if out_fp32 else out.to(q.dtype)), _lse(q, k, ei, scale, bias)
 
     def bwd(self, do, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items, t_slots,
-            scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None, edge_slot=None,
+            scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None,
             t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None, dropout_p=0.0,
             dropout_seed=0):
         _check_operands(q, k, v, do)
@@ -154,7 +155,7 @@ class StandIns:
         assert torch.equal(_sorted(t_ei.flip(0)), _sorted(ei))
         ids = None
         if slot_edge is not None:
-            _check_inverse(slot_edge, edge_slot)
+            _check_permutation(slot_edge)
             ids = decode(items, cols, bitmap, nnz_offset, slot_edge)[1]
             t_ids = decode(t_items, t_cols, t_bitmap, t_nnz_offset, t_slot_edge)[1]
             assert torch.equal(torch.sort(ids).values, torch.arange(slot_edge.numel()))
@@ -181,9 +182,9 @@ class StandIns:
             grad_bias[ids] = ds
         return (*(g if grad_fp32 else g.to(q.dtype) for g in grads), grad_bias)
 
-    def probs(self, q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, edge_slot, scale, edge_bias=None):
+    def probs(self, q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, scale, edge_bias=None):
         _check_operands(q, k)
-        _check_inverse(slot_edge, edge_slot)
+        _check_permutation(slot_edge)
         self.calls.append("probs")
         ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge)
         bias = edge_bias[ids] if edge_bias is not None else None

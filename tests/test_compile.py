@@ -94,7 +94,7 @@ def test_opcheck_on_registered_ops(stand_in_kernels):
         (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out, lse, *bwd_graph, 0.3, False)),
         (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out_b, lse_b, *bwd_graph, 0.3, False, bias, *slots)),
         (torch.ops.gt_fused3s.bsb_build.default, (ei, N)),
-        (torch.ops.gt_fused3s.probs.default, (q, k, lse_b, fwd[1], fwd[2], fwd[4], *slots[:3], 0.3, bias)),
+        (torch.ops.gt_fused3s.probs.default, (q, k, lse_b, fwd[1], fwd[2], fwd[4], *slots[:2], 0.3, bias)),
         (torch.ops.gt_fused3s.attention.default,       # the differentiable one
          (q.clone().requires_grad_(), k.clone().requires_grad_(), v, fwd, bwd, 0.3, torch.float16, None, None,
           [], None, 0.0, 0)),

@@ -153,7 +153,7 @@ def test_bad_edge_inputs_through_the_ops(ops):
     plan = GraphPlan.from_edge_index(ei, n).prepare(2, 32, edge_bias=True)
     q, k, v = (torch.randn(n, 2, 32, device=DEV, dtype=torch.float16) for _ in range(3))
     fwd = plan.forward_args(2, 32)
-    nnz_offset, slot_edge, edge_slot = plan.bias_args()[:3]
+    nnz_offset, slot_edge = plan.bias_args()[:2]
     bias = torch.randn(ei.size(1), 2, device=DEV)
 
     def call(fn, match):
@@ -170,9 +170,11 @@ def test_bad_edge_inputs_through_the_ops(ops):
     call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset.long(), slot_edge), "nnz_offset must be int32")
     call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset[:-1], slot_edge), r"nnz_offset must have T \+ 1")
     out, lse = ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge)
-    call(lambda: ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge, edge_slot[:-1], 0.1, bias),
-         "edge_slot must have E")
-    probs = ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge, edge_slot, 0.1, bias)
+    call(lambda: ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge.long(), 0.1, bias),
+         "slot_edge must be int32")
+    call(lambda: ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge, 0.1, bias[:-1]),
+         r"edge_bias must have shape \[E, H\]")
+    probs = ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge, 0.1, bias)
     torch.cuda.synchronize()
     assert probs.shape == bias.shape and torch.isfinite(probs).all()
 

@@ -35,18 +35,19 @@ struct Fused3SSlot {
 };
 
 // Per-edge terms of one pass over a BSB, read by the kernel instances with
-// edge terms (kBias). Every per-edge array is fp32 [H, E], contiguous, in
-// this BSB's non-zero order (edge_bias.cuh); null = absent.
+// edge terms (kBias). Every per-edge array is fp32 [E, H], contiguous, in
+// the caller's edge order, reached through slot_edge (edge_bias.cuh);
+// null = absent.
 struct EdgeBiasArgs {
     const float* bias;            // added to the scaled score before the softmax
     float* grad;                  // dS per edge (written by the backward's dQ pass)
     const float* dp_bias;         // backward: added to dP = dO.v (the gradient of the
                                   // returned probabilities, or of terms built on them)
     const int32_t* nnz_offset;    // [T + 1] first non-zero of each TCB of this pass's BSB
-    int64_t num_edges;            // E: the stride between heads
-    // Attention dropout (edge_bias.cuh: dropout_hash): off if drop_threshold
-    // is 0. slot_edge [E]: the caller's edge id of each non-zero (the key).
-    const int32_t* slot_edge;
+    const int32_t* slot_edge;     // [E] the caller's edge id of each non-zero of this BSB
+    int32_t num_heads;            // H: the stride between edges
+    // Attention dropout (edge_bias.cuh: dropout_hash, keyed by the edge id):
+    // off if drop_threshold is 0.
     uint32_t drop_threshold;      // round(p * 2^32)
     float drop_scale;             // 1 / (1 - p); 1 without dropout
     uint32_t seed_lo, seed_hi;
@@ -101,7 +102,7 @@ struct Fused3SParams {
     EdgeBiasArgs bias;
 
     // Probability pass only (run_fused3s_probs): lse is read, not written,
-    // and P is written as [H, E] fp32 in the BSB's non-zero order.
+    // and P is written as [E, H] fp32 in the caller's edge order.
     float* probs_ptr;
 };
 
