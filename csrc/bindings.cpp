@@ -138,39 +138,6 @@ bool check_slots(const std::optional<at::Tensor>& nnz_offset, const std::optiona
     return true;
 }
 
-// Layout of the per-edge arrays the kernels read and write (edge_bias.cuh).
-// Up to this many elements (E * H) they stay in the caller's [E, H] edge
-// order, read through slot_edge: four permutation kernels per attention call
-// cost more than the dependent load on small graphs (ZINC batches of 1024
-// molecules, 51k edges: 0.24 ms less GPU time per training step, H100).
-// Above it they are permuted to each BSB's non-zero order, where a kernel's
-// loads depend on the bitmap only (github, 578k edges x 4 heads, and the
-// 200k power-law graph: 10-30% faster so).
-constexpr int64_t kEdgeOrderMaxElements = int64_t(1) << 18;
-
-bool edge_order_for(int64_t E, int64_t H) { return E * H <= kEdgeOrderMaxElements; }
-
-// A per-edge array [E, H] (caller's order) in the layout of `edge_order`:
-// itself, or [H, E] in the non-zero order of the BSB of slot_edge.
-std::optional<at::Tensor> in_layout(const std::optional<at::Tensor>& t, const at::Tensor& slot_edge,
-                                    bool edge_order) {
-    if (!t.has_value() || edge_order) return t;
-    return t->t().index_select(1, slot_edge);
-}
-
-// A kernel's per-edge output in the layout of `edge_order` back to [E, H] in
-// the caller's order.
-at::Tensor to_edge_order(const at::Tensor& out, const at::Tensor& slot_edge, bool edge_order) {
-    if (edge_order) return out;
-    return at::empty({out.size(1), out.size(0)}, out.options()).index_copy_(0, slot_edge.to(at::kLong), out.t());
-}
-
-// A per-edge output of a kernel, uninitialised, in the layout of `edge_order`.
-at::Tensor edge_output(int64_t E, int64_t H, const at::Tensor& q, bool edge_order) {
-    const auto f32 = q.options().dtype(at::kFloat);
-    return edge_order ? at::empty({E, H}, f32) : at::empty({H, E}, f32);
-}
-
 // The kernel instance: 0 no edge terms, 1 edge terms, 2 edge terms and dropout.
 int edge_mode(bool has_edges, double dropout_p) { return has_edges ? (dropout_p > 0.0 ? 2 : 1) : 0; }
 
@@ -192,16 +159,14 @@ void set_dropout(EdgeBiasArgs& eb, double p, int64_t seed) {
 
 const float* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
 
-// The edge terms of one pass: per-edge arrays in the layout of `edge_order`
-// (in_layout), with this pass's nnz_offset and slot_edge (absent: no edge
-// terms).
+// The edge terms of one pass: per-edge arrays [E, H] in the caller's edge
+// order, reached through this pass's slot_edge (nnz_offset, slot_edge absent:
+// no edge terms).
 EdgeBiasArgs edge_args(const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
-                       int64_t num_heads, bool edge_order, const std::optional<at::Tensor>& bias, float* grad,
+                       int64_t num_heads, const std::optional<at::Tensor>& bias, float* grad,
                        const std::optional<at::Tensor>& dp_bias) {
     if (!nnz_offset.has_value()) return EdgeBiasArgs{};
     EdgeBiasArgs eb{};
-    eb.num_edges = slot_edge->numel();
-    eb.edge_order = edge_order;
     eb.bias = opt_ptr(bias);
     eb.grad = grad;
     eb.dp_bias = opt_ptr(dp_bias);
@@ -313,13 +278,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     p.num_nodes = static_cast<int32_t>(Nq);   // rows read and written; windows past them have no edges
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-    // the per-edge arrays in the kernel's layout, alive until the launch
-    const bool edge_order = has_bias && edge_order_for(slot_edge->numel(), H);
-    const auto bias_l = has_bias ? in_layout(edge_bias, *slot_edge, edge_order) : std::nullopt;
-    if (has_bias) {
-        p.bias = edge_args(nnz_offset, slot_edge, H, edge_order, bias_l, nullptr, std::nullopt);
-        set_dropout(p.bias, dropout_p, dropout_seed);
-    }
+    p.bias = edge_args(nnz_offset, slot_edge, H, edge_bias, nullptr, std::nullopt);
+    if (has_bias) set_dropout(p.bias, dropout_p, dropout_seed);
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     const bool half = q.scalar_type() == at::kHalf;
@@ -442,16 +402,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     auto dq = at::empty({Nq, H, D}, grad_opts);
     auto dk = at::empty({N, H, D}, grad_opts);
     auto dv = at::empty({N, H, D}, grad_opts);
-    // dS (every edge's score lies in one chunk of the dQ pass, which writes
-    // it once), returned [E, H] in edge order; without a bias an empty tensor
-    const bool edge_order = edge_order_for(E, H);
-    const auto ds = has_bias ? edge_output(E, H, q, edge_order) : at::empty({0}, q.options().dtype(at::kFloat));
-    auto grad_bias = [&]() { return has_bias ? to_edge_order(ds, *slot_edge, edge_order) : ds; };
-    if (N == 0) return {dq, dk, dv, grad_bias()};
+    // dS [E, H] in edge order (every edge's score lies in one chunk of the
+    // dQ pass, which writes it once); without a bias an empty tensor
+    const auto grad_bias = has_bias ? at::empty({E, H}, q.options().dtype(at::kFloat))
+                                    : at::empty({0}, q.options().dtype(at::kFloat));
+    if (N == 0) return {dq, dk, dv, grad_bias};
     if (Nq == 0) {            // no rows, so no edges: k and v get nothing
         dk.zero_();
         dv.zero_();
-        return {dq, dk, dv, grad_bias()};
+        return {dq, dk, dv, grad_bias};
     }
     const auto f32 = q.options().dtype(at::kFloat);
     auto stats = at::empty({Nq, H, 2}, f32);   // (lse log2e, delta) per row, from the dQ pass
@@ -491,16 +450,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dq_pass.num_slots = static_cast<int32_t>(S);
     dq_pass.counters_ptr = S + St > 0 ? counters.data_ptr<int32_t>() : nullptr;
     dq_pass.part1_ptr = S > 0 ? part_q.data_ptr<float>() : nullptr;
-    // the per-edge arrays in the kernels' layout (one per pass), alive until the launch
-    std::optional<at::Tensor> bias_l, dp_l, t_bias_l, t_dp_l;
-    if (has_edges) {
-        bias_l = in_layout(edge_bias, *slot_edge, edge_order);
-        dp_l = in_layout(dp_bias, *slot_edge, edge_order);
-        t_bias_l = in_layout(edge_bias, *t_slot_edge, edge_order);
-        t_dp_l = in_layout(dp_bias, *t_slot_edge, edge_order);
-        dq_pass.bias = edge_args(nnz_offset, slot_edge, H, edge_order, bias_l,
-                                 has_bias ? ds.data_ptr<float>() : nullptr, dp_l);
-    }
+    dq_pass.bias = edge_args(nnz_offset, slot_edge, H, edge_bias, has_bias ? grad_bias.data_ptr<float>() : nullptr,
+                             dp_bias);
     if (has_edges) set_dropout(dq_pass.bias, dropout_p, dropout_seed);
 
     Fused3SBwdParams dkv_pass = common;
@@ -520,7 +471,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dkv_pass.counters_ptr = S + St > 0 ? counters.data_ptr<int32_t>() + S * H : nullptr;
     dkv_pass.part1_ptr = St > 0 ? part_k.data_ptr<float>() : nullptr;
     dkv_pass.part2_ptr = St > 0 ? part_v.data_ptr<float>() : nullptr;
-    if (has_edges) dkv_pass.bias = edge_args(t_nnz_offset, t_slot_edge, H, edge_order, t_bias_l, nullptr, t_dp_l);
+    dkv_pass.bias = edge_args(t_nnz_offset, t_slot_edge, H, edge_bias, nullptr, dp_bias);
     if (has_edges) set_dropout(dkv_pass.bias, dropout_p, dropout_seed);
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
@@ -535,7 +486,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                             : mode == 1 ? launch(std::integral_constant<int, 1>{})
                                         : launch(std::integral_constant<int, 2>{});
     C10_CUDA_CHECK(err);
-    return {dq, dk, dv, grad_bias()};
+    return {dq, dk, dv, grad_bias};
 }
 
 // ---- Probabilities per edge ------------------------------------------------------
@@ -567,9 +518,8 @@ at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::
     TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
 
     const c10::cuda::CUDAGuard device_guard(q.device());
-    const bool edge_order = edge_order_for(E, H);
-    auto probs = edge_output(E, H, q, edge_order);   // every edge written once
-    if (Nq == 0 || E == 0) return to_edge_order(probs, slot_edge, edge_order);
+    auto probs = at::empty({E, H}, q.options().dtype(at::kFloat));   // every edge written once
+    if (Nq == 0 || E == 0) return probs;
     Fused3SParams p{};
     p.q_ptr = q.data_ptr();
     p.k_ptr = k.data_ptr();
@@ -584,8 +534,7 @@ at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::
     p.num_nodes = static_cast<int32_t>(Nq);
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-    const auto bias_l = in_layout(edge_bias, slot_edge, edge_order);   // alive until the launch
-    p.bias = edge_args(nnz_offset, slot_edge, H, edge_order, bias_l, nullptr, std::nullopt);
+    p.bias = edge_args(nnz_offset, slot_edge, H, edge_bias, nullptr, std::nullopt);
     p.probs_ptr = probs.data_ptr<float>();
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
@@ -601,7 +550,7 @@ at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::
     };
     if (q.scalar_type() == at::kHalf) launch(__half{}); else launch(__nv_bfloat16{});
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return to_edge_order(probs, slot_edge, edge_order);
+    return probs;
 }
 
 // ---- BSB builder -------------------------------------------------------------

@@ -119,21 +119,6 @@ def test_heads_and_head_dims_with_split_windows(h, d, dtype):
 
 
 @pytest.mark.parametrize("h", [1, 4])
-def test_both_layouts_of_per_edge_arrays(h):
-    """70k edges: with 1 head the per-edge arrays stay in the caller's edge
-    order (read through slot_edge), with 4 heads (280k elements) the binding
-    permutes them to each BSB's non-zero order (csrc/bindings.cpp:
-    kEdgeOrderMaxElements); bias, weights and dropout in both."""
-    n, E = 20000, 70000
-    g = torch.Generator().manual_seed(21)
-    ei = torch.randint(0, n, (2, E), generator=g).to(DEV)
-    plan = GraphPlan.from_edge_index(ei, n)
-    _check(plan, ei, h, 32, torch.float16, seed=7, label=f"70k edges H={h}")
-    _check(plan, ei, h, 32, torch.bfloat16, seed=8, label=f"70k edges H={h} dropout", weights=False,
-           dropout=0.25)
-
-
-@pytest.mark.parametrize("h", [1, 4])
 def test_bias_weights_and_dropout_on_70k_edges(h):
     """A larger random graph (70k edges, many TCB pairs per window): bias,
     weights and dropout, the per-edge arrays read and written through

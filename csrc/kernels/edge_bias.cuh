@@ -6,18 +6,11 @@
 // Its place in the format's non-zero order (TCBs in order; inside a TCB,
 // word 0 then word 1 of the bitmap, bits ascending) is
 //     nnz = nnz_offset[tcb] + (set bits of the TCB below it),
-// and slot_edge[nnz] is its edge id in the caller's order. Per-edge arrays
-// come in one of two layouts (EdgeBiasArgs::edge_order), chosen by the
-// binding from their size:
-// - edge order: the caller's [E, H] (element e of head h at e * H + h),
-//   reached through slot_edge; nothing is permuted before or after a kernel
-//   (small graphs, where four permutation kernels per call cost more than
-//   the extra dependent load);
-// - non-zero order: [H, E] (element nnz of head h at h * E + nnz), so a
-//   TCB's values are contiguous and each load depends on the bitmap only;
-//   the binding permutes them (large graphs, where the kernel's memory
-//   latency dominates).
-// A kernel finds the indices of a TCB pair's scores from the pair's bitmap
+// and slot_edge[nnz] is its edge id in the caller's order. The kernels read
+// and write per-edge arrays in the caller's layout, [E, H] (element e of
+// head h at e * H + h), through slot_edge: no permutation of them before or
+// after a kernel (those were four gathers per attention call with a bias).
+// A kernel finds the edge ids of a TCB pair's scores from the pair's bitmap
 // words (PairRaw) and loads the next pair's values while the current one
 // computes.
 #pragma once
@@ -37,13 +30,12 @@ __device__ __forceinline__ void load_pair_offsets(PairRaw& r, const EdgeBiasArgs
     r.off[1] = tcb + 1 < tcb_end ? __ldg(eb.nnz_offset + tcb + 1) : 0;
 }
 
-// Indices of this thread's 8 scores of the pair (tcb, tcb + 1) in the
-// per-edge arrays' layout (edge ids in edge order, non-zeros otherwise), in
-// the mma C layout of the tiles (id[x][i]: TCB x; i = 0, 1 row g, cols 2t,
-// 2t+1; i = 2, 3 row g+8), -1 where there is no edge. `r` is the pair's raw
-// data with its offsets (before it is overwritten by the pair after next).
-__device__ __forceinline__ void pair_ids(int32_t (&id)[2][4], const PairRaw& r, const EdgeBiasArgs& eb,
-                                         int lane) {
+// Edge ids of this thread's 8 scores of the pair (tcb, tcb + 1), in the mma
+// C layout of the tiles (edge[x][i]: TCB x; i = 0, 1 row g, cols 2t, 2t+1;
+// i = 2, 3 row g+8), -1 where there is no edge. `r` is the pair's raw data
+// with its offsets (before it is overwritten by the pair after next).
+__device__ __forceinline__ void pair_edges(int32_t (&edge)[2][4], const PairRaw& r, const int32_t* slot_edge,
+                                           int lane) {
     const int sh = 2 * lane;   // bits 2L, 2L+1 of word 0 (row g) and word 1 (row g+8)
     const uint64_t below = (uint64_t(1) << sh) - 1u;
     int32_t nnz[2][4];
@@ -60,36 +52,29 @@ __device__ __forceinline__ void pair_ids(int32_t (&id)[2][4], const PairRaw& r, 
         nnz[x][2] = (b1 & 1u) ? r1 : -1;
         nnz[x][3] = (b1 & 2u) ? r1 + static_cast<int>(b1 & 1u) : -1;
     }
-#pragma unroll   // edge order: all 8 loads issued before any is used
+#pragma unroll   // all 8 loads issued before any is used
     for (int x = 0; x < 2; ++x) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            id[x][i] = (eb.edge_order && nnz[x][i] >= 0) ? __ldg(eb.slot_edge + nnz[x][i]) : nnz[x][i];
-        }
+        for (int i = 0; i < 4; ++i) edge[x][i] = nnz[x][i] >= 0 ? __ldg(slot_edge + nnz[x][i]) : -1;
     }
-}
-
-// Where element `id` of head `head` lies in a per-edge array.
-__device__ __forceinline__ int64_t edge_offset(const EdgeBiasArgs& eb, int32_t id, int head) {
-    return eb.edge_order ? static_cast<int64_t>(id) * eb.num_heads + head
-                         : static_cast<int64_t>(head) * eb.num_edges + id;
 }
 
 // Per-edge values of the pair's scores (0 where there is no edge, or no
-// array): src[element] * mul.
-__device__ __forceinline__ void pair_edge_values(float (&out)[2][4], const int32_t (&id)[2][4], const float* src,
-                                                 float mul, int head, const EdgeBiasArgs& eb) {
+// array): src[edge * H + head] * mul.
+__device__ __forceinline__ void pair_edge_values(float (&out)[2][4], const int32_t (&edge)[2][4], const float* src,
+                                                 float mul, int head, int num_heads) {
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int e = id[x][i];
-            out[x][i] = (src != nullptr && e >= 0) ? __ldg(src + edge_offset(eb, e, head)) * mul : 0.f;
+            const int e = edge[x][i];
+            out[x][i] = (src != nullptr && e >= 0)
+                            ? __ldg(src + static_cast<int64_t>(e) * num_heads + head) * mul : 0.f;
         }
     }
 }
 
-// The edge data a pass keeps per pair: the indices (for the outputs per
+// The edge data a pass keeps per pair: the edge ids (for the outputs per
 // edge), the bias in log2 units and, in the backward, the dP bias.
 // Attention dropout: a counter-based hash of (seed, head, caller's edge id),
 // so the backward regenerates the forward's mask and a test can reproduce
@@ -112,24 +97,22 @@ __device__ __forceinline__ uint32_t dropout_hash(const EdgeBiasArgs& eb, int hea
 // kDrop: the instance applies attention dropout (only those pay for it).
 template <bool kEdges, bool kDpBias = false, bool kDrop = false>
 struct PairBias {
-    int32_t id[2][4];
+    int32_t edge[2][4];
     float b2[2][4];
     float c[kDpBias ? 2 : 1][4];
     uint32_t keep;   // bit 4x + i: element (x, i) survives dropout (all set without dropout)
     __device__ __forceinline__ void load(const PairRaw& r, const EdgeBiasArgs& eb, int lane, int head) {
-        pair_ids(id, r, eb, lane);
-        pair_edge_values(b2, id, eb.bias, 1.4426950408889634f, head, eb);
-        if constexpr (kDpBias) pair_edge_values(c, id, eb.dp_bias, 1.f, head, eb);
+        pair_edges(edge, r, eb.slot_edge, lane);
+        pair_edge_values(b2, edge, eb.bias, 1.4426950408889634f, head, eb.num_heads);
+        if constexpr (kDpBias) pair_edge_values(c, edge, eb.dp_bias, 1.f, head, eb.num_heads);
         keep = 0xffu;
         if constexpr (kDrop) {   // keyed by the caller's edge id: the same in every pass
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int e = id[x][i];
-                    if (e < 0) continue;
-                    const int32_t edge = eb.edge_order ? e : __ldg(eb.slot_edge + e);
-                    if (dropout_hash(eb, head, edge) < eb.drop_threshold) keep &= ~(1u << (4 * x + i));
+                    const int e = edge[x][i];
+                    if (e >= 0 && dropout_hash(eb, head, e) < eb.drop_threshold) keep &= ~(1u << (4 * x + i));
                 }
             }
         }
@@ -147,9 +130,9 @@ struct PairBias {
         if constexpr (kDpBias) return v + c[x][i];
         else return v;
     }
-    // element (x, i) of `out` = v, if it is an edge
-    __device__ __forceinline__ void store(float* out, const EdgeBiasArgs& eb, int head, int x, int i, float v) const {
-        if (id[x][i] >= 0) out[edge_offset(eb, id[x][i], head)] = v;
+    // out[edge * H + head] = v for element (x, i), if it is an edge
+    __device__ __forceinline__ void store(float* out, int num_heads, int head, int x, int i, float v) const {
+        if (edge[x][i] >= 0) out[static_cast<int64_t>(edge[x][i]) * num_heads + head] = v;
     }
 };
 

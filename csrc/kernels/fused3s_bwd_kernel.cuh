@@ -327,7 +327,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
 #pragma unroll
                     for (int x = 0; x < 2; ++x) {
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) bcur.store(p.bias.grad, p.bias, head, x, i, ds[x][i]);
+                        for (int i = 0; i < 4; ++i) bcur.store(p.bias.grad, p.bias.num_heads, head, x, i, ds[x][i]);
                     }
                 }
             }

@@ -35,9 +35,9 @@ struct Fused3SSlot {
 };
 
 // Per-edge terms of one pass over a BSB, read by the kernel instances with
-// edge terms (kBias). Every per-edge array is fp32 and contiguous, in the
-// layout edge_order names (edge_bias.cuh): [E, H] in the caller's edge
-// order, or [H, E] in this BSB's non-zero order; null = absent.
+// edge terms (kBias). Every per-edge array is fp32 [E, H], contiguous, in
+// the caller's edge order, reached through slot_edge (edge_bias.cuh);
+// null = absent.
 struct EdgeBiasArgs {
     const float* bias;            // added to the scaled score before the softmax
     float* grad;                  // dS per edge (written by the backward's dQ pass)
@@ -45,9 +45,7 @@ struct EdgeBiasArgs {
                                   // returned probabilities, or of terms built on them)
     const int32_t* nnz_offset;    // [T + 1] first non-zero of each TCB of this pass's BSB
     const int32_t* slot_edge;     // [E] the caller's edge id of each non-zero of this BSB
-    int64_t num_edges;            // E
-    int32_t num_heads;            // H
-    bool edge_order;              // true: [E, H] in edge order; false: [H, E] in non-zero order
+    int32_t num_heads;            // H: the stride between edges
     // Attention dropout (edge_bias.cuh: dropout_hash, keyed by the edge id):
     // off if drop_threshold is 0.
     uint32_t drop_threshold;      // round(p * 2^32)
@@ -104,7 +102,7 @@ struct Fused3SParams {
     EdgeBiasArgs bias;
 
     // Probability pass only (run_fused3s_probs): lse is read, not written,
-    // and P is written as an fp32 per-edge array (layout: bias.edge_order).
+    // and P is written as [E, H] fp32 in the caller's edge order.
     float* probs_ptr;
 };
 

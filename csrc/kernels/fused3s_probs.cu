@@ -1,7 +1,7 @@
 // Attention probabilities per edge from the forward's log-sum-exp: one score
 // pass, P_e = exp2(S_ij scale log2e + bias_e log2e - lse_i log2e) for every
-// edge e = j -> i, written as a per-edge array (in either layout of
-// edge_bias.cuh): return_attention_weights, and
+// edge e = j -> i, written [E, H] in the caller's edge order (through the
+// BSB's slot_edge, edge_bias.cuh): return_attention_weights, and
 // terms built on the probabilities such as TransformerConv's edge features.
 //
 // Work: the forward's schedule (chunks of a row window, heaviest first), one
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(32) fused3s_probs_kernel(const Fused3SParams p
         for (int x = 0; x < 2; ++x) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                eb.store(p.probs_ptr, p.bias, head, x, i,
+                eb.store(p.probs_ptr, p.bias.num_heads, head, x, i,
                          fast_exp2(eb.add(s[x][i] * p.scale_log2, x, i) - lse2[i >> 1]));
             }
         }
