@@ -92,6 +92,9 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
     idx = dst.unsqueeze(-1).expand_as(score)
     row_max = torch.full((N, H), float("-inf"), dtype=acc, device=q.device)
     row_max = row_max.scatter_reduce(0, idx, score, reduce="amax", include_self=True)
+    # A row whose scores are all -inf (e.g. by its bias) gets weights 0, as in
+    # the kernel (a NaN max propagates: NaN in, NaN out).
+    row_max = torch.where(row_max == float("-inf"), 0, row_max)
     p = torch.exp(score - row_max.index_select(0, dst))                              # [E, H]
     denom = torch.zeros((N, H), dtype=acc, device=q.device).index_add(0, dst, p)
     if low:
@@ -99,7 +102,9 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
     pm = p if dropout_mask is None else p * dropout_mask.to(acc)
     msg = pm.unsqueeze(-1) * vc.index_select(0, src)                                # [E, H, Dv]
     out = torch.zeros((N, H, v.size(-1)), dtype=acc, device=q.device).index_add(0, dst, msg)
-    has_nbr = (denom > 0).unsqueeze(-1)
+    # rows without in-neighbours (or with weights 0 only) are 0; a NaN or an
+    # Inf among a row's scores or values makes it NaN, as in message passing
+    has_nbr = (denom != 0).unsqueeze(-1)
     out = torch.where(has_nbr, out / torch.where(has_nbr, denom.unsqueeze(-1), 1), 0)
     out = out.to(out_dtype or q.dtype)
     if return_weights:    # every edge's row has a positive denominator

@@ -309,15 +309,18 @@ fused3s_fwd_kernel(const Fused3SParams p) {
             for (int r = 0; r < 2; ++r) {
                 const int row = r == 0 ? row0 : row1;
                 if (row >= p.num_nodes) continue;
+                // l == 0: no edge (or all scores -inf): 0. A NaN l (a NaN or
+                // Inf among the scores) makes the row and its lse NaN, as in
+                // message passing, instead of 0.
                 const float l = st.l[r];
-                const float inv = l > 0.f ? 1.f / l : 0.f;
+                const float inv = l != 0.f ? 1.f / l : 0.f;
                 const int64_t off = static_cast<int64_t>(row) * p.o_row_stride + head * p.o_head_stride + col0;
                 void* dst = p.out_fp32 ? static_cast<void*>(reinterpret_cast<float*>(p.o_ptr) + off)
                                        : static_cast<void*>(reinterpret_cast<uint16_t*>(p.o_ptr) + off);
                 store_row<T, kNT>(dst, p.out_fp32, o, 2 * r, 2 * r + 1, inv);
                 if (t == 0 && part == 0) {
                     p.lse_ptr[static_cast<int64_t>(row) * p.lse_row_stride + head * p.lse_head_stride] =
-                        l > 0.f ? (st.m[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+                        l != 0.f ? (st.m[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
                 }
             }
         }
