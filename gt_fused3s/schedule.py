@@ -94,7 +94,8 @@ def work_schedule(bsb: BSBGraph, heads: int, head_dim: int, *, exact: bool | Non
     work = torch.where(used, end - begin, -1)               # unused items sort last
     items = torch.stack([torch.where(used, win, -1), torch.where(used, begin, 0),
                          torch.where(used, end, 0), slot], 1)
-    items = items[torch.sort(work, descending=True, stable=True).indices].to(torch.int32)
+    # int32 keys (a chunk's TCB count): half the radix passes of int64 ones
+    items = items[torch.sort(work.int(), descending=True, stable=True).indices].to(torch.int32)
     # Slot of chunk c of a split window: its window and the window's slot range.
     first = slot - chunk
     rows = torch.stack([win, first, first + nch[p], torch.zeros_like(win)], 1)
