@@ -38,7 +38,9 @@ def _check_layer():
         torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
         out_c.square().sum().backward()
         out_e.square().sum().backward()
-        torch.testing.assert_close(xc.grad, xe.grad, atol=1e-5, rtol=1e-5)
+        # summation orders differ (compiled kernel path vs eager reference,
+        # and between torch versions): 2e-5 seen on torch 2.11; a wrong term is O(0.1)
+        torch.testing.assert_close(xc.grad, xe.grad, atol=1e-4, rtol=1e-4)
 
 
 def _check_graph_transformer():
