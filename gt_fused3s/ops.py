@@ -125,8 +125,8 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
             :meth:`~gt_fused3s.plan.GraphPlan.prepare`, so that the call
             builds nothing and makes no host synchronisation), a
             :class:`~gt_fused3s.graph.BSBGraph`, or an ``edge_index`` [2, E]
-            (source, destination) whose plan is built once and cached for as
-            long as that tensor lives.
+            (source, destination), whose plan is built for this call (not
+            cached: build a plan once and pass it to reuse it).
         scale: the score scale :math:`s`, default ``1 / sqrt(D)``.
         edge_bias: optional [E, H] additive attention bias :math:`b`, in the
             order of the plan's :attr:`~gt_fused3s.plan.GraphPlan.edge_index`

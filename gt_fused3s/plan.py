@@ -194,7 +194,11 @@ class GraphPlan:
 def as_plan(graph: Any, num_nodes: int | None = None) -> GraphPlan:
     """``graph`` as a plan: a :class:`GraphPlan` as is, the plan of a
     :class:`BSBGraph` (one per BSB object, kept for as long as it lives), or
-    the cached plan of an ``edge_index`` tensor (:func:`cached_plan`)."""
+    a plan built now for an ``edge_index`` tensor. Nothing is cached for a
+    tensor: its memory can change without torch noticing (an array refilled
+    through ``torch.from_numpy``, an edit through ``.data``), and a reused
+    plan would then be silently stale. Build a plan once and pass it, or ask
+    for :func:`cached_plan`, to reuse one."""
     if isinstance(graph, GraphPlan):
         return graph
     if isinstance(graph, BSBGraph):
@@ -203,23 +207,26 @@ def as_plan(graph: Any, num_nodes: int | None = None) -> GraphPlan:
             plan = _BSB_PLANS[graph] = GraphPlan(graph)
         return plan
     if isinstance(graph, Tensor):
-        return cached_plan(graph, num_nodes)
+        return GraphPlan.from_edge_index(graph, num_nodes)   # static while captured or compiled
     raise ValueError(f"graph must be a GraphPlan, a BSBGraph or an edge_index tensor "
                      f"(got {type(graph).__name__})")
 
 
 _BSB_PLANS: "weakref.WeakKeyDictionary[BSBGraph, GraphPlan]" = weakref.WeakKeyDictionary()
 
-# One plan per edge_index tensor: layers called on the same graph (and every
-# layer of a model) share it. Keyed by the tensor's identity and checked
-# against its storage, version counter and shape, so an in-place edit or a
-# new tensor rebuilds; entries die with their tensor.
+# One plan per edge_index tensor, for callers that ask for caching
+# (Fused3SConv(cached=True)). Keyed by the tensor's identity and checked
+# against its storage, version counter and shape, so an in-place edit
+# through torch or a new tensor rebuilds; entries die with their tensor.
 _CACHE: dict[int, tuple] = {}
 
 
 def cached_plan(edge_index: Tensor, num_nodes: int | None = None) -> GraphPlan:
     """The plan of ``edge_index``, built on first use and cached for as long
-    as ``edge_index`` lives (and is not modified). While a CUDA graph is
+    as ``edge_index`` lives (and is not modified through torch: the cache
+    sees the tensor's version counter, not writes that bypass it, such as a
+    numpy array behind ``torch.from_numpy`` refilled in place; use it only
+    for a graph that stays fixed, as with PyG's ``cached=True``). While a CUDA graph is
     captured or torch.compile traces, a static plan is built on every call
     instead (no cache can be checked there): pass a plan built ahead to
     share one build between layers."""

@@ -51,13 +51,17 @@ class Fused3SConv(TransformerConv):
     with ``strict=True`` (and back).
 
     The graph's plan (its BSB format, transposed format and kernel
-    schedules, :class:`~gt_fused3s.plan.GraphPlan`) is built once and
-    reused: for an ``edge_index`` tensor (or sparse adjacency) it is cached
-    for as long as that tensor lives unmodified, so every call and every
-    layer on one graph shares it. Build it explicitly with
-    :meth:`to_graph_format` (and :meth:`~gt_fused3s.plan.GraphPlan.prepare`
-    it) and pass it as ``edge_index``: then a forward and backward make no
-    host synchronisation and can be captured in a CUDA graph. Under
+    schedules, :class:`~gt_fused3s.plan.GraphPlan`) is what the kernel
+    reads. Build it once with :meth:`to_graph_format` (and
+    :meth:`~gt_fused3s.plan.GraphPlan.prepare` it) and pass it as
+    ``edge_index`` to every call and every layer on that graph: then a
+    forward and backward make no host synchronisation and can be captured
+    in a CUDA graph. Given an ``edge_index`` tensor (or a sparse
+    adjacency), the layer builds the plan for the call, as PyG's layers
+    take no cache unless asked: with ``cached=True`` it keeps the plan of
+    each tensor for as long as the tensor lives unmodified through torch
+    (for a fixed graph: a tensor refilled behind torch's back, e.g. through
+    ``torch.from_numpy``, would reuse a stale plan). Under
     ``torch.compile`` a plan passed in is read as is; an ``edge_index``
     is turned into a static plan inside the compiled region, once per call.
 
@@ -119,6 +123,13 @@ class Fused3SConv(TransformerConv):
         root_weight (bool, optional): If set to :obj:`False`, the layer will
             not add the transformed root node features to the output and the
             option :attr:`beta` is set to :obj:`False`. (default: :obj:`True`)
+        cached (bool, optional): If set to :obj:`True`, the plan of an
+            ``edge_index`` tensor (or sparse adjacency) is built on first
+            use and reused for as long as that tensor lives unmodified
+            through torch, as PyG's ``cached=True`` for transductive
+            learning on one fixed graph. (default: :obj:`False`: built for
+            every call; pass a plan from :meth:`to_graph_format` to reuse
+            one explicitly)
         **kwargs (optional): Additional arguments of
             :class:`torch_geometric.nn.conv.MessagePassing`.
 
@@ -149,6 +160,7 @@ class Fused3SConv(TransformerConv):
         edge_dim: Optional[int] = None,
         bias: bool = True,
         root_weight: bool = True,
+        cached: bool = False,
         **kwargs,
     ):
         for name, value in (("out_channels", out_channels), ("heads", heads)):
@@ -157,6 +169,7 @@ class Fused3SConv(TransformerConv):
         super().__init__(in_channels, out_channels, heads=heads, concat=concat,
                          beta=beta, dropout=dropout, edge_dim=edge_dim, bias=bias,
                          root_weight=root_weight, **kwargs)
+        self.cached = bool(cached)
 
     def __prepare_scriptable__(self):
         # torch.jit.script calls this first: fail at once, in one line
@@ -171,9 +184,9 @@ class Fused3SConv(TransformerConv):
         layer's ``heads`` and ``out_channels`` to build its kernel schedules
         ahead too).
 
-        The result is the one cached for ``edge_index``: a later call of the
-        layer with the same tensor reuses it. Build it on the device of the
-        node features.
+        Build it once, on the device of the node features, and pass it to
+        every call on this graph (a later edit of ``edge_index`` does not
+        reach it).
 
         Args:
             edge_index (torch.Tensor): The edge indices :math:`(2, |\mathcal{E}|)`
@@ -187,8 +200,17 @@ class Fused3SConv(TransformerConv):
         if isinstance(edge_index, (GraphPlan, BSBGraph)):
             return as_plan(edge_index)
         if _is_sparse(edge_index):
-            return _sparse_plan(edge_index)
-        return cached_plan(edge_index, num_nodes)
+            return _sparse_plan(edge_index, cached=False)
+        return as_plan(edge_index, num_nodes)
+
+    def _plan_of(self, edge_index, num_nodes: int) -> GraphPlan:
+        """The plan of a forward's ``edge_index``: built for the call, or
+        cached per tensor with ``cached=True``."""
+        if self.cached and _is_sparse(edge_index):
+            return _sparse_plan(edge_index, cached=True)
+        if self.cached and isinstance(edge_index, Tensor):
+            return cached_plan(edge_index, num_nodes)
+        return self.to_graph_format(edge_index, num_nodes)
 
     def forward(  # noqa: D417
         self,
@@ -249,7 +271,7 @@ class Fused3SConv(TransformerConv):
         # reads the edges only: no format to build.
         graph = (edge_index if isinstance(edge_index, Tensor) and not _is_sparse(edge_index)
                  and not ops.kernel_available(x_dst.device)
-                 else self.to_graph_format(edge_index, n))
+                 else self._plan_of(edge_index, n))
         # Bipartite: rows are destinations, columns sources; both padded with
         # zero rows to n (no edge reaches a padding row, whose output is cut).
         query = _pad_rows(self.lin_query(x_dst), n).view(-1, H, C)
@@ -417,12 +439,13 @@ def _sparse_has_features(adj) -> bool:
     return values.dim() > 1
 
 
-# The plan of a sparse adjacency, cached like plan.cached_plan caches that of
-# an edge_index tensor: keyed by identity, checked against version and shape.
+# The plans of sparse adjacencies for layers with cached=True, as
+# plan.cached_plan caches those of edge_index tensors: keyed by identity,
+# checked against version and shape.
 _SPARSE_CACHE: dict = {}
 
 
-def _sparse_plan(adj) -> GraphPlan:
+def _sparse_plan(adj, cached: bool) -> GraphPlan:
     if isinstance(adj, SparseTensor):
         n_dst, n_src = adj.sizes()[:2]
         sig = (adj.nnz(), n_dst, n_src)
@@ -430,7 +453,7 @@ def _sparse_plan(adj) -> GraphPlan:
         n_dst, n_src = adj.shape[:2]
         sig = (adj._nnz(), adj._version, tuple(adj.shape), adj.device, adj.layout)
     key = id(adj)
-    hit = _SPARSE_CACHE.get(key)
+    hit = _SPARSE_CACHE.get(key) if cached else None
     if hit is not None and hit[0]() is adj and hit[1] == sig:
         return hit[2]
     n = max(n_dst, n_src)        # bipartite: the square graph of n nodes
@@ -446,7 +469,8 @@ def _sparse_plan(adj) -> GraphPlan:
         raise ValueError(f"a sparse edge_index must have the COO or CSR layout "
                          f"(got {adj.layout})")
     plan = GraphPlan(bsb)
-    _SPARSE_CACHE[key] = (weakref.ref(adj, lambda _, k=key: _SPARSE_CACHE.pop(k, None)), sig, plan)
+    if cached:
+        _SPARSE_CACHE[key] = (weakref.ref(adj, lambda _, k=key: _SPARSE_CACHE.pop(k, None)), sig, plan)
     return plan
 
 
