@@ -65,8 +65,9 @@ class Fused3SConv(nn.Module):
     The graph's format is built once per graph object and device (the first
     call on a graph builds it on the device of the features; later calls
     and other layers reuse it). The cache is checked against the graph's
-    node and edge counts: a graph whose edges were added or removed in place
-    is rebuilt (after an edit that keeps both counts, use a new graph).
+    structure object, which DGL replaces on every in-place edit
+    (``add_edges``, ``remove_edges``, ...), and its node and edge counts: an
+    edited graph is rebuilt, even when the counts stay the same.
 
     Graphs whose source and destination node counts differ (bipartite
     graphs, the blocks of ``dgl.to_block`` from neighbour sampling) are
@@ -234,16 +235,18 @@ class Fused3SConv(nn.Module):
 
 
 # One entry per DGLGraph object: its plan per device and its 0-in-degree
-# flag. Checked against the node and edge counts, so a graph changed in
-# place is rebuilt; entries die with their graph.
+# flag. Checked against the graph's structure index (DGL makes a new one on
+# every in-place edit: an identity test, holding the old one so that its id
+# cannot be reused) and the node and edge counts; entries die with their graph.
 _GRAPH_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _graph_entry(graph) -> dict:
     sig = (graph.num_src_nodes(), graph.num_dst_nodes(), graph.num_edges())
+    index = getattr(graph, "_graph", None)
     entry = _GRAPH_CACHE.get(graph)
-    if entry is None or entry["sig"] != sig:
-        entry = {"sig": sig, "plan": {}, "zero_in": None}
+    if entry is None or entry["sig"] != sig or entry["index"] is not index:
+        entry = {"sig": sig, "index": index, "plan": {}, "zero_in": None}
         _GRAPH_CACHE[graph] = entry
     return entry
 
