@@ -124,3 +124,25 @@ def test_runs_expand_per_device():
     assert expand_runs(["fused3s", "pyg"], gpu, eager=True, compiled_runs=False) == ["fused3s", "pyg"]
     with pytest.raises(ValueError, match="needs a CUDA device"):
         expand_runs(["pyg@compile"], cpu, eager=False, compiled_runs=False)
+
+
+@pytest.mark.parametrize("kernel_path", [False, True])
+def test_graph_transformer_exports(kernel_path, request):
+    """torch.export of the Graph Transformer (for serving): the exported
+    program, run on another graph of the same shape, equals eager; on the
+    kernel path (CPU stand-ins of the ops) it holds the plan build and the
+    fused op."""
+    if kernel_path:
+        stand_ins = request.getfixturevalue("stand_in_kernels")
+    ei, x = _graph(1)
+    batch = torch.arange(N) // 25
+    torch.manual_seed(0)
+    model = GraphTransformer(16, 32, 3, num_layers=2, heads=2, readout="graph").eval()
+    program = torch.export.export(model, (x, ei, batch), kwargs={"num_graphs": 2})
+    ei2, x2 = _graph(5)
+    torch.testing.assert_close(program.module()(x2, ei2, batch, num_graphs=2),
+                               model(x2, ei2, batch, num_graphs=2), atol=1e-5, rtol=1e-5)
+    if kernel_path:
+        ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+        assert {"gt_fused3s.bsb_build.default", "gt_fused3s.attention.default"} <= ops, ops
+        assert "fwd" in stand_ins.calls
