@@ -353,3 +353,20 @@ def test_ctrl_c_keeps_the_finished_rows(tmp_path, monkeypatch, capsys):
     assert {r["dataset"] for r in _rows(out)} == {"mols"}
     captured = capsys.readouterr()
     assert "mols" in captured.out and "interrupted (Ctrl-C): 3 finished rows above and in" in captured.err
+
+
+def test_quick_on_a_cpu_is_fp32_and_keeps_dense_small():
+    """--quick on a CPU (a smoke run: configs/study.yaml took 9 min on 2
+    cores, study-single.yaml more than 18): fp32 instead of fp16 (emulated
+    on CPUs), the smallest hidden size, the O(N^2) dense backend on small
+    graphs only, each said on the log; a GPU run keeps the config."""
+    cfg = infer.load_config(infer.resolve_config_path("configs/study.yaml"))
+    said = []
+    quick = infer._quick_on_cpu(cfg, torch.device("cpu"), torch.float16, said.append)
+    assert quick["dtype"] == "fp32" and quick["max_nodes"]["dense"] == infer.QUICK_CPU_DENSE_NODES
+    assert quick["model"]["hidden"] == [64]
+    assert len(said) == 3 and "hidden 64 only" in said[0] and "fp32 instead of fp16" in said[1]
+    assert cfg["dtype"] == "fp16" and cfg["model"]["hidden"] == [64, 128]              # not modified
+    assert cfg["max_nodes"]["dense"] > infer.QUICK_CPU_DENSE_NODES
+    assert infer._quick_on_cpu(cfg, torch.device("cuda"), torch.float16, said.append) is cfg
+    assert infer._skip_reason("dense", torch.device("cpu"), 2708, quick["max_nodes"], 1).startswith("skipped")

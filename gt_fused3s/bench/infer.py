@@ -200,6 +200,32 @@ def _as_list(value) -> list:
 
 
 # ------------------------------------------------------------------ helpers
+#: --quick on a CPU: dense attention (O(N^2) per layer) only up to this many nodes
+QUICK_CPU_DENSE_NODES = 1024
+
+
+def _quick_on_cpu(cfg: dict, device: torch.device, dtype: torch.dtype, log) -> dict:
+    """A smoke run on a CPU in about a minute: fp32 instead of fp16 or bf16
+    (a CPU emulates their matmuls, 5-10x slower, and runs the reference
+    path anyway), the smallest hidden size only (the others run the same
+    code) and the dense backend on graphs of at most
+    :data:`QUICK_CPU_DENSE_NODES` nodes; each change is said on the log."""
+    if device.type != "cpu":
+        return cfg
+    cfg = {**cfg, "max_nodes": dict(cfg["max_nodes"]), "model": dict(cfg["model"])}
+    hidden = _as_list(cfg["model"]["hidden"])
+    if len(hidden) > 1:
+        cfg["model"]["hidden"] = [min(hidden)]
+        log(f"--quick on a CPU: hidden {min(hidden)} only (of {hidden})")
+    if dtype != torch.float32:
+        log(f"--quick on a CPU: fp32 instead of {cfg['dtype']} (a CPU emulates fp16/bf16 matmuls)")
+        cfg["dtype"] = "fp32"
+    if cfg["max_nodes"].get("dense", QUICK_CPU_DENSE_NODES + 1) > QUICK_CPU_DENSE_NODES:
+        cfg["max_nodes"]["dense"] = QUICK_CPU_DENSE_NODES
+        log(f"--quick on a CPU: dense attention on graphs of at most {QUICK_CPU_DENSE_NODES} nodes")
+    return cfg
+
+
 def _skip_reason(backend: str, device: torch.device, nodes: int, max_nodes: dict,
                  streamed_batches: int) -> str | None:
     if backend == "flex" and device.type != "cuda":
@@ -243,6 +269,8 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     warmup, repeats = int(cfg["warmup"]), int(cfg["repeats"])
     if quick:
         warmup, repeats = min(warmup, 1), min(repeats, 2)
+        cfg = _quick_on_cpu(cfg, device, dtype, log or log_stderr)
+        dtype = resolve_dtype(cfg["dtype"], device)
     runs = expand_runs(cfg["backends"], device, eager=eager, compiled_runs=cfg["compiled_runs"])
     if any(parse_run(r)[0] == "flex" or parse_run(r)[1] != "eager" for r in runs):
         # one compile per graph shape and head dim (flex), per bucket shape (compiled runs)
