@@ -24,6 +24,8 @@ import yaml
 from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+#: the package's folder: a wheel carries the configs in its configs/ (setup.py)
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 #: config names of the dtypes a run can compute in (autocast below fp32)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -193,15 +195,25 @@ def status_of(note: str) -> str:
 
 
 # ------------------------------------------------------------------ config
+def shipped_config(name: str) -> Path:
+    """A config of the project's ``configs/``: the checkout's, else the one an
+    installed package carries."""
+    checkout = REPO_ROOT / "configs" / name
+    return checkout if checkout.is_file() else PACKAGE_ROOT / "configs" / name
+
+
 def resolve_config_path(path: str | Path | None, default: Path) -> Path:
-    """``path`` as given, else relative to the repository root; None: ``default``."""
+    """``path`` as given, else relative to the repository root, else to the
+    installed package (``configs/default.yaml`` outside a checkout); None:
+    ``default``."""
     if path is None:
         return default
     p = Path(path).expanduser()
-    for cand in (p, REPO_ROOT / p):
+    tried = [p, REPO_ROOT / p, PACKAGE_ROOT / p]
+    for cand in tried:
         if cand.is_file():
             return cand.resolve()
-    raise FileNotFoundError(f"config {str(path)!r} not found (also tried {REPO_ROOT / p})")
+    raise FileNotFoundError(f"config {str(path)!r} not found (tried {', '.join(str(c) for c in tried)})")
 
 
 def read_config(path: str | Path | None, default: Path,

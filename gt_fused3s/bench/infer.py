@@ -90,7 +90,6 @@ from ..models import GraphTransformer
 from .common import (
     INTERRUPTED_EXIT,
     REFERENCE_PATH_NOTE,
-    REPO_ROOT,
     add_run_arguments,
     apply_run_arguments,
     COMPILED_MODES,
@@ -119,6 +118,7 @@ from .common import (
     runs_reference_path,
     run_info,
     save_plot,
+    shipped_config,
     short_error,
     split_args,
     status_of,
@@ -130,7 +130,7 @@ from .common import write_csv as _write_csv
 from .stream import Staged, num_graphs, pin, stage, stream_batches, to_device
 from .timing import Clock, kernel_time, time_forwards
 
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+DEFAULT_CONFIG = shipped_config("default.yaml")
 
 DEFAULTS: dict[str, Any] = {
     "device": "auto",

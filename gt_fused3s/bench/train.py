@@ -128,7 +128,7 @@ from . import common
 from .stream import num_graphs
 from .timing import kernel_time
 
-DEFAULT_CONFIG = common.REPO_ROOT / "configs" / "train.yaml"
+DEFAULT_CONFIG = common.shipped_config("train.yaml")
 #: the backend the speed and memory ratios compare with
 BASELINE = "pyg"
 #: the last losses averaged for ``loss_last`` (one batch's loss is noisy)
