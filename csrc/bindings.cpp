@@ -22,6 +22,7 @@
 #include "kernels/bsb_build.h"
 #include "kernels/fused3s_bwd_params.h"
 #include "kernels/fused3s_params.h"
+#include "kernels/seq_params.h"
 
 namespace gt_fused3s {
 namespace {
@@ -608,6 +609,103 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     return {rw_offset, cols, bitmap, window_order, edges, counters};
 }
 
+// ---- Sequences ----------------------------------------------------------------
+// Attention over the tokens of packed documents with a structured mask
+// computed inside the kernel. mask: gt_fused3s/sequence/masks.py kernel_code:
+// [row_stride, num_parts, (kind, a, b, c, d) per part, num_global, positions...].
+SeqMask seq_mask_from(c10::IntArrayRef code) {
+    TORCH_CHECK_VALUE(code.size() >= 3, "mask code too short (", num(static_cast<int64_t>(code.size())), " ints)");
+    SeqMask mk{};
+    mk.row_stride = static_cast<int32_t>(code[0]);
+    mk.num_parts = static_cast<int32_t>(code[1]);
+    TORCH_CHECK_VALUE(mk.row_stride >= 1, "mask row stride must be >= 1 (got ", num(code[0]), ")");
+    TORCH_CHECK_VALUE(mk.num_parts >= 0 && mk.num_parts <= kSeqMaxParts, "a mask holds at most ",
+                      num(int64_t(kSeqMaxParts)), " parts (got ", num(code[1]), ")");
+    size_t at = 2;
+    TORCH_CHECK_VALUE(code.size() >= at + 5 * mk.num_parts + 1, "mask code too short for its parts");
+    for (int i = 0; i < mk.num_parts; ++i, at += 5) {
+        SeqMaskPart& pt = mk.parts[i];
+        pt.kind = static_cast<int32_t>(code[at]);
+        pt.a = static_cast<int32_t>(code[at + 1]);
+        pt.b = static_cast<int32_t>(code[at + 2]);
+        pt.c = static_cast<int32_t>(code[at + 3]);
+        pt.d = static_cast<int32_t>(code[at + 4]);
+        TORCH_CHECK_VALUE(pt.kind >= kSeqLocal && pt.kind <= kSeqRandom, "unknown mask part kind ", num(code[at]));
+        TORCH_CHECK_VALUE(i == 0 || pt.kind >= mk.parts[i - 1].kind, "mask parts must be in kind order");
+        TORCH_CHECK_VALUE(pt.kind != kSeqDilated || pt.c >= 1, "dilation must be >= 1");
+        TORCH_CHECK_VALUE(pt.kind != kSeqBlockDilated || (pt.a >= 1 && pt.b >= 1 && pt.a % pt.b == 0),
+                          "block-dilated segment must be a positive multiple of the dilation");
+        TORCH_CHECK_VALUE(pt.kind != kSeqRandom || (pt.a >= 16 && pt.a % 16 == 0 && mk.row_stride == 1),
+                          "random blocks must be a multiple of 16 tokens (row stride 1)");
+    }
+    mk.num_global = static_cast<int32_t>(code[at++]);
+    TORCH_CHECK_VALUE(mk.num_global >= 0 && mk.num_global <= kSeqMaxGlobal && code.size() == at + mk.num_global,
+                      "mask code: at most ", num(int64_t(kSeqMaxGlobal)), " global tokens, listed last");
+    for (int i = 0; i < mk.num_global; ++i) {
+        mk.global_idx[i] = static_cast<int32_t>(code[at + i]);
+        TORCH_CHECK_VALUE(mk.global_idx[i] >= 0 && (i == 0 || mk.global_idx[i] > mk.global_idx[i - 1]),
+                          "global token positions must be sorted, distinct and >= 0");
+    }
+    return mk;
+}
+
+template <typename T>
+void launch_seq_for_head_dim(int64_t d, const SeqFwdParams& p, cudaStream_t stream) {
+    switch (d) {
+        case 32: run_seq_fwd<T, 32>(p, stream); break;
+        case 64: run_seq_fwd<T, 64>(p, stream); break;
+        case 128: run_seq_fwd<T, 128>(p, stream); break;
+        default: TORCH_CHECK_VALUE(false, "sequence attention: head dim ", num(d), " is not compiled (32, 64, 128)");
+    }
+}
+
+std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                const at::Tensor& v_in, const at::Tensor& cu_seqlens,
+                                                const at::Tensor& cu_windows, c10::IntArrayRef mask_code,
+                                                double scale, int64_t num_windows) {
+    TORCH_CHECK(q_in.defined() && q_in.is_cuda(), "q must be a CUDA tensor");
+    const at::Tensor q = kernel_input(q_in, "q", q_in);
+    const at::Tensor k = kernel_input(k_in, "k", q), v = kernel_input(v_in, "v", q);
+    const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+    TORCH_CHECK_VALUE(T < (int64_t(1) << 31), "at most 2^31 - 1 tokens (got ", num(T), ")");
+    TORCH_CHECK_VALUE(H >= 1 && H <= 65535, "sequence attention takes 1 to 65535 heads (got ", num(H), ")");
+    check_index(cu_seqlens, "cu_seqlens", at::kInt, q);
+    check_index(cu_windows, "cu_windows", at::kInt, q);
+    TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 && cu_windows.sizes() == cu_seqlens.sizes(),
+                      "cu_seqlens and cu_windows must be [num_docs + 1] (got ", shape(cu_seqlens.sizes()), ", ",
+                      shape(cu_windows.sizes()), ")");
+    TORCH_CHECK_VALUE(num_windows >= 0 && num_windows < (int64_t(1) << 31) * 4, "num_windows out of range");
+    TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
+
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    auto out = at::empty({T, H, D}, q.options());
+    auto lse = at::empty({T, H}, q.options().dtype(at::kFloat));
+    if (T == 0) return {out, lse};
+    SeqFwdParams p{};
+    p.q_ptr = q.data_ptr();
+    p.k_ptr = k.data_ptr();
+    p.v_ptr = v.data_ptr();
+    p.o_ptr = out.data_ptr();
+    p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
+    p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
+    p.v_row_stride = v.stride(0); p.v_head_stride = v.stride(1);
+    p.o_row_stride = out.stride(0); p.o_head_stride = out.stride(1);
+    p.lse_ptr = lse.data_ptr<float>();
+    p.lse_row_stride = lse.stride(0); p.lse_head_stride = lse.stride(1);
+    p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+    p.cu_windows = cu_windows.data_ptr<int32_t>();
+    p.num_docs = static_cast<int32_t>(cu_seqlens.numel() - 1);
+    p.num_windows = num_windows;
+    p.num_heads = static_cast<int32_t>(H);
+    p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    p.mask = seq_mask_from(mask_code);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    if (q.scalar_type() == at::kHalf) launch_seq_for_head_dim<__half>(D, p, stream);
+    else launch_seq_for_head_dim<__nv_bfloat16>(D, p, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {out, lse};
+}
+
 }  // namespace
 }  // namespace gt_fused3s
 
@@ -618,4 +716,5 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("bwd", &gt_fused3s::bwd_cuda);
     m.impl("bsb_build", &gt_fused3s::bsb_build_cuda);
     m.impl("probs", &gt_fused3s::probs_cuda);
+    m.impl("seq_fwd", &gt_fused3s::seq_fwd_cuda);
 }

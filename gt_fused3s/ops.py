@@ -52,6 +52,8 @@ _LIB.define("probs(Tensor q, Tensor k, Tensor lse, Tensor cols, Tensor bitmap, T
             "-> Tensor")
 _LIB.define("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor rw_offset, Tensor cols, "
             "Tensor bitmap, Tensor window_order, Tensor edges, Tensor counters)")
+_LIB.define("seq_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, int[] mask, "
+            "float scale, int num_windows) -> (Tensor out, Tensor lse)")
 
 
 @torch.library.register_fake("gt_fused3s::fwd")
@@ -77,6 +79,12 @@ def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t
 @torch.library.register_fake("gt_fused3s::probs")
 def _probs_fake(q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, scale, edge_bias=None):
     return q.new_empty((slot_edge.size(0), q.size(1)), dtype=torch.float32)
+
+
+@torch.library.register_fake("gt_fused3s::seq_fwd")
+def _seq_fwd_fake(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows):
+    T, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((T, H), dtype=torch.float32)
 
 
 @torch.library.register_fake("gt_fused3s::bsb_build")

@@ -138,3 +138,58 @@ def attention_dense(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
     attn = torch.softmax(score, dim=-1).nan_to_num(0.0)    # empty rows: all -inf -> 0
     out = torch.matmul(attn, vc).transpose(0, 1)
     return out.to(out_dtype or q.dtype)
+
+
+def sequence_reference(q: Tensor, k: Tensor, v: Tensor, mask, cu_seqlens: list[int],
+                       scale: float | None = None, *, compute_dtype: torch.dtype = torch.float32,
+                       out_dtype: torch.dtype | None = None, max_scores: int = 1 << 24) -> Tensor:
+    """Masked softmax attention over packed documents, by row chunks.
+
+    q, k, v: [T, H, D]; document d holds tokens ``cu_seqlens[d] ..
+    cu_seqlens[d+1]-1`` (a host list) and attends within itself. ``mask``: a
+    ``gt_fused3s.sequence`` mask: each chunk of queries scores its candidate
+    keys (``candidate_keys``) and ``mask.allowed`` keeps the true ones, so
+    memory is O(chunk x candidates), at most ``max_scores`` scores per head.
+    Queries without keys give 0; NaN and Inf propagate. Differentiable.
+    """
+    from .sequence.masks import candidate_keys
+    T, H, D = _check_qkv(q, k, v)
+    scale = default_scale(D) if scale is None else float(scale)
+    acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    qc, kc, vc = (t.to(compute_dtype).to(acc) for t in (q, k, v))
+    pieces = []
+    for d in range(len(cu_seqlens) - 1):
+        s0, L = cu_seqlens[d], cu_seqlens[d + 1] - cu_seqlens[d]
+        r0 = 0
+        while r0 < L:
+            rows = max(1, min(1024, L - r0))
+            while True:
+                cand = candidate_keys(mask, r0, r0 + rows, L)
+                if rows == 1 or rows * max(1, cand.numel()) <= max_scores:
+                    break
+                rows //= 2
+            i = torch.arange(r0, r0 + rows)
+            qi = qc[s0 + r0:s0 + r0 + rows]                                  # [C, H, D]
+            if cand.numel() == 0:
+                pieces.append(torch.zeros((rows, H, v.size(-1)), dtype=acc, device=q.device))
+                r0 += rows
+                continue
+            allowed = mask.allowed(i[:, None], cand[None, :], L).to(q.device)   # [C, K]
+            kj = kc.index_select(0, cand.to(q.device) + s0)
+            vj = vc.index_select(0, cand.to(q.device) + s0)
+            score = torch.einsum("chd,khd->hck", qi, kj) * scale
+            if compute_dtype in _LOW_PRECISION:
+                score = score.to(compute_dtype).to(acc)
+            score = score.masked_fill(~allowed, float("-inf"))
+            mx = score.amax(-1, keepdim=True)
+            mx = torch.where(mx == float("-inf"), 0, mx)
+            p = torch.exp(score - mx)
+            den = p.sum(-1, keepdim=True)
+            if compute_dtype in _LOW_PRECISION:
+                p = p.to(compute_dtype).to(acc)
+            o = torch.einsum("hck,khd->chd", p, vj)
+            den = den.permute(1, 0, 2)                                          # [C, H, 1]
+            pieces.append(torch.where(den != 0, o / torch.where(den != 0, den, 1), 0))
+            r0 += rows
+    out = torch.cat(pieces) if pieces else torch.zeros((0, H, v.size(-1)), dtype=acc, device=q.device)
+    return out.to(out_dtype or q.dtype)

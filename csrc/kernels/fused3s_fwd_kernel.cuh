@@ -47,42 +47,6 @@ struct FwdConfig {
     static constexpr int kMinBlocks = kWarpsPerSM / kSplit;
 };
 
-// Store 2 * kHalf consecutive output values (fp32 in) for one row: either as T
-// or as fp32. dst points to the first element; kHalf values come from
-// lo[j] (j < kHalf) then hi[j].
-template <typename T, int kNT>
-__device__ __forceinline__ void store_row(void* dst, bool out_fp32, const float (&o)[kNT][4], int c_lo, int c_hi,
-                                          float mul) {
-    if (out_fp32) {
-        float* d = reinterpret_cast<float*>(dst);
-        float vals[2 * kNT];
-#pragma unroll
-        for (int j = 0; j < kNT; ++j) {
-            vals[j] = o[j][c_lo] * mul;
-            vals[kNT + j] = o[j][c_hi] * mul;
-        }
-#pragma unroll
-        for (int i = 0; i < 2 * kNT; i += 4) {
-            *reinterpret_cast<float4*>(d + i) = make_float4(vals[i], vals[i + 1], vals[i + 2], vals[i + 3]);
-        }
-    } else {
-        uint32_t w[kNT];   // 2 * kNT halves
-#pragma unroll
-        for (int j = 0; j < kNT; j += 2) {
-            w[j / 2] = TypeTraits<T>::pack(o[j][c_lo] * mul, o[j + 1][c_lo] * mul);
-            w[kNT / 2 + j / 2] = TypeTraits<T>::pack(o[j][c_hi] * mul, o[j + 1][c_hi] * mul);
-        }
-        if constexpr (kNT % 4 == 0) {
-#pragma unroll
-            for (int i = 0; i < kNT; i += 4) {
-                *reinterpret_cast<uint4*>(reinterpret_cast<uint32_t*>(dst) + i) = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
-            }
-        } else {   // kNT == 2 (D = 16): 4 halves = 8 bytes
-            *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-        }
-    }
-}
-
 // kEdges: 0 none, 1 edge terms (bias, non-zero offsets), 2 edge terms and
 // attention dropout. Instances with edge terms carry a few more registers per
 // pair: they ask for 3/4 of the resident blocks (1/2 with dropout), else they

@@ -57,4 +57,40 @@ __device__ __forceinline__ void spmm_pair(float (&o)[SpmmLayout<kDW>::kNT][4], c
     }
 }
 
+// Store one row of the accumulator (the 2 * kNT values [t * D/4, (t+1) * D/4)
+// of this thread, from o[j][c_lo] then o[j][c_hi]) times mul, as T or as fp32.
+// dst points to the first element.
+template <typename T, int kNT>
+__device__ __forceinline__ void store_row(void* dst, bool out_fp32, const float (&o)[kNT][4], int c_lo, int c_hi,
+                                          float mul) {
+    if (out_fp32) {
+        float* d = reinterpret_cast<float*>(dst);
+        float vals[2 * kNT];
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+            vals[j] = o[j][c_lo] * mul;
+            vals[kNT + j] = o[j][c_hi] * mul;
+        }
+#pragma unroll
+        for (int i = 0; i < 2 * kNT; i += 4) {
+            *reinterpret_cast<float4*>(d + i) = make_float4(vals[i], vals[i + 1], vals[i + 2], vals[i + 3]);
+        }
+    } else {
+        uint32_t w[kNT];   // 2 * kNT halves
+#pragma unroll
+        for (int j = 0; j < kNT; j += 2) {
+            w[j / 2] = TypeTraits<T>::pack(o[j][c_lo] * mul, o[j + 1][c_lo] * mul);
+            w[kNT / 2 + j / 2] = TypeTraits<T>::pack(o[j][c_hi] * mul, o[j + 1][c_hi] * mul);
+        }
+        if constexpr (kNT % 4 == 0) {
+#pragma unroll
+            for (int i = 0; i < kNT; i += 4) {
+                *reinterpret_cast<uint4*>(reinterpret_cast<uint32_t*>(dst) + i) = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
+            }
+        } else {   // kNT == 2 (D = 16): 4 halves = 8 bytes
+            *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+        }
+    }
+}
+
 }  // namespace gt_fused3s

@@ -1,0 +1,308 @@
+// The implicit key-set policy of sequence attention: a row window's keys,
+// tile by tile, computed from the mask's parameters (seq_params.h), never
+// stored. It yields the same per-pair shape as the BSB walk (tcb_pair.cuh:
+// PairMeta: 16 key columns and the thread's 8 mask bits), so the SDDMM,
+// online-softmax and SpMM tiles are shared with the graph kernel.
+//
+// Positions are document-local (0 .. len-1). A row window holds the queries
+// i_t = base + stride * t (t < 16, i_t < len). Each mask part gives the window
+// one or more key segments: keys start + step * n, n < count (the global part:
+// the listed positions). Tiles of 16 keys of a segment form one pair of 8-column
+// TCBs. A key counts once: a part masks out what an earlier part gave the
+// query, tested per tile first (ranges) and per entry only where they overlap.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "seq_params.h"
+#include "tcb_pair.cuh"
+
+namespace gt_fused3s {
+
+// Host and device: tests/seq_mask_host.cu runs the same key-set code on the CPU.
+#define GT_SEQ_HD __host__ __device__ __forceinline__
+
+GT_SEQ_HD int32_t seq_min(int32_t a, int32_t b) { return a < b ? a : b; }
+GT_SEQ_HD int32_t seq_max(int32_t a, int32_t b) { return a > b ? a : b; }
+
+// murmur3's 32-bit finaliser (masks.py: _fmix32).
+GT_SEQ_HD uint32_t seq_mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x85EBCA6Bu;
+    x ^= x >> 13;
+    x *= 0xC2B2AE35u;
+    return x ^ (x >> 16);
+}
+
+GT_SEQ_HD int32_t seq_gcd(int32_t a, int32_t b) {
+    while (b != 0) {
+        const int32_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+struct SeqWindow {
+    int64_t doc_start;   // token index of position 0 of the document
+    int32_t len;         // document length
+    int32_t base, stride;
+    int32_t rows;        // valid queries (0 .. 16)
+    int32_t rmin, rmax;  // first and last valid query position
+};
+
+// The window wl (document-local index) of a document of `len` tokens.
+GT_SEQ_HD SeqWindow seq_window_in(int64_t doc_start, int32_t len, int32_t wl, int32_t s) {
+    SeqWindow win;
+    win.doc_start = doc_start;
+    win.len = len;
+    const int32_t per_residue = ((len + s - 1) / s + 15) / 16;
+    const int32_t c = wl / per_residue, m = wl - c * per_residue;
+    win.base = c + s * 16 * m;
+    win.stride = s;
+    const int32_t left = len - win.base;   // positions from base on
+    win.rows = left <= 0 ? 0 : seq_min(16, (left + s - 1) / s);
+    win.rmin = win.base;
+    win.rmax = win.base + s * (win.rows - 1);
+    return win;
+}
+
+// The window of global window index w (false: past the last window).
+__device__ __forceinline__ bool seq_window(const SeqFwdParams& p, int64_t w, SeqWindow& win) {
+    if (w >= __ldg(p.cu_windows + p.num_docs)) return false;
+    int lo = 0, hi = p.num_docs - 1;   // largest doc with cu_windows[doc] <= w
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (__ldg(p.cu_windows + mid) <= w) lo = mid;
+        else hi = mid - 1;
+    }
+    const int64_t start = __ldg(p.cu_seqlens + lo);
+    win = seq_window_in(start, __ldg(p.cu_seqlens + lo + 1) - static_cast<int32_t>(start),
+                        static_cast<int32_t>(w - __ldg(p.cu_windows + lo)), p.mask.row_stride);
+    return true;
+}
+
+// One key segment: keys start + step * n, n < count; step 0: the global list.
+struct KeySeg {
+    int32_t start, step, count;
+};
+
+// Number of segments part `pt` gives the window (random blocks: one per block).
+GT_SEQ_HD int32_t seq_num_segs(const SeqMaskPart& pt, const SeqWindow& win) {
+    if (pt.kind != kSeqRandom) return 1;
+    const int32_t nb = (win.len + pt.a - 1) / pt.a;
+    return seq_min(pt.b, nb);
+}
+
+// Random blocks: first block and step (coprime with nb) of query block qb.
+GT_SEQ_HD void seq_random_walk(const SeqMaskPart& pt, int32_t qb, int32_t nb, int32_t& start,
+                                                int32_t& step) {
+    const uint32_t seed = static_cast<uint32_t>(pt.c);
+    start = static_cast<int32_t>(seq_mix32(seq_mix32(seed ^ 0x2545F491u) + static_cast<uint32_t>(qb)) %
+                                 static_cast<uint32_t>(nb));
+    step = 1;
+    if (nb > 2) {
+        step = 1 + static_cast<int32_t>(seq_mix32(seq_mix32(seed ^ 0x9E3779B9u) + static_cast<uint32_t>(qb)) %
+                                        static_cast<uint32_t>(nb - 1));
+        while (seq_gcd(step, nb) != 1) step = step % (nb - 1) + 1;
+    }
+}
+
+// Segment `sg` of part `pt` for the window (count 0: nothing).
+GT_SEQ_HD KeySeg seq_segment(const SeqMask& mk, const SeqMaskPart& pt, int32_t sg,
+                                              const SeqWindow& win) {
+    KeySeg ks{0, 1, 0};
+    if (win.rows == 0) return ks;
+    const int32_t L = win.len;
+    switch (pt.kind) {
+        case kSeqLocal: {
+            const int32_t lo = seq_max(0, win.rmin - pt.a), hi = seq_min(L - 1, win.rmax + pt.b);
+            ks.start = lo;
+            ks.count = hi >= lo ? hi - lo + 1 : 0;
+            break;
+        }
+        case kSeqDilated: {
+            const int32_t r = pt.c;
+            // Same residue as the queries when the window is compacted
+            // (stride == rate); otherwise every position of the span.
+            const int32_t step = win.stride == r ? r : 1;
+            int32_t lo = win.rmin - pt.a * r;
+            if (lo < 0) lo += ((-lo + step - 1) / step) * step;
+            const int32_t hi = seq_min(L - 1, win.rmax + pt.b * r);
+            ks.start = lo;
+            ks.step = step;
+            ks.count = hi >= lo ? (hi - lo) / step + 1 : 0;
+            break;
+        }
+        case kSeqBlockDilated: {
+            const int32_t seg = pt.a, r = pt.b, off = pt.c;
+            const int32_t lo = (win.rmin / seg) * seg + off;
+            const int32_t hi = seq_min(L - 1, (win.rmax / seg + 1) * seg - 1);
+            ks.start = lo;
+            ks.step = r;
+            ks.count = hi >= lo ? (hi - lo) / r + 1 : 0;
+            break;
+        }
+        case kSeqGlobal: {
+            int32_t n = 0;   // global positions inside the document (sorted)
+            while (n < mk.num_global && mk.global_idx[n] < L) ++n;
+            ks.step = 0;
+            ks.count = n;
+            break;
+        }
+        case kSeqRandom: {
+            const int32_t nb = (L + pt.a - 1) / pt.a;
+            int32_t start, step;
+            seq_random_walk(pt, win.rmin / pt.a, nb, start, step);
+            const int32_t kb = static_cast<int32_t>((static_cast<int64_t>(start) + static_cast<int64_t>(sg) * step) % nb);
+            ks.start = kb * pt.a;
+            ks.count = seq_min(L, ks.start + pt.a) - ks.start;
+            break;
+        }
+        default: break;
+    }
+    return ks;
+}
+
+GT_SEQ_HD int32_t seg_key(const SeqMask& mk, const KeySeg& ks, int32_t n) {
+    return ks.step == 0 ? mk.global_idx[n] : ks.start + ks.step * n;
+}
+
+// Does part pt give query i key j (positions in a document of length L)?
+GT_SEQ_HD bool seq_part_allows(const SeqMask& mk, const SeqMaskPart& pt, int32_t i, int32_t j,
+                                                int32_t L) {
+    const int32_t d = j - i;
+    switch (pt.kind) {
+        case kSeqLocal: return d >= -pt.a && d <= pt.b;
+        case kSeqDilated: return d % pt.c == 0 && d >= -pt.a * pt.c && d <= pt.b * pt.c;
+        case kSeqBlockDilated:
+            return i / pt.a == j / pt.a && (i % pt.a) % pt.b == pt.c && (j % pt.a) % pt.b == pt.c;
+        case kSeqGlobal: {
+            bool hit = false;
+            for (int n = 0; n < mk.num_global; ++n) hit |= mk.global_idx[n] == j;
+            return hit;
+        }
+        case kSeqRandom: {
+            const int32_t nb = (L + pt.a - 1) / pt.a, kb = j / pt.a;
+            int32_t start, step;
+            seq_random_walk(pt, i / pt.a, nb, start, step);
+            bool hit = false;
+            for (int t = 0; t < seq_min(pt.b, nb); ++t)
+                hit |= static_cast<int32_t>((static_cast<int64_t>(start) + static_cast<int64_t>(t) * step) % nb) == kb;
+            return hit;
+        }
+        default: return false;
+    }
+}
+
+// Could part pt give any query of the window a key in [jlo, jhi]? (A cheap
+// superset test: false means no overlap.)
+GT_SEQ_HD bool seq_part_may_reach(const SeqMask& mk, const SeqMaskPart& pt, const SeqWindow& win,
+                                                   int32_t jlo, int32_t jhi) {
+    switch (pt.kind) {
+        case kSeqLocal: return jhi >= win.rmin - pt.a && jlo <= win.rmax + pt.b;
+        case kSeqDilated: return jhi >= win.rmin - pt.a * pt.c && jlo <= win.rmax + pt.b * pt.c;
+        case kSeqBlockDilated: return jhi >= (win.rmin / pt.a) * pt.a && jlo < (win.rmax / pt.a + 1) * pt.a;
+        case kSeqGlobal: return mk.num_global > 0 && jhi >= mk.global_idx[0] && jlo <= mk.global_idx[mk.num_global - 1];
+        default: return true;
+    }
+}
+
+// Is every (query, key) of the tile given by its own part pt (before
+// removing earlier parts)? Tiles of full windows only.
+GT_SEQ_HD bool seq_part_covers(const SeqMaskPart& pt, const SeqWindow& win, const KeySeg& ks,
+                                                int32_t jlo, int32_t jhi) {
+    switch (pt.kind) {
+        case kSeqLocal: return jlo - win.rmax >= -pt.a && jhi - win.rmin <= pt.b;
+        case kSeqDilated:
+            return ks.step == pt.c && win.stride == pt.c && jlo - win.rmax >= -pt.a * pt.c && jhi - win.rmin <= pt.b * pt.c;
+        case kSeqBlockDilated:
+            return win.stride == pt.b && ks.step == pt.b && (win.rmin % pt.a) % pt.b == pt.c &&
+                   win.rmin / pt.a == win.rmax / pt.a && jlo / pt.a == win.rmin / pt.a && jhi / pt.a == win.rmin / pt.a;
+        case kSeqGlobal: return true;
+        case kSeqRandom: return win.rmin / pt.a == win.rmax / pt.a;   // one query block
+        default: return false;
+    }
+}
+
+// Walks the tiles of a window: part by part, segment by segment, 16 keys at
+// a time. Uniform across the warp.
+struct SeqTileCursor {
+    int32_t part, seg, nseg, tile, ntiles;
+    KeySeg ks;
+
+    GT_SEQ_HD bool load_part(const SeqMask& mk, const SeqWindow& win) {
+        for (; part < mk.num_parts; ++part) {
+            nseg = seq_num_segs(mk.parts[part], win);
+            for (; seg < nseg; ++seg) {
+                ks = seq_segment(mk, mk.parts[part], seg, win);
+                ntiles = (ks.count + 15) / 16;
+                if (ntiles > 0) return true;
+            }
+            seg = 0;
+        }
+        return false;
+    }
+    GT_SEQ_HD bool first(const SeqMask& mk, const SeqWindow& win) {
+        part = seg = tile = 0;
+        return load_part(mk, win);
+    }
+    GT_SEQ_HD bool next(const SeqMask& mk, const SeqWindow& win) {
+        if (++tile < ntiles) return true;
+        tile = 0;
+        ++seg;
+        return load_part(mk, win);
+    }
+};
+
+// The pair (16 keys) under the cursor in PairMeta shape: K / V token rows
+// (-1: none) and this thread's 8 mask bits (online_softmax.cuh).
+GT_SEQ_HD PairMeta seq_pair_meta(const SeqMask& mk, const SeqWindow& win, const SeqTileCursor& cur,
+                                                  int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const KeySeg& ks = cur.ks;
+    const int32_t n0 = cur.tile * 16;
+    const int32_t valid = seq_min(16, ks.count - n0);   // keys in this tile
+    auto key = [&](int c) { return c < valid ? seg_key(mk, ks, n0 + c) : -1; };
+    PairMeta m;
+    const int64_t ds = win.doc_start;
+    auto token = [&](int32_t j) { return j < 0 ? -1 : static_cast<int32_t>(ds + j); };
+    m.colk[0] = token(key(g));
+    m.colk[1] = token(key(8 + g));
+    const int32_t jv[4] = {key(2 * t), key(2 * t + 1), key(8 + 2 * t), key(9 + 2 * t)};
+#pragma unroll
+    for (int x = 0; x < 4; ++x) m.colv[x] = token(jv[x]);
+
+    // Tile range, and whether the tile is full for its own part with no
+    // earlier part reaching it.
+    const int32_t jlo = seg_key(mk, ks, n0), jhi = seg_key(mk, ks, n0 + valid - 1);
+    const SeqMaskPart& own = mk.parts[cur.part];
+    bool overlap = false;
+    for (int q = 0; q < cur.part; ++q) overlap |= seq_part_may_reach(mk, mk.parts[q], win, jlo, jhi);
+    if (!overlap && win.rows == 16 && valid == 16 && seq_part_covers(own, win, ks, jlo, jhi)) {
+        m.mask = 0xFFu;
+        return m;
+    }
+    // Entry by entry: bit 4b + i, b: TCB (cols 0-7, 8-15), i: rows g (0, 1), g + 8 (2, 3).
+    const int32_t i0 = win.base + win.stride * g, i1 = i0 + 8 * win.stride;
+    const bool r0 = g < win.rows, r1 = g + 8 < win.rows;
+    uint32_t bits = 0u;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int32_t j = jv[2 * b + (i & 1)];
+            const int32_t row = (i < 2) ? i0 : i1;
+            bool on = j >= 0 && ((i < 2) ? r0 : r1);
+            // the own part: by construction for global and random segments
+            if (on && own.kind != kSeqGlobal && own.kind != kSeqRandom) on = seq_part_allows(mk, own, row, j, win.len);
+            for (int q = 0; on && q < cur.part; ++q) on = !seq_part_allows(mk, mk.parts[q], row, j, win.len);
+            bits |= static_cast<uint32_t>(on) << (4 * b + i);
+        }
+    }
+    m.mask = bits;
+    return m;
+}
+
+}  // namespace gt_fused3s

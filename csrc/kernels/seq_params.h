@@ -1,0 +1,72 @@
+// Parameter block of sparse attention over sequences with a structured mask
+// computed inside the kernel (local, dilated, block-dilated, global columns,
+// random blocks, and unions of them; gt_fused3s/sequence/masks.py holds the
+// same definitions in Python). No torch header here.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace gt_fused3s {
+
+// Part kinds, in the order the kernel visits them (each key counts once: a
+// part skips the keys an earlier part already gave a query).
+enum SeqPartKind : int32_t {
+    kSeqLocal = 1,          // a = left, b = right:            -a <= j - i <= b
+    kSeqDilated = 2,        // a = left, b = right, c = rate:  j - i = k c, -a <= k <= b
+    kSeqBlockDilated = 3,   // a = segment, b = rate, c = offset (LongNet)
+    kSeqGlobal = 4,         // the key columns of SeqMask::global_idx (global rows: outside the kernel)
+    kSeqRandom = 5,         // a = block, b = blocks per query block, c = seed (BigBird)
+};
+
+constexpr int kSeqMaxParts = 5;
+constexpr int kSeqMaxGlobal = 32;
+
+struct SeqMaskPart {
+    int32_t kind, a, b, c, d;
+};
+
+struct SeqMask {
+    // Row windows hold 16 queries base + row_stride * t (row_stride > 1:
+    // the queries of one residue of a dilated mask, whose keys are then
+    // consecutive in the same strided order: dense tiles).
+    int32_t row_stride;
+    int32_t num_parts;
+    SeqMaskPart parts[kSeqMaxParts];
+    int32_t num_global;
+    int32_t global_idx[kSeqMaxGlobal];   // sorted positions within a document
+};
+
+struct SeqFwdParams {
+    // q, k, v, out: [T, H, D] (T tokens of all documents), last dim
+    // contiguous, 16-byte aligned rows; strides in elements.
+    const void* q_ptr;
+    const void* k_ptr;
+    const void* v_ptr;
+    void* o_ptr;
+    int64_t q_row_stride, q_head_stride;
+    int64_t k_row_stride, k_head_stride;
+    int64_t v_row_stride, v_head_stride;
+    int64_t o_row_stride, o_head_stride;
+    float* lse_ptr;   // [T, H] fp32, natural log; -inf for a query without keys
+    int64_t lse_row_stride, lse_head_stride;
+
+    // Documents: tokens cu_seqlens[d] .. cu_seqlens[d+1]-1, and row windows
+    // cu_windows[d] .. cu_windows[d+1]-1 (row_stride * ceil(ceil(len / row_stride) / 16)
+    // each). num_windows: the launch's upper bound on cu_windows[num_docs].
+    const int32_t* cu_seqlens;
+    const int32_t* cu_windows;
+    int32_t num_docs;
+    int64_t num_windows;
+
+    int32_t num_heads;
+    float scale_log2;   // scale * log2(e)
+    SeqMask mask;
+};
+
+// Launches the forward on `stream`. T: __half or __nv_bfloat16; HeadDim in
+// {32, 64, 128}.
+template <typename T, int HeadDim>
+void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream);
+
+}  // namespace gt_fused3s

@@ -1,0 +1,181 @@
+"""``sequence_attention``: sparse attention over sequences with a structured
+mask computed inside the kernel (masks.py), batched [B, L, H, D] or packed
+documents [T, H, D] with ``cu_seqlens``.
+
+The forward runs the fused kernel on CUDA (fp16 / bf16; fp32 is computed in
+fp16 and returned in fp32). Global rows (queries that attend to every key)
+are a dense product of a few queries with all keys: they are computed apart,
+by PyTorch's SDPA, and written over the kernel's rows. The backward is not
+fused yet: it recomputes the attention with the chunked reference
+(``reference.sequence_reference``) and differentiates that, which costs
+O(L x keys) memory per chunk of queries and is far slower than the forward.
+On the CPU everything runs the reference.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import ops
+from ..reference import sequence_reference
+from .masks import Mask, as_mask, kernel_code
+
+_KERNEL_DIMS = (32, 64, 128)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor")
+    want = 3 if cu_seqlens is not None else 4
+    form = "[T, H, D] with cu_seqlens" if cu_seqlens is not None else "[B, L, H, D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != want:
+            raise ValueError(f"{name} must have shape {form} (got {tuple(t.shape)})")
+    if k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f"q, k, v must share their shape (got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)})")
+    if v.size(-1) != q.size(-1):
+        raise ValueError(f"v must have q's head dim {q.size(-1)} (got {v.size(-1)})")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device (got {q.device}, {k.device}, {v.device})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
+    if q.size(-2) < 1 or q.size(-1) < 1:
+        raise ValueError(f"q needs at least one head and a head dim >= 1 (got {tuple(q.shape)})")
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+                or cu_seqlens.is_floating_point():
+            raise ValueError("cu_seqlens must be an integer tensor [num_docs + 1] of document offsets")
+
+
+def _host_offsets(cu_seqlens: Tensor, T: int) -> list[int]:
+    cu = [int(x) for x in cu_seqlens.tolist()]   # a host sync (the reference and varlen global rows only)
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the {T} tokens (got {cu[:4]}...{cu[-2:]})")
+    return cu
+
+
+def _windows(cu: Tensor, stride: int) -> Tensor:
+    """cu_windows: the first row window of each document (seq_params.h)."""
+    lens = (cu[1:] - cu[:-1]).long()
+    per = stride * ((lens + stride - 1) // stride + 15).div(16, rounding_mode="floor")
+    return torch.cat([per.new_zeros(1), per.cumsum(0)]).to(torch.int32)
+
+
+def _kernel_fits(q: Tensor) -> bool:
+    return (q.is_cuda and ops.kernel_available(q.device) and q.size(-1) <= _KERNEL_DIMS[-1]
+            and q.size(-1) % 8 == 0)
+
+
+def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, code: list[int], scale: float,
+                    num_windows: int) -> Tensor:
+    D = q.size(-1)
+    Dp = next(d for d in _KERNEL_DIMS if d >= D)
+    cdt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    qk, kk, vk = (ops._kernel_operand(t, cdt, Dp) for t in (q, k, v))
+    out, _lse = ops._op("seq_fwd")(qk, kk, vk, cu, _windows(cu, code[0]), code, scale, num_windows)
+    return out[..., :D].to(q.dtype)
+
+
+class _SeqAttention(torch.autograd.Function):
+    """Kernel forward; backward by differentiating the chunked reference."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, mask, code, scale, num_windows):
+        ctx.save_for_backward(q, k, v, cu)
+        ctx.mask, ctx.scale = mask, scale
+        return _kernel_forward(q, k, v, cu, code, scale, num_windows)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, cu = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+            out = sequence_reference(*leaves, ctx.mask, _host_offsets(cu, q.size(0)), ctx.scale)
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out))
+        return tuple(next(grads) if t.requires_grad else None for t in leaves) + (None,) * 5
+
+
+def _global_rows_dense(q, k, v, out, rows: list[int], scale: float, cu: list[int] | None) -> Tensor:
+    """Overwrite the global rows of out with dense attention over their document."""
+    if cu is None:   # [B, L, H, D]: one SDPA over the batch
+        idx = torch.tensor(rows, device=q.device)
+        qg = q.index_select(1, idx).transpose(1, 2)                       # [B, H, g, D]
+        og = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+        return out.index_copy(1, idx, og.transpose(1, 2).to(out.dtype))
+    for d in range(len(cu) - 1):   # packed documents: one SDPA per document
+        s0, L = cu[d], cu[d + 1] - cu[d]
+        local = [r for r in rows if r < L]
+        if not local:
+            continue
+        idx = torch.tensor(local, device=q.device) + s0
+        qg = q.index_select(0, idx).transpose(0, 1)[None]                # [1, H, g, D]
+        kd, vd = (t[s0:s0 + L].transpose(0, 1)[None] for t in (k, v))
+        og = F.scaled_dot_product_attention(qg, kd, vd, scale=scale)[0].transpose(0, 1)
+        out = out.index_copy(0, idx, og.to(out.dtype))
+    return out
+
+
+def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float | None = None, *,
+                       cu_seqlens: Tensor | None = None) -> Tensor:
+    """Softmax attention where query i of a document attends to the keys j
+    that ``mask`` allows (positions within the document).
+
+    Args:
+        q, k, v: [B, L, H, D] (B sequences of L tokens), or [T, H, D] packed
+            documents with ``cu_seqlens``.
+        mask: a mask of ``gt_fused3s.sequence`` (Local, Dilated, BlockDilated,
+            Global, RandomBlocks, or a union with ``|``).
+        scale: score scale, default 1 / sqrt(D).
+        cu_seqlens: int [num_docs + 1] token offsets of the documents
+            (FlashAttention's varlen convention); documents never attend
+            across each other.
+
+    Returns:
+        q's shape and dtype. Queries without keys give 0.
+    """
+    _check(q, k, v, cu_seqlens)
+    umask = as_mask(mask)
+    D = q.size(-1)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite (got {scale})")
+    batched = cu_seqlens is None
+    if batched:
+        B, L, H, _ = q.shape
+        qf, kf, vf = (t.reshape(B * L, H, t.size(-1)) for t in (q, k, v))
+    else:
+        qf, kf, vf = q, k, v
+    T = qf.size(0)
+
+    if not _kernel_fits(qf):
+        if q.is_cuda and q.size(-1) > _KERNEL_DIMS[-1]:
+            warnings.warn(f"sequence_attention: head dim {D} > 128 runs the reference", RuntimeWarning)
+        cu = list(range(0, B * L + 1, L)) if batched and L > 0 else \
+            ([0, 0] if batched else _host_offsets(cu_seqlens, T))
+        cdt = torch.float64 if qf.dtype == torch.float64 else torch.float32
+        out = sequence_reference(qf, kf, vf, umask, cu, scale, compute_dtype=cdt)
+        return out.reshape(q.shape) if batched else out
+
+    code = kernel_code(umask)
+    stride = code[0]
+    if batched:
+        cu = torch.arange(0, B + 1, device=q.device, dtype=torch.int32) * L
+        num_windows = B * stride * (((L + stride - 1) // stride + 15) // 16)
+    else:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        num_windows = (T + 15) // 16 + (cu.numel() - 1) * (2 * stride + 1)
+    out = _SeqAttention.apply(qf, kf, vf, cu, umask, code, scale, num_windows)
+    rows = umask.global_rows(L if batched else 1 << 62)
+    if rows:
+        if batched:
+            out = _global_rows_dense(q, k, v, out.reshape(q.shape), rows, scale, None)
+            return out
+        out = _global_rows_dense(qf, kf, vf, out, rows, scale, _host_offsets(cu_seqlens, T))
+    return out.reshape(q.shape) if batched else out

@@ -1,0 +1,206 @@
+"""Sequence masks and sequence attention on the CPU.
+
+- The kernel's key-set policy (csrc/kernels/seq_mask.cuh, host + device code)
+  is compiled with nvcc into a small host program (tests/seq_mask_host.cu)
+  and its (query, key) pairs must equal each mask's dense truth, each pair
+  once: odd lengths, lengths not a multiple of 16, windows longer than the
+  document, global tokens at both ends, overlapping unions, several documents.
+  Skipped where nvcc is missing (CI has it).
+- The reference path equals masked dense softmax attention in float64,
+  outputs and gradients; packed documents equal one call per document.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from gt_fused3s.sequence import (BlockDilated, Dilated, Global, Local, RandomBlocks, Union, kernel_code,
+                                 sequence_attention)
+from gt_fused3s.sequence.masks import candidate_keys
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MASKS = {
+    "local": Local(5),
+    "local-wide": Local(100),
+    "causal": Local(7, causal=True),
+    "asym": Local(3, right=9),
+    "dilated": Dilated(4, 2),
+    "dilated-causal": Dilated(3, 3, causal=True),
+    "block-dilated": BlockDilated(16, 4, offset=1),
+    "block-dilated-small": BlockDilated(6, 2),
+    "global": Global(3),
+    "global-ends": Global([0, 1, 40, 76, 200]),
+    "random": RandomBlocks(16, 2, seed=7),
+    "longformer": Local(8) | Global(3),
+    "dilated+global": Dilated(4, 2) | Global([0, 76]),
+    "bigbird": Local(16) | Global(2) | RandomBlocks(16, 2, seed=3),
+    "overlap": Local(3) | Dilated(2, 3) | Global([5, 70]) | RandomBlocks(32, 1, seed=1),
+    "two-block-dilated": BlockDilated(32, 2, 0) | BlockDilated(32, 2, 1),
+}
+LENGTHS = {"odd": [77], "docs": [40, 1, 16, 95], "short": [9]}
+
+
+def dense_truth(mask, lens: list[int]) -> set[tuple[int, int]]:
+    pairs, start = set(), 0
+    for L in lens:
+        i = torch.arange(L)
+        ok = mask.allowed(i[:, None], i[None, :], L)
+        globals_ = set(mask.global_rows(L))
+        for r, c in ok.nonzero().tolist():
+            if r not in globals_:   # global rows are computed apart from the kernel
+                pairs.add((start + r, start + c))
+        start += L
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def seq_host(tmp_path_factory):
+    nvcc = shutil.which("nvcc") or (shutil.which("/usr/local/cuda/bin/nvcc"))
+    if nvcc is None:
+        pytest.skip("nvcc not found: the kernel's key-set policy is tested where it is installed")
+    exe = tmp_path_factory.mktemp("seqhost") / "seq_mask_host"
+    subprocess.run([nvcc, "-std=c++17", "-O1", "-I", str(ROOT / "csrc" / "kernels"), "-x", "cu",
+                    str(ROOT / "tests" / "seq_mask_host.cu"), "-o", str(exe)], check=True)
+    return exe
+
+
+def kernel_pairs(exe, mask, lens) -> tuple[list[tuple[int, int]], str]:
+    stdin = " ".join(map(str, kernel_code(mask))) + "\n" + " ".join(map(str, lens)) + "\n"
+    run = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
+    pairs = [tuple(map(int, ln.split())) for ln in run.stdout.splitlines()]
+    return pairs, run.stderr
+
+
+@pytest.mark.parametrize("lens", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("name", MASKS.keys())
+def test_kernel_key_sets_equal_dense_truth(seq_host, name, lens):
+    mask = MASKS[name]
+    got, _ = kernel_pairs(seq_host, mask, lens)
+    truth = dense_truth(mask, lens)
+    # the kernel also gives global rows the non-global parts' keys (then overwritten)
+    start, grow = 0, set()
+    for L in lens:
+        grow |= {start + r for r in mask.global_rows(L)}
+        start += L
+    got_rest = [p for p in got if p[0] not in grow]
+    assert len(got_rest) == len(set(got_rest)), "a key given twice to a query"
+    assert set(got_rest) == truth
+
+
+def test_dense_tiles_for_bands_and_compacted_dilation(seq_host):
+    """Inside a band every tile is full (no per-entry tests), and a dilated
+    window compacts its keys (its queries share a residue, its keys are
+    every r-th position): per row window, only the two tiles at the band's
+    edges are partly masked."""
+    L = 4096
+    for mask in (Local(64), Dilated(64, 4)):
+        _, stats = kernel_pairs(seq_host, mask, [L])
+        tiles, full = (int(x) for x in stats.split()[1::2])
+        windows = L // 16
+        assert tiles <= windows * (2 * 64 // 16 + 2), (mask, stats)   # no key outside the band
+        assert tiles - full <= 2 * windows, (mask, stats)
+
+
+@pytest.mark.parametrize("name", MASKS.keys())
+def test_candidates_cover_allowed(name):
+    mask, L = MASKS[name], 77
+    i = torch.arange(L)
+    ok = mask.allowed(i[:, None], i[None, :], L)
+    for r0 in range(0, L, 13):
+        cand = set(candidate_keys(mask, r0, min(L, r0 + 13), L).tolist())
+        need = set(ok[r0:r0 + 13].nonzero()[:, 1].tolist())
+        assert need <= cand
+
+
+def dense_attention(q, k, v, mask, scale=None):
+    B, L, H, D = q.shape
+    i = torch.arange(L)
+    ok = mask.allowed(i[:, None], i[None, :], L)
+    s = torch.einsum("blhd,bmhd->bhlm", q, k) * (D ** -0.5 if scale is None else scale)
+    p = torch.softmax(s.masked_fill(~ok, float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("bhlm,bmhd->blhd", p, v)
+
+
+@pytest.mark.parametrize("name", MASKS.keys())
+def test_reference_equals_masked_dense_float64(name):
+    torch.manual_seed(0)
+    mask = MASKS[name]
+    B, L, H, D = 2, 77, 3, 8
+    q, k, v = (torch.randn(B, L, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = sequence_attention(q, k, v, mask)
+    ref = dense_attention(q, k, v, mask)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_packed_documents_equal_one_call_each():
+    torch.manual_seed(1)
+    mask = Local(4) | Global(2) | RandomBlocks(16, 1, seed=5)
+    lens = [40, 1, 33, 17]
+    H, D = 2, 8
+    q, k, v = (torch.randn(sum(lens), H, D, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = sequence_attention(q, k, v, mask, cu_seqlens=cu)
+    start = 0
+    for L in lens:
+        one = sequence_attention(*(t[None, start:start + L] for t in (q, k, v)), mask)[0]
+        torch.testing.assert_close(out[start:start + L], one, rtol=0, atol=1e-12)
+        start += L
+
+
+def test_kernel_code_layout():
+    code = kernel_code(Global([3, 1]) | Local(2, right=5))
+    assert code == [1, 2, 1, 2, 5, 0, 0, 4, 0, 0, 0, 0, 2, 1, 3]
+    # a dilated mask alone (with global tokens) compacts rows by its rate
+    assert kernel_code(Dilated(8, 4) | Global(1))[0] == 4
+    assert kernel_code(Dilated(8, 4) | Local(3))[0] == 1
+    assert isinstance(Local(1) | Local(2), Union)
+
+
+@pytest.mark.parametrize("make, err", [
+    (lambda: Local(-1), ValueError),
+    (lambda: Local(2.5), TypeError),
+    (lambda: Local(3, right=2, causal=True), ValueError),
+    (lambda: Dilated(3, 0), ValueError),
+    (lambda: BlockDilated(10, 4), ValueError),
+    (lambda: BlockDilated(8, 4, offset=4), ValueError),
+    (lambda: Global(33), ValueError),
+    (lambda: RandomBlocks(24, 1), ValueError),
+    (lambda: Global(1) | Global(2), ValueError),
+    (lambda: Local(1) | 3, TypeError),
+])
+def test_bad_masks_raise(make, err):
+    with pytest.raises(err):
+        make()
+
+
+def test_bad_inputs_raise():
+    q = torch.randn(1, 8, 1, 4)
+    with pytest.raises(TypeError, match="mask"):
+        sequence_attention(q, q, q, "local")
+    with pytest.raises(ValueError, match=r"\[B, L, H, D\]"):
+        sequence_attention(q[0], q[0], q[0], Local(1))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        sequence_attention(q[0], q[0], q[0], Local(1), cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="share"):
+        sequence_attention(q, q[:, :4], q, Local(1))
+
+
+def test_queries_without_keys_give_zero_and_nan_propagates():
+    q = torch.randn(1, 32, 1, 8, dtype=torch.float64)
+    out = sequence_attention(q, q, q, BlockDilated(16, 4, offset=0))
+    assert torch.all(out[0, 1] == 0) and torch.any(out[0, 0] != 0)
+    k = q.clone()
+    k[0, 3] = float("nan")
+    out = sequence_attention(q, k, q, Local(1))
+    assert torch.isnan(out[0, 2:5]).all() and not torch.isnan(out[0, 6:]).any()

@@ -1,0 +1,81 @@
+"""The sequence kernel against the fp32 reference (run on the GPU machine):
+every mask of test_sequence.py, fp16 and bf16, D in {64, 128}, H in {1, 8},
+B in {1, 3}, forward; gradients (the reference backward) on a few; packed
+documents; one case whose q has more than 2^31 elements.
+
+Tolerance: the max abs error against the fp32 reference is at most twice
+the error of the reference computed in the same low precision, plus 1e-3
+times the largest magnitude of the output.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gt_fused3s.reference import sequence_reference
+from gt_fused3s.sequence import Local, sequence_attention
+
+from test_sequence import MASKS
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def check(out, q, k, v, mask, cu, dtype):
+    ref = sequence_reference(q.float(), k.float(), v.float(), mask, cu)
+    low = sequence_reference(q, k, v, mask, cu, compute_dtype=dtype, out_dtype=torch.float32)
+    err = (out.float() - ref).abs().max().item()
+    tol = 2 * (low - ref).abs().max().item() + 1e-3 * ref.abs().max().item()
+    assert err <= tol, f"max |kernel - ref| = {err:.3e} > {tol:.3e}"
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (3, 1)], ids=["B1H8", "B3H1"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", MASKS.keys())
+def test_forward_matches_reference(name, dtype, D, shape):
+    torch.manual_seed(0)
+    B, H = shape
+    L = 333
+    mask = MASKS[name]
+    q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=dtype) for _ in range(3))
+    out = sequence_attention(q, k, v, mask)
+    assert out.shape == q.shape and out.dtype == dtype
+    flat = [t.reshape(B * L, H, D) for t in (q, k, v)]
+    check(out.reshape(B * L, H, D), *flat, mask, list(range(0, B * L + 1, L)), dtype)
+
+
+@pytest.mark.parametrize("name", ["longformer", "bigbird", "dilated", "block-dilated"])
+def test_packed_documents_and_gradients(name):
+    torch.manual_seed(1)
+    mask = MASKS[name]
+    lens = [300, 17, 1, 128]
+    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+    H, D = 2, 64
+    q, k, v = (torch.randn(sum(lens), H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    out = sequence_attention(q, k, v, mask, cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.int32))
+    check(out.detach(), q.detach(), k.detach(), v.detach(), mask, cu, torch.bfloat16)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(sequence_reference(*leaves, mask, cu), leaves, g.float())
+    for a, b in zip(got, want):
+        assert (a.float() - b).abs().max() <= 2e-2 * b.abs().max() + 1e-2
+
+
+def test_more_than_2_31_elements():
+    """q, k, v of 2^22 + 5 tokens x 8 heads x 64: offsets past 2^31 elements;
+    the last 300 queries against the reference on the slice they see."""
+    torch.manual_seed(2)
+    L, H, D, w = (1 << 22) + 5, 8, 64, 64
+    assert L * H * D > 2 ** 31
+    q, k, v = (torch.randn(1, L, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    out = sequence_attention(q, k, v, Local(w))
+    lo = L - 300 - w
+    sl = [t[0, lo:] for t in (q, k, v)]
+    ref = sequence_reference(*(t.float() for t in sl), Local(w), [0, L - lo])[w:]
+    err = (out[0, L - 300:].float() - ref).abs().max().item()
+    assert err < 1e-2, err
