@@ -1,0 +1,189 @@
+"""Sequence attention benchmark: ``sequence_attention`` with implicit masks
+against FlexAttention (a BlockMask built from kv block lists, compiled, so it
+never falls back to eager) and dense SDPA (flash, no mask: the cost of
+ignoring sparsity), side by side in one process on one GPU; forward.
+
+Global rows (a few queries that attend to every key) are one SDPA call in
+``sequence_attention``; the Flex runs get the same SDPA call added, so both
+sides compute the same thing. Each row also reports the max |difference|
+between our output and Flex's.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sequence import Dilated, Global, Local, RandomBlocks, sequence_attention
+from ..sequence.masks import as_mask
+from .common import free_cuda_memory, guarded, short_error
+from .timing import kernel_time, time_cuda
+
+FLEX_BLOCK = 128
+
+
+def make_mask(kind: str, L: int, keys: int, *, dilation: int = 2, global_tokens: int = 3,
+              density: float = 0.001, block: int = 128, seed: int = 0):
+    """The benchmark's masks: ``keys`` keys per query in the local / dilated
+    window (the paper's Table III counts), Longformer / BigBird as in its
+    Fig. 6 (window 50 each side, 3 global tokens, random density 0.001)."""
+    w = (keys - 1) // 2
+    if kind == "local":
+        return Local(w)
+    if kind == "dilated":
+        return Dilated(w, dilation)
+    if kind == "longformer":
+        return Local(w) | Global(global_tokens)
+    if kind == "dilated_global":
+        return Dilated(w, dilation) | Global(global_tokens)
+    if kind == "bigbird":
+        return Local(w) | Global(global_tokens) | RandomBlocks.from_density(density, L, block, seed)
+    raise ValueError(f"unknown mask kind {kind!r}")
+
+
+def _flex_pieces(mask, L: int, device):
+    """mask_mod and kv block lists (partial and full) of the mask over
+    query/key blocks of FLEX_BLOCK (global rows excluded: computed apart)."""
+    parts = as_mask(mask).parts()
+    BS = FLEX_BLOCK
+    nb = -(-L // BS)
+    qb = torch.arange(nb, device=device)
+    lo_row, hi_row = qb * BS, torch.clamp(qb * BS + BS - 1, max=L - 1)
+    left = right = 0
+    dil = 1
+    mods = []
+    gl = None
+    rand = None
+    for p in parts:
+        if isinstance(p, Local):
+            left, right = max(left, p.left), max(right, p.right)
+            mods.append(lambda b, h, q, kv, p=p: ((kv - q) >= -p.left) & ((kv - q) <= p.right))
+        elif isinstance(p, Dilated):
+            left, right, dil = max(left, p.left * p.dilation), max(right, p.right * p.dilation), p.dilation
+            mods.append(lambda b, h, q, kv, p=p: ((kv - q) % p.dilation == 0) & ((kv - q) >= -p.left * p.dilation)
+                        & ((kv - q) <= p.right * p.dilation))
+        elif isinstance(p, Global):
+            if p.tokens != tuple(range(len(p.tokens))):
+                raise ValueError("the Flex baseline takes the first n tokens as global tokens")
+            gl = torch.tensor(p.tokens, device=device)
+            mods.append(lambda b, h, q, kv, g=len(p.tokens): kv < g)
+        elif isinstance(p, RandomBlocks):
+            if p.block != BS:
+                raise ValueError(f"the Flex baseline takes random blocks of {BS}")
+            table = torch.zeros(nb, nb, dtype=torch.bool)
+            for b in range(nb):
+                table[b, p.key_blocks(b, nb)] = True
+            rand = table.to(device)
+            mods.append(lambda b, h, q, kv, t=rand: t[q // BS, kv // BS])
+
+    def mask_mod(b, h, q, kv):
+        out = mods[0](b, h, q, kv)
+        for m in mods[1:]:
+            out = out | m(b, h, q, kv)
+        return out
+
+    # band blocks of each query block; full where every (q, kv) is inside a
+    # plain (dilation 1) band
+    first = torch.clamp((lo_row - left) // BS, min=0)
+    last = torch.clamp((hi_row + right) // BS, max=nb - 1)
+    width = int((last - first).max()) + 1
+    cand = first[:, None] + torch.arange(width, device=device)[None, :]
+    in_band = cand <= last[:, None]
+    full = in_band & (dil == 1) & (cand * BS - hi_row[:, None] >= -left) & \
+        (torch.clamp(cand * BS + BS - 1, max=L - 1) - lo_row[:, None] <= right) & (cand * BS + BS <= L)
+    extra = torch.zeros(nb, nb, dtype=torch.bool, device=device)   # global columns, random blocks
+    if gl is not None:
+        extra[:, (gl // BS).unique()] = True
+    if rand is not None:
+        extra |= rand
+    dense_partial = extra.clone()
+    rows = qb[:, None].expand_as(cand)
+    dense_partial[rows[in_band & ~full], cand[in_band & ~full]] = True
+    dense_full = torch.zeros_like(extra)
+    dense_full[rows[full], cand[full]] = True
+    dense_partial &= ~dense_full
+
+    def lists(dense):
+        num = dense.sum(1).to(torch.int32)
+        idx = torch.argsort((~dense).to(torch.int8), dim=1, stable=True)[:, :max(1, int(num.max()))].to(torch.int32)
+        return num[None, None], idx[None, None].contiguous()
+    return mask_mod, lists(dense_partial), lists(dense_full)
+
+
+def flex_runner(mask, L: int, H: int, device):
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    import torch._dynamo
+    torch._dynamo.config.recompile_limit = 1000
+    torch._dynamo.config.cache_size_limit = 1000
+    mask_mod, (kn, ki), (fn, fi) = _flex_pieces(mask, L, device)
+    bm = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(L, L))
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: compiled(q, k, v, block_mask=bm)   # q, k, v: [B, H, L, D]
+
+
+def global_rows(out, q, k, v, rows):
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=q.device)
+    og = torch.nn.functional.scaled_dot_product_attention(q.index_select(2, idx), k, v)
+    return out.index_copy(2, idx, og)
+
+
+def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=torch.float16,
+               flex: bool = True, dense_max: int = 262144, paper_s: float | None = None) -> dict:
+    device = torch.device("cuda")
+    mask = make_mask(kind, L, keys)
+    row = {"mask": kind, "L": L, "keys": keys, "D": D, "H": H, "dtype": str(dtype).replace("torch.", ""),
+           "paper_A100_s": paper_s}
+    kpq = keys if kind in ("local", "dilated") else as_mask(mask).keys_per_query(min(L, 1 << 16))
+    row["keys_per_query"] = round(kpq, 1)
+    free_cuda_memory(device)
+    q, k, v = (torch.randn(1, L, H, D, device=device, dtype=dtype) for _ in range(3))
+    ours = lambda: sequence_attention(q, k, v, mask)   # noqa: E731
+    out, err = guarded(ours, device)
+    if err:
+        row["note"] = "ours: " + err
+        return row
+    t = time_cuda(ours, min_reps=3, max_reps=50, budget_ms=2000, flush=False)
+    row["ours_ms"] = t["ms_median"]
+    row["ours_kernel_ms"] = kernel_time(ours, name="seq_fwd_kernel", reps=3, flush=False)
+    row["ours_tflops"] = 4 * L * H * kpq * D / (row["ours_ms"] * 1e-3) / 1e12
+    rows = as_mask(mask).global_rows(L)
+    if flex:
+        try:
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            run = flex_runner(mask, L, H, device)
+            fl = lambda: global_rows(run(qt, kt, vt), qt, kt, vt, rows)   # noqa: E731
+            ref = fl()
+            row["max_diff_vs_flex"] = float((ref.transpose(1, 2) - out).abs().max())
+            row["flex_ms"] = time_cuda(fl, min_reps=3, max_reps=50, budget_ms=2000, flush=False)["ms_median"]
+            row["speedup_vs_flex"] = row["flex_ms"] / row["ours_ms"]
+        except Exception as e:   # Flex's own failure (memory, compile) is a result
+            row["flex_note"] = short_error(e)
+    if L <= dense_max:
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        dn = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)   # noqa: E731
+        row["dense_sdpa_ms"] = time_cuda(dn, min_reps=3, max_reps=20, budget_ms=2000, flush=False)["ms_median"]
+    if paper_s:
+        row["speedup_vs_paper"] = paper_s * 1e3 / row["ours_ms"]
+    return row
+
+
+COLUMNS = ["mask", "L", "keys", "keys_per_query", "D", "H", "dtype", "ours_ms", "ours_kernel_ms", "ours_tflops",
+           "flex_ms", "speedup_vs_flex", "dense_sdpa_ms", "paper_A100_s", "speedup_vs_paper", "max_diff_vs_flex",
+           "flex_note", "note"]
+
+
+def fmt(row: dict) -> str:
+    def f(key, spec):
+        x = row.get(key)
+        return format(x, spec) if isinstance(x, (int, float)) and not (isinstance(x, float) and math.isnan(x)) \
+            else "-"
+    return (f"{row['mask']:<15}{row['L']:>11} {f('keys_per_query', '>8.0f')} {f('ours_ms', '>10.3f')} "
+            f"{f('ours_kernel_ms', '>9.3f')} {f('ours_tflops', '>7.0f')} {f('flex_ms', '>10.3f')} "
+            f"{f('speedup_vs_flex', '>7.2f')} {f('dense_sdpa_ms', '>10.2f')} {f('speedup_vs_paper', '>9.0f')} "
+            f"{f('max_diff_vs_flex', '>9.1e')}  {row.get('flex_note') or row.get('note') or ''}")
+
+
+HEADER = (f"{'mask':<15}{'L':>11} {'keys/q':>8} {'ours ms':>10} {'kern ms':>9} {'TF/s':>7} {'flex ms':>10} "
+          f"{'vs flex':>7} {'dense ms':>10} {'vs paper':>9} {'|diff|':>9}")
