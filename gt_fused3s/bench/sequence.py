@@ -145,7 +145,7 @@ def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=t
         row["note"] = "ours: " + err
         return row
     t = time_cuda(ours, min_reps=3, max_reps=50, budget_ms=2000, flush=False)
-    row["ours_ms"] = t["ms_median"]
+    row["ours_ms"] = t["median"]
     row["ours_kernel_ms"] = kernel_time(ours, name="seq_fwd_kernel", reps=3, flush=False)
     row["ours_tflops"] = 4 * L * H * kpq * D / (row["ours_ms"] * 1e-3) / 1e12
     rows = as_mask(mask).global_rows(L)
@@ -156,14 +156,14 @@ def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=t
             fl = lambda: global_rows(run(qt, kt, vt), qt, kt, vt, rows)   # noqa: E731
             ref = fl()
             row["max_diff_vs_flex"] = float((ref.transpose(1, 2) - out).abs().max())
-            row["flex_ms"] = time_cuda(fl, min_reps=3, max_reps=50, budget_ms=2000, flush=False)["ms_median"]
+            row["flex_ms"] = time_cuda(fl, min_reps=3, max_reps=50, budget_ms=2000, flush=False)["median"]
             row["speedup_vs_flex"] = row["flex_ms"] / row["ours_ms"]
         except Exception as e:   # Flex's own failure (memory, compile) is a result
             row["flex_note"] = short_error(e)
     if L <= dense_max:
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         dn = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)   # noqa: E731
-        row["dense_sdpa_ms"] = time_cuda(dn, min_reps=3, max_reps=20, budget_ms=2000, flush=False)["ms_median"]
+        row["dense_sdpa_ms"] = time_cuda(dn, min_reps=3, max_reps=20, budget_ms=2000, flush=False)["median"]
     if paper_s:
         row["speedup_vs_paper"] = paper_s * 1e3 / row["ours_ms"]
     return row
