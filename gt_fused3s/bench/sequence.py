@@ -116,7 +116,9 @@ def flex_runner(mask, L: int, H: int, device):
     torch._dynamo.config.recompile_limit = 1000
     torch._dynamo.config.cache_size_limit = 1000
     mask_mod, (kn, ki), (fn, fi) = _flex_pieces(mask, L, device)
-    bm = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(L, L))
+    # compute_q_blocks=False: the transposed lists (backward only) would be [nb, nb]
+    bm = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(L, L),
+                                  compute_q_blocks=False)
     compiled = torch.compile(flex_attention, dynamic=False)
     return lambda q, k, v: compiled(q, k, v, block_mask=bm)   # q, k, v: [B, H, L, D]
 
