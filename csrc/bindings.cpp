@@ -635,8 +635,8 @@ SeqMask seq_mask_from(c10::IntArrayRef code) {
         TORCH_CHECK_VALUE(pt.kind != kSeqDilated || pt.c >= 1, "dilation must be >= 1");
         TORCH_CHECK_VALUE(pt.kind != kSeqBlockDilated || (pt.a >= 1 && pt.b >= 1 && pt.a % pt.b == 0),
                           "block-dilated segment must be a positive multiple of the dilation");
-        TORCH_CHECK_VALUE(pt.kind != kSeqRandom || (pt.a >= 16 && pt.a % 16 == 0 && mk.row_stride == 1),
-                          "random blocks must be a multiple of 16 tokens (row stride 1)");
+        TORCH_CHECK_VALUE(pt.kind != kSeqRandom || (pt.a >= 64 && pt.a % 64 == 0 && mk.row_stride == 1),
+                          "random blocks must be a multiple of 64 tokens (row stride 1)");
     }
     mk.num_global = static_cast<int32_t>(code[at++]);
     TORCH_CHECK_VALUE(mk.num_global >= 0 && mk.num_global <= kSeqMaxGlobal && code.size() == at + mk.num_global,

@@ -1,4 +1,5 @@
-// Runs the kernel's key-set policy (csrc/kernels/seq_mask.cuh) on the CPU and
+// Runs the kernel's key-set policy (csrc/kernels/seq_mask.cuh) on the CPU, as
+// the kernel walks it (row blocks, 64-key tiles, each warp's pairs), and
 // prints every (query token, key token) it gives, one per line, so that
 // tests/test_sequence.py can compare it with the masks' dense truth.
 // stdin: line 1 the mask code (masks.py kernel_code), line 2 the document
@@ -32,31 +33,41 @@ int main() {
     mk.num_global = static_cast<int32_t>(code[at++]);
     for (int i = 0; i < mk.num_global; ++i) mk.global_idx[i] = static_cast<int32_t>(code[at++]);
 
+    // tiles: pairs a warp computes (not skipped), full: those without per-entry tests
     long long start = 0, full_tiles = 0, tiles = 0;
     for (long long len : lens) {
         const int s = mk.row_stride;
-        const int windows = s * (((len + s - 1) / s + 15) / 16);
-        for (int wl = 0; wl < windows; ++wl) {
-            const SeqWindow win = seq_window_in(start, static_cast<int32_t>(len), wl, s);
-            if (win.rows == 0) continue;
+        const int blocks = s * (((len + s - 1) / s + kSeqBlockRows - 1) / kSeqBlockRows);
+        for (int wl = 0; wl < blocks; ++wl) {
+            const SeqWindow blk = seq_window_in(start, static_cast<int32_t>(len), wl, s);
+            if (blk.rows == 0) continue;
             SeqTileCursor cur;
-            for (bool more = cur.first(mk, win); more; more = cur.next(mk, win)) {
-                ++tiles;
-                bool full = true;
-                for (int lane = 0; lane < 32; ++lane) {
-                    const PairMeta m = seq_pair_meta(mk, win, cur, lane);
-                    full &= m.mask == 0xFFu;
-                    const int g = lane >> 2;
-                    for (int b = 0; b < 2; ++b) {
-                        for (int i = 0; i < 4; ++i) {
-                            if (!((m.mask >> (4 * b + i)) & 1u)) continue;
-                            const long long row = start + win.base + static_cast<long long>(s) * (g + 8 * (i >> 1));
-                            const int key = m.colv[2 * b + (i & 1)];
-                            std::printf("%lld %d\n", row, key);
+            for (bool more = cur.first(mk, blk); more; more = cur.next(mk, blk)) {
+                for (int w = 0; w < kSeqBlockRows / 16; ++w) {
+                    const SeqWindow win = seq_sub_window(blk, w);
+                    for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {
+                        const int32_t n0 = cur.tile * kSeqTileKeys + 16 * sl;
+                        bool computed = false, full = true;
+                        for (int lane = 0; lane < 32; ++lane) {
+                            uint32_t bits;
+                            if (!seq_pair_bits(mk, win, cur.part, cur.ks, n0, lane, bits)) continue;
+                            computed = true;
+                            full &= bits == 0xFFu;
+                            const int g = lane >> 2, t = lane & 3;
+                            const int cols[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
+                            for (int b = 0; b < 2; ++b) {
+                                for (int i = 0; i < 4; ++i) {
+                                    if (!((bits >> (4 * b + i)) & 1u)) continue;
+                                    const long long row = start + win.base + static_cast<long long>(s) * (g + 8 * (i >> 1));
+                                    const long long key = start + seg_key(mk, cur.ks, n0 + cols[2 * b + (i & 1)]);
+                                    std::printf("%lld %lld\n", row, key);
+                                }
+                            }
                         }
+                        tiles += computed;
+                        full_tiles += computed && full;
                     }
                 }
-                full_tiles += full;
             }
         }
         start += len;

@@ -35,14 +35,14 @@ MASKS = {
     "block-dilated-small": BlockDilated(6, 2),
     "global": Global(3),
     "global-ends": Global([0, 1, 40, 76, 200]),
-    "random": RandomBlocks(16, 2, seed=7),
+    "random": RandomBlocks(64, 2, seed=7),
     "longformer": Local(8) | Global(3),
     "dilated+global": Dilated(4, 2) | Global([0, 76]),
-    "bigbird": Local(16) | Global(2) | RandomBlocks(16, 2, seed=3),
-    "overlap": Local(3) | Dilated(2, 3) | Global([5, 70]) | RandomBlocks(32, 1, seed=1),
+    "bigbird": Local(16) | Global(2) | RandomBlocks(64, 2, seed=3),
+    "overlap": Local(3) | Dilated(2, 3) | Global([5, 70]) | RandomBlocks(64, 1, seed=1),
     "two-block-dilated": BlockDilated(32, 2, 0) | BlockDilated(32, 2, 1),
 }
-LENGTHS = {"odd": [77], "docs": [40, 1, 16, 95], "short": [9]}
+LENGTHS = {"odd": [277], "docs": [140, 1, 16, 195], "short": [9]}
 
 
 def dense_truth(mask, lens: list[int]) -> set[tuple[int, int]]:
@@ -101,7 +101,7 @@ def test_dense_tiles_for_bands_and_compacted_dilation(seq_host):
     for mask in (Local(64), Dilated(64, 4)):
         _, stats = kernel_pairs(seq_host, mask, [L])
         tiles, full = (int(x) for x in stats.split()[1::2])
-        windows = L // 16
+        windows = L // 16   # warp sub-windows; stats count pairs per warp
         assert tiles <= windows * (2 * 64 // 16 + 2), (mask, stats)   # no key outside the band
         assert tiles - full <= 2 * windows, (mask, stats)
 
@@ -145,8 +145,8 @@ def test_reference_equals_masked_dense_float64(name):
 
 def test_packed_documents_equal_one_call_each():
     torch.manual_seed(1)
-    mask = Local(4) | Global(2) | RandomBlocks(16, 1, seed=5)
-    lens = [40, 1, 33, 17]
+    mask = Local(4) | Global(2) | RandomBlocks(64, 1, seed=5)
+    lens = [140, 1, 133, 17]
     H, D = 2, 8
     q, k, v = (torch.randn(sum(lens), H, D, dtype=torch.float64) for _ in range(3))
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -176,6 +176,7 @@ def test_kernel_code_layout():
     (lambda: BlockDilated(8, 4, offset=4), ValueError),
     (lambda: Global(33), ValueError),
     (lambda: RandomBlocks(24, 1), ValueError),
+    (lambda: RandomBlocks(32, 1), ValueError),
     (lambda: Global(1) | Global(2), ValueError),
     (lambda: Local(1) | 3, TypeError),
 ])

@@ -1,13 +1,22 @@
-// Sparse attention over sequences, forward: the graph kernel's tiles (SDDMM,
-// online softmax, SpMM on mma.m16n8k16) over the implicit key sets of
-// seq_mask.cuh instead of a stored BSB.
+// Sparse attention over sequences, forward: FlashAttention-2's block shape
+// over the implicit key sets of seq_mask.cuh, with the graph kernel's online
+// softmax (online_softmax.cuh) and shared-memory tiles (smem_tile.cuh).
 //
-// Work decomposition. One warp runs one (row window of 16 queries, head); a
-// block holds kWarps warps on consecutive windows of one head, whose key
-// ranges overlap almost entirely (a band) and which walk them in the same
-// ascending order, so most of a block's K and V row loads hit L1 (read-only
-// path) after the first warp's. Windows never split: each key set is at most
-// a few thousand keys (global rows, the one exception, are computed apart).
+// Work decomposition. A block of 4 warps runs one (row block of 64 queries,
+// head); warp w owns queries 16w .. 16w+15. The block walks its key tiles
+// (64 keys: four pairs of 16) in order; each warp copies one 16-key slice of
+// K and V into shared memory (cp.async, zero-filled past a segment's end),
+// double buffered so that the next tile loads while this one computes, and
+// every warp reads all four slices through ldmatrix. Per pair, a warp gets
+// its mask bits from the policy and skips pairs none of its queries sees
+// (a band's edges). Loads per key are shared by 64 queries instead of 16:
+// a quarter of the graph kernel's L2 traffic on a band.
+//
+// Per pair, with the warp's 16 queries as the mma M dimension:
+//   S [16, 16] = Q K^T            (Q: A fragments in registers, K: ldmatrix)
+//   online softmax, fp32, log2 domain, -inf masking
+//   O [16, D] += P V              (P from registers, V: ldmatrix.trans)
+// Global rows (a few queries that attend to every key) are computed apart.
 #pragma once
 
 #include <cstdint>
@@ -18,107 +27,137 @@
 #include "seq_mask.cuh"
 #include "edge_bias.cuh"
 #include "mma_utils.cuh"
-#include "sddmm_tile.cuh"
 #include "online_softmax.cuh"
-#include "spmm_tile.cuh"
+#include "smem_tile.cuh"
 
 namespace gt_fused3s {
 
 template <int kHeadDim>
 struct SeqFwdConfig {
     static_assert(kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128, "sequence head dim must be 32, 64 or 128");
-    static constexpr int kWarps = 4;   // windows per block
+    static constexpr int kWarps = kSeqBlockRows / 16;
     static constexpr int kThreads = 32 * kWarps;
-    static constexpr int kNT = kHeadDim / 8;
-    // Resident blocks per SM the register budget allows (as the graph kernel).
-    static constexpr int kMinBlocks = (kHeadDim == 32 ? 16 : (kHeadDim == 64 ? 12 : 8)) / kWarps;
+    static constexpr int kNT = kHeadDim / 8;      // n-tiles of O
+    static constexpr int kSteps = kHeadDim / 16;  // k-steps of S
+    using Tile = RowTile<kHeadDim>;
+    // Shared memory: 2 stages x (K, V) x 4 slices of 16 keys.
+    static constexpr int kSlices = kSeqTileKeys / 16;
+    static constexpr int kStageBytes = 2 * kSlices * Tile::kBytes;
+    static constexpr int kSmemBytes = 2 * kStageBytes;
+    static constexpr int kMinBlocks = kHeadDim == 128 ? 2 : 3;
 };
 
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(SeqFwdConfig<kHeadDim>::kThreads, SeqFwdConfig<kHeadDim>::kMinBlocks)
 seq_fwd_kernel(const SeqFwdParams p) {
     using Cfg = SeqFwdConfig<kHeadDim>;
+    using Tile = typename Cfg::Tile;
     constexpr int kNT = Cfg::kNT;
-    const int lane = threadIdx.x & 31;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int64_t w = static_cast<int64_t>(blockIdx.x) * Cfg::kWarps + (threadIdx.x >> 5);
     const int head = blockIdx.y;
 
-    SeqWindow win;
-    if (w >= p.num_windows || !seq_window(p, w, win) || win.rows == 0) return;   // warp-uniform
+    SeqWindow blk;
+    if (!seq_window(p, blockIdx.x, blk) || blk.rows == 0) return;   // block-uniform
+    const SeqWindow win = seq_sub_window(blk, warp);
     const SeqMask& mk = p.mask;
 
     const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q_ptr) + head * p.q_head_stride;
     const uint16_t* k = reinterpret_cast<const uint16_t*>(p.k_ptr) + head * p.k_head_stride;
     const uint16_t* v = reinterpret_cast<const uint16_t*>(p.v_ptr) + head * p.v_head_stride;
     const bool in0 = g < win.rows, in1 = g + 8 < win.rows;
-    const int64_t tok0 = win.doc_start + win.base + static_cast<int64_t>(win.stride) * g;
+    const int64_t tok0 = blk.doc_start + win.base + static_cast<int64_t>(win.stride) * g;
     const int64_t tok1 = tok0 + static_cast<int64_t>(win.stride) * 8;
 
-    QFragment<kHeadDim> qf;
-    load_q_fragment<kHeadDim>(qf, q + (in0 ? tok0 : 0) * p.q_row_stride, in0, q + (in1 ? tok1 : 0) * p.q_row_stride,
-                              in1, t);
+    // Q as m16n8k16 A fragments: a0 (row g, k 2t..2t+1), a1 (row g+8), a2, a3 (k + 8).
+    uint32_t qa[Cfg::kSteps][4];
+    {
+        const uint16_t* q0 = q + (in0 ? tok0 : 0) * p.q_row_stride + 2 * t;
+        const uint16_t* q1 = q + (in1 ? tok1 : 0) * p.q_row_stride + 2 * t;
+#pragma unroll
+        for (int s = 0; s < Cfg::kSteps; ++s) {
+            qa[s][0] = in0 ? __ldg(reinterpret_cast<const unsigned int*>(q0 + 16 * s)) : 0u;
+            qa[s][1] = in1 ? __ldg(reinterpret_cast<const unsigned int*>(q1 + 16 * s)) : 0u;
+            qa[s][2] = in0 ? __ldg(reinterpret_cast<const unsigned int*>(q0 + 16 * s + 8)) : 0u;
+            qa[s][3] = in1 ? __ldg(reinterpret_cast<const unsigned int*>(q1 + 16 * s + 8)) : 0u;
+        }
+    }
     float o[kNT][4];
 #pragma unroll
     for (int j = 0; j < kNT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     SoftmaxState st;
     softmax_init(st);
 
+    const uint32_t smem0 = smem_addr(smem);
+    auto k_slice = [&](int stage, int slice) { return smem0 + stage * Cfg::kStageBytes + slice * Tile::kBytes; };
+    auto v_slice = [&](int stage, int slice) {
+        return smem0 + stage * Cfg::kStageBytes + (Cfg::kSlices + slice) * Tile::kBytes;
+    };
+    // Warp w copies keys 16w .. 16w+15 of the tile under `c` into `stage`.
+    auto load_tile = [&](const SeqTileCursor& c, int stage) {
+        const int32_t n = c.tile * kSeqTileKeys + 16 * warp + (lane & 15);
+        const int row = (lane < 16 && n < c.ks.count) ? static_cast<int>(blk.doc_start + seg_key(mk, c.ks, n)) : -1;
+        Tile::load_async(k_slice(stage, warp), k, p.k_row_stride, v_slice(stage, warp), v, p.v_row_stride, row, lane);
+        cp_async_commit();
+    };
+
+    const PairBias<false, false> no_bias;
+    const EdgeBiasArgs no_edges{};
     SeqTileCursor cur;
-    if (cur.first(mk, win)) {
-        KFragment<kHeadDim> kf[2];
-        VFragment<kHeadDim> vf;
-        auto load_k = [&](const PairMeta& m) {
+    bool more = cur.first(mk, blk);
+    if (more) load_tile(cur, 0);
+    int stage = 0;
+    while (more) {
+        SeqTileCursor nxt = cur;
+        const bool has_next = nxt.next(mk, blk);
+        if (has_next) {
+            load_tile(nxt, stage ^ 1);   // flies while this tile computes
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();   // this tile's slices, from every warp, are in shared memory
+#pragma unroll 1
+        for (int sl = 0; sl < Cfg::kSlices; ++sl) {
+            uint32_t bits;
+            if (!seq_pair_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys + 16 * sl, lane, bits)) continue;
+            float s[2][4] = {};
 #pragma unroll
-            for (int x = 0; x < 2; ++x) {
-                const int c = m.colk[x];
-                load_k_fragment<kHeadDim>(kf[x], k + static_cast<int64_t>(c < 0 ? 0 : c) * p.k_row_stride, c >= 0, t);
-            }
-        };
-        auto load_v = [&](const PairMeta& m) {
-            const uint16_t* rows[4];
-            bool valid[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int c = m.colv[i];
-                valid[i] = c >= 0;
-                rows[i] = v + static_cast<int64_t>(c < 0 ? 0 : c) * p.v_row_stride;
-            }
-            load_v_fragment<kHeadDim>(vf, rows, valid, g);
-        };
-        const PairBias<false, false> no_bias;
-        const EdgeBiasArgs no_edges{};
-        PairMeta m = seq_pair_meta(mk, win, cur, lane);
-        load_k(m);
-        load_v(m);
-        for (;;) {
-            float s[2][4];
-            sddmm_pair<T, kHeadDim>(s, qf, kf);
-            const bool has_next = cur.next(mk, win);
-            PairMeta nxt;
-            if (has_next) {
-                nxt = seq_pair_meta(mk, win, cur, lane);
-                load_k(nxt);   // K of the next pair flies during softmax + SpMM
+            for (int step = 0; step < Cfg::kSteps; ++step) {
+                uint32_t b[4];
+                Tile::bt_frags(b, k_slice(stage, sl), step, lane);
+                mma_16816<T>(s[0], qa[step], b[0], b[1]);
+                mma_16816<T>(s[1], qa[step], b[2], b[3]);
             }
             uint32_t pa[4];
-            online_softmax_pair<T, kNT>(s, m.mask, p.scale_log2, no_bias, no_edges, st, o, pa);
-            spmm_pair<T, kHeadDim>(o, pa, vf);
-            if (!has_next) break;
-            load_v(nxt);   // V of the next pair flies during the next SDDMM
-            m = nxt;
+            online_softmax_pair<T, kNT>(s, bits, p.scale_log2, no_bias, no_edges, st, o, pa);
+#pragma unroll
+            for (int jj = 0; jj < kNT / 2; ++jj) {
+                uint32_t b[4];
+                Tile::b_frags(b, v_slice(stage, sl), jj, lane);
+                mma_16816<T>(o[2 * jj], pa, b[0], b[1]);
+                mma_16816<T>(o[2 * jj + 1], pa, b[2], b[3]);
+            }
         }
+        __syncthreads();   // every warp is done with `stage` before it is refilled
+        cur = nxt;
+        more = has_next;
+        stage ^= 1;
     }
     softmax_finish(st);
 
-    const int col0 = t * (kHeadDim / 4);
+    // O in the mma C layout: row g (c0, c1) and g + 8 (c2, c3), d = 8j + 2t, 2t+1.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (!(r == 0 ? in0 : in1)) continue;
         const int64_t tok = r == 0 ? tok0 : tok1;
         const float l = st.l[r];
-        const float inv = l != 0.f ? 1.f / l : 0.f;   // NaN l (NaN scores) stays NaN, as in the graph kernel
-        uint16_t* dst = reinterpret_cast<uint16_t*>(p.o_ptr) + tok * p.o_row_stride + head * p.o_head_stride + col0;
-        store_row<T, kNT>(dst, false, o, 2 * r, 2 * r + 1, inv);
+        const float inv = l != 0.f ? 1.f / l : 0.f;   // a NaN l (NaN scores) stays NaN, as in the graph kernel
+        uint32_t* dst = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.o_ptr) + tok * p.o_row_stride +
+                                                    head * p.o_head_stride + 2 * t);
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) dst[4 * j] = TypeTraits<T>::pack(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
         if (t == 0) {
             p.lse_ptr[tok * p.lse_row_stride + head * p.lse_head_stride] =
                 l != 0.f ? (st.m[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
@@ -129,10 +168,12 @@ seq_fwd_kernel(const SeqFwdParams p) {
 template <typename T, int kHeadDim>
 void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream) {
     using Cfg = SeqFwdConfig<kHeadDim>;
-    const int64_t blocks = (params.num_windows + Cfg::kWarps - 1) / Cfg::kWarps;
-    if (blocks <= 0 || params.num_heads <= 0) return;
-    const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(params.num_heads));
-    seq_fwd_kernel<T, kHeadDim><<<grid, Cfg::kThreads, 0, stream>>>(params);
+    if (params.num_windows <= 0 || params.num_heads <= 0) return;
+    if constexpr (Cfg::kSmemBytes > 48 * 1024) {   // opt in to more than 48 KB (D = 128), on this device
+        cudaFuncSetAttribute(seq_fwd_kernel<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    }
+    const dim3 grid(static_cast<unsigned>(params.num_windows), static_cast<unsigned>(params.num_heads));
+    seq_fwd_kernel<T, kHeadDim><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
 }
 
 }  // namespace gt_fused3s

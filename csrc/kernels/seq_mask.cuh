@@ -1,22 +1,21 @@
-// The implicit key-set policy of sequence attention: a row window's keys,
-// tile by tile, computed from the mask's parameters (seq_params.h), never
-// stored. It yields the same per-pair shape as the BSB walk (tcb_pair.cuh:
-// PairMeta: 16 key columns and the thread's 8 mask bits), so the SDDMM,
-// online-softmax and SpMM tiles are shared with the graph kernel.
+// The implicit key-set policy of sequence attention: a block's keys, tile by
+// tile, computed from the mask's parameters (seq_params.h), never stored.
 //
-// Positions are document-local (0 .. len-1). A row window holds the queries
-// i_t = base + stride * t (t < 16, i_t < len). Each mask part gives the window
-// one or more key segments: keys start + step * n, n < count (the global part:
-// the listed positions). Tiles of 16 keys of a segment form one pair of 8-column
-// TCBs. A key counts once: a part masks out what an earlier part gave the
-// query, tested per tile first (ranges) and per entry only where they overlap.
+// Positions are document-local (0 .. len-1). A row block holds up to 64
+// queries i_r = base + stride * r (r < 64, i_r < len); its warps own 16 rows
+// each (a sub-window). Each mask part gives the block one or more key
+// segments: keys start + step * n, n < count (the global part: the listed
+// positions). A segment is walked in tiles of 64 keys (four pairs of 8-column
+// TCBs, the shape of the graph kernel's tiles); per pair and warp,
+// seq_pair_bits gives each thread its 8 mask bits (online_softmax.cuh). A key
+// counts once: a part masks out what an earlier part gave the query, tested
+// per pair first (ranges) and per entry only where they overlap.
 #pragma once
 
 #include <cstdint>
 #include <cuda_runtime.h>
 
 #include "seq_params.h"
-#include "tcb_pair.cuh"
 
 namespace gt_fused3s {
 
@@ -48,27 +47,40 @@ struct SeqWindow {
     int64_t doc_start;   // token index of position 0 of the document
     int32_t len;         // document length
     int32_t base, stride;
-    int32_t rows;        // valid queries (0 .. 16)
+    int32_t rows;        // valid queries (0 .. 64 in a block, 0 .. 16 in a warp's sub-window)
     int32_t rmin, rmax;  // first and last valid query position
 };
 
-// The window wl (document-local index) of a document of `len` tokens.
+constexpr int kSeqBlockRows = 64;   // queries per block (4 warps x 16)
+constexpr int kSeqTileKeys = 64;    // keys per tile (4 pairs of 16)
+
+// Row block wl (document-local index) of a document of `len` tokens.
 GT_SEQ_HD SeqWindow seq_window_in(int64_t doc_start, int32_t len, int32_t wl, int32_t s) {
     SeqWindow win;
     win.doc_start = doc_start;
     win.len = len;
-    const int32_t per_residue = ((len + s - 1) / s + 15) / 16;
+    const int32_t per_residue = ((len + s - 1) / s + kSeqBlockRows - 1) / kSeqBlockRows;
     const int32_t c = wl / per_residue, m = wl - c * per_residue;
-    win.base = c + s * 16 * m;
+    win.base = c + s * kSeqBlockRows * m;
     win.stride = s;
     const int32_t left = len - win.base;   // positions from base on
-    win.rows = left <= 0 ? 0 : seq_min(16, (left + s - 1) / s);
+    win.rows = left <= 0 ? 0 : seq_min(kSeqBlockRows, (left + s - 1) / s);
     win.rmin = win.base;
     win.rmax = win.base + s * (win.rows - 1);
     return win;
 }
 
-// The window of global window index w (false: past the last window).
+// The 16 rows of warp w of a block.
+GT_SEQ_HD SeqWindow seq_sub_window(const SeqWindow& blk, int w) {
+    SeqWindow win = blk;
+    win.base = blk.base + blk.stride * 16 * w;
+    win.rows = seq_max(0, seq_min(16, blk.rows - 16 * w));
+    win.rmin = win.base;
+    win.rmax = win.base + win.stride * (win.rows - 1);
+    return win;
+}
+
+// The row block of global index w (false: past the last block).
 __device__ __forceinline__ bool seq_window(const SeqFwdParams& p, int64_t w, SeqWindow& win) {
     if (w >= __ldg(p.cu_windows + p.num_docs)) return false;
     int lo = 0, hi = p.num_docs - 1;   // largest doc with cu_windows[doc] <= w
@@ -226,8 +238,8 @@ GT_SEQ_HD bool seq_part_covers(const SeqMaskPart& pt, const SeqWindow& win, cons
     }
 }
 
-// Walks the tiles of a window: part by part, segment by segment, 16 keys at
-// a time. Uniform across the warp.
+// Walks the tiles of a block: part by part, segment by segment, 64 keys at a
+// time. Uniform across the block.
 struct SeqTileCursor {
     int32_t part, seg, nseg, tile, ntiles;
     KeySeg ks;
@@ -237,7 +249,7 @@ struct SeqTileCursor {
             nseg = seq_num_segs(mk.parts[part], win);
             for (; seg < nseg; ++seg) {
                 ks = seq_segment(mk, mk.parts[part], seg, win);
-                ntiles = (ks.count + 15) / 16;
+                ntiles = (ks.count + kSeqTileKeys - 1) / kSeqTileKeys;
                 if (ntiles > 0) return true;
             }
             seg = 0;
@@ -256,38 +268,30 @@ struct SeqTileCursor {
     }
 };
 
-// The pair (16 keys) under the cursor in PairMeta shape: K / V token rows
-// (-1: none) and this thread's 8 mask bits (online_softmax.cuh).
-GT_SEQ_HD PairMeta seq_pair_meta(const SeqMask& mk, const SeqWindow& win, const SeqTileCursor& cur,
-                                                  int lane) {
-    const int g = lane >> 2, t = lane & 3;
-    const KeySeg& ks = cur.ks;
-    const int32_t n0 = cur.tile * 16;
-    const int32_t valid = seq_min(16, ks.count - n0);   // keys in this tile
-    auto key = [&](int c) { return c < valid ? seg_key(mk, ks, n0 + c) : -1; };
-    PairMeta m;
-    const int64_t ds = win.doc_start;
-    auto token = [&](int32_t j) { return j < 0 ? -1 : static_cast<int32_t>(ds + j); };
-    m.colk[0] = token(key(g));
-    m.colk[1] = token(key(8 + g));
-    const int32_t jv[4] = {key(2 * t), key(2 * t + 1), key(8 + 2 * t), key(9 + 2 * t)};
-#pragma unroll
-    for (int x = 0; x < 4; ++x) m.colv[x] = token(jv[x]);
-
-    // Tile range, and whether the tile is full for its own part with no
-    // earlier part reaching it.
+// This thread's 8 mask bits (online_softmax.cuh: bit 4b + i, b: TCB of
+// keys n0 .. n0+7 or n0+8 .. n0+15, i: rows g (0, 1), g + 8 (2, 3)) for the
+// pair of keys n0 .. n0+15 of segment ks of part `part`, over the queries of
+// sub-window win. Returns false (and no bits) when no query of win can have
+// one of the pair's keys: the warp skips the pair.
+GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, const KeySeg& ks, int32_t n0,
+                             int lane, uint32_t& bits) {
+    bits = 0u;
+    const int32_t valid = seq_min(16, ks.count - n0);   // keys in this pair
+    if (valid <= 0 || win.rows <= 0) return false;
     const int32_t jlo = seg_key(mk, ks, n0), jhi = seg_key(mk, ks, n0 + valid - 1);
-    const SeqMaskPart& own = mk.parts[cur.part];
-    bool overlap = false;
-    for (int q = 0; q < cur.part; ++q) overlap |= seq_part_may_reach(mk, mk.parts[q], win, jlo, jhi);
+    const SeqMaskPart& own = mk.parts[part];
+    if (!seq_part_may_reach(mk, own, win, jlo, jhi)) return false;
+    bool overlap = false;   // could an earlier part give one of these keys?
+    for (int q = 0; q < part; ++q) overlap |= seq_part_may_reach(mk, mk.parts[q], win, jlo, jhi);
     if (!overlap && win.rows == 16 && valid == 16 && seq_part_covers(own, win, ks, jlo, jhi)) {
-        m.mask = 0xFFu;
-        return m;
+        bits = 0xFFu;
+        return true;
     }
-    // Entry by entry: bit 4b + i, b: TCB (cols 0-7, 8-15), i: rows g (0, 1), g + 8 (2, 3).
+    const int g = lane >> 2, t = lane & 3;
+    auto key = [&](int c) { return c < valid ? seg_key(mk, ks, n0 + c) : -1; };
+    const int32_t jv[4] = {key(2 * t), key(2 * t + 1), key(8 + 2 * t), key(9 + 2 * t)};
     const int32_t i0 = win.base + win.stride * g, i1 = i0 + 8 * win.stride;
     const bool r0 = g < win.rows, r1 = g + 8 < win.rows;
-    uint32_t bits = 0u;
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
 #pragma unroll
@@ -297,12 +301,11 @@ GT_SEQ_HD PairMeta seq_pair_meta(const SeqMask& mk, const SeqWindow& win, const 
             bool on = j >= 0 && ((i < 2) ? r0 : r1);
             // the own part: by construction for global and random segments
             if (on && own.kind != kSeqGlobal && own.kind != kSeqRandom) on = seq_part_allows(mk, own, row, j, win.len);
-            for (int q = 0; on && q < cur.part; ++q) on = !seq_part_allows(mk, mk.parts[q], row, j, win.len);
+            for (int q = 0; on && q < part; ++q) on = !seq_part_allows(mk, mk.parts[q], row, j, win.len);
             bits |= static_cast<uint32_t>(on) << (4 * b + i);
         }
     }
-    m.mask = bits;
-    return m;
+    return true;
 }
 
 }  // namespace gt_fused3s

@@ -16,7 +16,7 @@ enum SeqPartKind : int32_t {
     kSeqDilated = 2,        // a = left, b = right, c = rate:  j - i = k c, -a <= k <= b
     kSeqBlockDilated = 3,   // a = segment, b = rate, c = offset (LongNet)
     kSeqGlobal = 4,         // the key columns of SeqMask::global_idx (global rows: outside the kernel)
-    kSeqRandom = 5,         // a = block, b = blocks per query block, c = seed (BigBird)
+    kSeqRandom = 5,         // a = block (a multiple of 64), b = blocks per query block, c = seed (BigBird)
 };
 
 constexpr int kSeqMaxParts = 5;
@@ -27,8 +27,8 @@ struct SeqMaskPart {
 };
 
 struct SeqMask {
-    // Row windows hold 16 queries base + row_stride * t (row_stride > 1:
-    // the queries of one residue of a dilated mask, whose keys are then
+    // Row blocks hold 64 queries base + row_stride * r (row_stride > 1: the
+    // queries of one residue of a dilated mask, whose keys are then
     // consecutive in the same strided order: dense tiles).
     int32_t row_stride;
     int32_t num_parts;
@@ -51,9 +51,10 @@ struct SeqFwdParams {
     float* lse_ptr;   // [T, H] fp32, natural log; -inf for a query without keys
     int64_t lse_row_stride, lse_head_stride;
 
-    // Documents: tokens cu_seqlens[d] .. cu_seqlens[d+1]-1, and row windows
-    // cu_windows[d] .. cu_windows[d+1]-1 (row_stride * ceil(ceil(len / row_stride) / 16)
-    // each). num_windows: the launch's upper bound on cu_windows[num_docs].
+    // Documents: tokens cu_seqlens[d] .. cu_seqlens[d+1]-1, and row blocks of
+    // 64 queries cu_windows[d] .. cu_windows[d+1]-1 (row_stride *
+    // ceil(ceil(len / row_stride) / 64) each). num_windows: the launch's upper
+    // bound on cu_windows[num_docs] (one thread block each).
     const int32_t* cu_seqlens;
     const int32_t* cu_windows;
     int32_t num_docs;

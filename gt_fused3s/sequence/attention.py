@@ -4,8 +4,8 @@ documents [T, H, D] with ``cu_seqlens``.
 
 The forward runs the fused kernel on CUDA (fp16 / bf16; fp32 is computed in
 fp16 and returned in fp32). Global rows (queries that attend to every key)
-are a dense product of a few queries with all keys: they are computed apart,
-by PyTorch's SDPA, and written over the kernel's rows. The backward is not
+are a dense product of a few queries with all keys: they are computed apart
+(fp32 matmuls by chunks of keys) and written over the kernel's rows. The backward is not
 fused yet: it recomputes the attention with the chunked reference
 (``reference.sequence_reference``) and differentiates that, which costs
 O(L x keys) memory per chunk of queries and is far slower than the forward.
@@ -13,11 +13,11 @@ On the CPU everything runs the reference.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
@@ -25,6 +25,7 @@ from ..reference import sequence_reference
 from .masks import Mask, as_mask, kernel_code
 
 _KERNEL_DIMS = (32, 64, 128)
+_BLOCK_ROWS = 64   # queries per thread block (seq_mask.cuh: kSeqBlockRows)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None) -> None:
@@ -61,10 +62,31 @@ def _host_offsets(cu_seqlens: Tensor, T: int) -> list[int]:
 
 
 def _windows(cu: Tensor, stride: int) -> Tensor:
-    """cu_windows: the first row window of each document (seq_params.h)."""
+    """cu_windows: the first row block of 64 queries of each document (seq_params.h)."""
     lens = (cu[1:] - cu[:-1]).long()
-    per = stride * ((lens + stride - 1) // stride + 15).div(16, rounding_mode="floor")
+    per = stride * ((lens + stride - 1) // stride + _BLOCK_ROWS - 1).div(_BLOCK_ROWS, rounding_mode="floor")
     return torch.cat([per.new_zeros(1), per.cumsum(0)]).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _code_of(mask: Mask) -> list[int]:
+    return kernel_code(mask)
+
+
+_OFFSETS: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _batch_offsets(B: int, L: int, stride: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cu_seqlens and cu_windows of B sequences of L tokens, made once per
+    shape (a call then launches the kernel only)."""
+    key = (B, L, stride, device)
+    got = _OFFSETS.get(key)
+    if got is None:
+        cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * L
+        got = _OFFSETS[key] = (cu, _windows(cu, stride))
+        if len(_OFFSETS) > 256:
+            _OFFSETS.pop(next(iter(_OFFSETS)))
+    return got
 
 
 def _kernel_fits(q: Tensor) -> bool:
@@ -72,13 +94,13 @@ def _kernel_fits(q: Tensor) -> bool:
             and q.size(-1) % 8 == 0)
 
 
-def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, code: list[int], scale: float,
-                    num_windows: int) -> Tensor:
+def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
+                    scale: float, num_windows: int) -> Tensor:
     D = q.size(-1)
     Dp = next(d for d in _KERNEL_DIMS if d >= D)
     cdt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16
     qk, kk, vk = (ops._kernel_operand(t, cdt, Dp) for t in (q, k, v))
-    out, _lse = ops._op("seq_fwd")(qk, kk, vk, cu, _windows(cu, code[0]), code, scale, num_windows)
+    out, _lse = ops._op("seq_fwd")(qk, kk, vk, cu, cu_windows, code, scale, num_windows)
     return out[..., :D].to(q.dtype)
 
 
@@ -86,10 +108,10 @@ class _SeqAttention(torch.autograd.Function):
     """Kernel forward; backward by differentiating the chunked reference."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, mask, code, scale, num_windows):
+    def forward(ctx, q, k, v, cu, cu_windows, mask, code, scale, num_windows):
         ctx.save_for_backward(q, k, v, cu)
         ctx.mask, ctx.scale = mask, scale
-        return _kernel_forward(q, k, v, cu, code, scale, num_windows)
+        return _kernel_forward(q, k, v, cu, cu_windows, code, scale, num_windows)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -99,25 +121,47 @@ class _SeqAttention(torch.autograd.Function):
             out = sequence_reference(*leaves, ctx.mask, _host_offsets(cu, q.size(0)), ctx.scale)
             wanted = [t for t in leaves if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad_out))
-        return tuple(next(grads) if t.requires_grad else None for t in leaves) + (None,) * 5
+        return tuple(next(grads) if t.requires_grad else None for t in leaves) + (None,) * 6
+
+
+def _dense_rows(qg: Tensor, k: Tensor, v: Tensor, scale: float, chunk: int = 1 << 20) -> Tensor:
+    """Softmax attention of a few queries qg [B, g, H, D] over all of k, v
+    [B, L, H, D]: fp32 scores, by chunks of keys merged as in the online
+    softmax (memory O(g x chunk), not a copy of k in fp32)."""
+    qf = qg.float().permute(0, 2, 1, 3)                                   # [B, H, g, D]
+    m = l = o = None
+    for c0 in range(0, k.size(1), chunk):
+        kc = k[:, c0:c0 + chunk].float().permute(0, 2, 3, 1)             # [B, H, D, C]
+        vc = v[:, c0:c0 + chunk].float().permute(0, 2, 1, 3)             # [B, H, C, D]
+        s = torch.matmul(qf, kc) * scale                                  # [B, H, g, C]
+        mc = s.amax(-1, keepdim=True)
+        if m is None:
+            m = mc
+            p = torch.exp(s - m)
+            l, o = p.sum(-1, keepdim=True), torch.matmul(p, vc)
+        else:
+            m_new = torch.maximum(m, mc)
+            a = torch.exp(m - m_new)
+            p = torch.exp(s - m_new)
+            l = l * a + p.sum(-1, keepdim=True)
+            o = o * a + torch.matmul(p, vc)
+            m = m_new
+    return (o / l).permute(0, 2, 1, 3)                                    # [B, g, H, D]
 
 
 def _global_rows_dense(q, k, v, out, rows: list[int], scale: float, cu: list[int] | None) -> Tensor:
     """Overwrite the global rows of out with dense attention over their document."""
-    if cu is None:   # [B, L, H, D]: one SDPA over the batch
+    if cu is None:   # [B, L, H, D]: the batch at once
         idx = torch.tensor(rows, device=q.device)
-        qg = q.index_select(1, idx).transpose(1, 2)                       # [B, H, g, D]
-        og = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-        return out.index_copy(1, idx, og.transpose(1, 2).to(out.dtype))
-    for d in range(len(cu) - 1):   # packed documents: one SDPA per document
+        og = _dense_rows(q.index_select(1, idx), k, v, scale)
+        return out.index_copy(1, idx, og.to(out.dtype))
+    for d in range(len(cu) - 1):   # packed documents: one document at a time
         s0, L = cu[d], cu[d + 1] - cu[d]
         local = [r for r in rows if r < L]
         if not local:
             continue
         idx = torch.tensor(local, device=q.device) + s0
-        qg = q.index_select(0, idx).transpose(0, 1)[None]                # [1, H, g, D]
-        kd, vd = (t[s0:s0 + L].transpose(0, 1)[None] for t in (k, v))
-        og = F.scaled_dot_product_attention(qg, kd, vd, scale=scale)[0].transpose(0, 1)
+        og = _dense_rows(q.index_select(0, idx)[None], k[None, s0:s0 + L], v[None, s0:s0 + L], scale)[0]
         out = out.index_copy(0, idx, og.to(out.dtype))
     return out
 
@@ -163,15 +207,16 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
         out = sequence_reference(qf, kf, vf, umask, cu, scale, compute_dtype=cdt)
         return out.reshape(q.shape) if batched else out
 
-    code = kernel_code(umask)
+    code = _code_of(umask)
     stride = code[0]
     if batched:
-        cu = torch.arange(0, B + 1, device=q.device, dtype=torch.int32) * L
-        num_windows = B * stride * (((L + stride - 1) // stride + 15) // 16)
+        cu, cu_windows = _batch_offsets(B, L, stride, q.device)
+        num_windows = B * stride * (((L + stride - 1) // stride + _BLOCK_ROWS - 1) // _BLOCK_ROWS)
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        num_windows = (T + 15) // 16 + (cu.numel() - 1) * (2 * stride + 1)
-    out = _SeqAttention.apply(qf, kf, vf, cu, umask, code, scale, num_windows)
+        cu_windows = _windows(cu, stride)
+        num_windows = (T + _BLOCK_ROWS - 1) // _BLOCK_ROWS + (cu.numel() - 1) * (2 * stride + 1)
+    out = _SeqAttention.apply(qf, kf, vf, cu, cu_windows, umask, code, scale, num_windows)
     rows = umask.global_rows(L if batched else 1 << 62)
     if rows:
         if batched:
