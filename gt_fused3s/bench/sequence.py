@@ -103,9 +103,13 @@ def _flex_pieces(mask, L: int, device):
     dense_full[rows[full], cand[full]] = True
     dense_partial &= ~dense_full
 
+    # Both lists with one width: Flex's kernel reads the full list with the
+    # partial list's row stride (lists of different widths gave wrong rows).
+    width = max(1, int(dense_partial.sum(1).max()), int(dense_full.sum(1).max()))
+
     def lists(dense):
         num = dense.sum(1).to(torch.int32)
-        idx = torch.argsort((~dense).to(torch.int8), dim=1, stable=True)[:, :max(1, int(num.max()))].to(torch.int32)
+        idx = torch.argsort((~dense).to(torch.int8), dim=1, stable=True)[:, :width].to(torch.int32)
         return num[None, None], idx[None, None].contiguous()
     return mask_mod, lists(dense_partial), lists(dense_full)
 
