@@ -49,8 +49,11 @@ int main() {
                         const int32_t n0 = cur.tile * kSeqTileKeys + 16 * sl;
                         bool computed = false, full = true;
                         for (int lane = 0; lane < 32; ++lane) {
-                            uint32_t bits;
-                            if (!seq_pair_bits(mk, win, cur.part, cur.ks, n0, lane, bits)) continue;
+                            uint32_t tile_bits[kSeqTileKeys / 16];
+                            const uint32_t on = seq_tile_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys, lane,
+                                                              tile_bits);
+                            if (!((on >> sl) & 1u)) continue;
+                            const uint32_t bits = tile_bits[sl];
                             computed = true;
                             full &= bits == 0xFFu;
                             const int g = lane >> 2, t = lane & 3;

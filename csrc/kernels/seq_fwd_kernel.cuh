@@ -118,10 +118,11 @@ seq_fwd_kernel(const SeqFwdParams p) {
             cp_async_wait<0>();
         }
         __syncthreads();   // this tile's slices, from every warp, are in shared memory
-#pragma unroll 1
+        uint32_t bits[Cfg::kSlices];
+        const uint32_t on = seq_tile_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, bits);
+#pragma unroll
         for (int sl = 0; sl < Cfg::kSlices; ++sl) {
-            uint32_t bits;
-            if (!seq_pair_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys + 16 * sl, lane, bits)) continue;
+            if (!((on >> sl) & 1u)) continue;
             float s[2][4] = {};
 #pragma unroll
             for (int step = 0; step < Cfg::kSteps; ++step) {
@@ -131,7 +132,7 @@ seq_fwd_kernel(const SeqFwdParams p) {
                 mma_16816<T>(s[1], qa[step], b[2], b[3]);
             }
             uint32_t pa[4];
-            online_softmax_pair<T, kNT>(s, bits, p.scale_log2, no_bias, no_edges, st, o, pa);
+            online_softmax_pair<T, kNT>(s, bits[sl], p.scale_log2, no_bias, no_edges, st, o, pa);
 #pragma unroll
             for (int jj = 0; jj < kNT / 2; ++jj) {
                 uint32_t b[4];

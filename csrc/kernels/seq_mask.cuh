@@ -308,4 +308,29 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
     return true;
 }
 
+// The bits of the tile's four pairs (keys n0 .. n0+63) for sub-window win:
+// bits[sl] of pair sl; returns the pairs the warp computes (bit sl). A tile
+// wholly inside its part's band for every query of win, with no earlier part
+// near it, takes one test instead of four (the inside of a band).
+GT_SEQ_HD uint32_t seq_tile_bits(const SeqMask& mk, const SeqWindow& win, int part, const KeySeg& ks, int32_t n0,
+                                 int lane, uint32_t (&bits)[kSeqTileKeys / 16]) {
+    constexpr int kPairs = kSeqTileKeys / 16;
+    if (win.rows == 16 && ks.count - n0 >= kSeqTileKeys) {
+        const int32_t jlo = seg_key(mk, ks, n0), jhi = seg_key(mk, ks, n0 + kSeqTileKeys - 1);
+        bool overlap = false;
+        for (int q = 0; q < part; ++q) overlap |= seq_part_may_reach(mk, mk.parts[q], win, jlo, jhi);
+        if (!overlap && seq_part_covers(mk.parts[part], win, ks, jlo, jhi)) {
+#pragma unroll
+            for (int sl = 0; sl < kPairs; ++sl) bits[sl] = 0xFFu;
+            return (1u << kPairs) - 1u;
+        }
+    }
+    uint32_t on = 0u;
+#pragma unroll
+    for (int sl = 0; sl < kPairs; ++sl) {
+        if (seq_pair_bits(mk, win, part, ks, n0 + 16 * sl, lane, bits[sl])) on |= 1u << sl;
+    }
+    return on;
+}
+
 }  // namespace gt_fused3s
