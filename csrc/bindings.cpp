@@ -635,8 +635,8 @@ SeqMask seq_mask_from(c10::IntArrayRef code) {
         TORCH_CHECK_VALUE(pt.kind != kSeqDilated || pt.c >= 1, "dilation must be >= 1");
         TORCH_CHECK_VALUE(pt.kind != kSeqBlockDilated || (pt.a >= 1 && pt.b >= 1 && pt.a % pt.b == 0),
                           "block-dilated segment must be a positive multiple of the dilation");
-        TORCH_CHECK_VALUE(pt.kind != kSeqRandom || (pt.a >= 64 && pt.a % 64 == 0 && mk.row_stride == 1),
-                          "random blocks must be a multiple of 64 tokens (row stride 1)");
+        TORCH_CHECK_VALUE(pt.kind != kSeqRandom || (pt.a >= 16 && pt.a % 16 == 0 && mk.row_stride == 1),
+                          "random blocks must be a multiple of 16 tokens (row stride 1)");
     }
     mk.num_global = static_cast<int32_t>(code[at++]);
     TORCH_CHECK_VALUE(mk.num_global >= 0 && mk.num_global <= kSeqMaxGlobal && code.size() == at + mk.num_global,
@@ -662,7 +662,7 @@ void launch_seq_for_head_dim(int64_t d, const SeqFwdParams& p, cudaStream_t stre
 std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                 const at::Tensor& v_in, const at::Tensor& cu_seqlens,
                                                 const at::Tensor& cu_windows, c10::IntArrayRef mask_code,
-                                                double scale, int64_t num_windows) {
+                                                double scale, int64_t num_windows, int64_t block_rows) {
     TORCH_CHECK(q_in.defined() && q_in.is_cuda(), "q must be a CUDA tensor");
     const at::Tensor q = kernel_input(q_in, "q", q_in);
     const at::Tensor k = kernel_input(k_in, "k", q), v = kernel_input(v_in, "v", q);
@@ -674,7 +674,10 @@ std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at
     TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 && cu_windows.sizes() == cu_seqlens.sizes(),
                       "cu_seqlens and cu_windows must be [num_docs + 1] (got ", shape(cu_seqlens.sizes()), ", ",
                       shape(cu_windows.sizes()), ")");
-    TORCH_CHECK_VALUE(num_windows >= 0 && num_windows < (int64_t(1) << 31) * 4, "num_windows out of range");
+    TORCH_CHECK_VALUE(num_windows >= 0 && num_windows < (int64_t(1) << 31), "num_windows out of range");
+    TORCH_CHECK_VALUE(block_rows == seq_block_rows(static_cast<int>(D)), "block_rows must be ",
+                      num(int64_t(seq_block_rows(static_cast<int>(D)))), " for head dim ", num(D), " (got ",
+                      num(block_rows), "): cu_windows was computed for another block size");
     TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
 
     const c10::cuda::CUDAGuard device_guard(q.device());
@@ -696,6 +699,7 @@ std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at
     p.cu_windows = cu_windows.data_ptr<int32_t>();
     p.num_docs = static_cast<int32_t>(cu_seqlens.numel() - 1);
     p.num_windows = num_windows;
+    p.block_rows = static_cast<int32_t>(block_rows);
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
     p.mask = seq_mask_from(mask_code);

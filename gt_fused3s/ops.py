@@ -53,7 +53,7 @@ _LIB.define("probs(Tensor q, Tensor k, Tensor lse, Tensor cols, Tensor bitmap, T
 _LIB.define("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor rw_offset, Tensor cols, "
             "Tensor bitmap, Tensor window_order, Tensor edges, Tensor counters)")
 _LIB.define("seq_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, int[] mask, "
-            "float scale, int num_windows) -> (Tensor out, Tensor lse)")
+            "float scale, int num_windows, int block_rows) -> (Tensor out, Tensor lse)")
 
 
 @torch.library.register_fake("gt_fused3s::fwd")
@@ -82,7 +82,7 @@ def _probs_fake(q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, scale, ed
 
 
 @torch.library.register_fake("gt_fused3s::seq_fwd")
-def _seq_fwd_fake(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows):
+def _seq_fwd_fake(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows):
     T, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((T, H), dtype=torch.float32)
 

@@ -3,7 +3,7 @@
 // prints every (query token, key token) it gives, one per line, so that
 // tests/test_sequence.py can compare it with the masks' dense truth.
 // stdin: line 1 the mask code (masks.py kernel_code), line 2 the document
-// lengths. Built by the test with nvcc (the header is host + device code).
+// lengths, line 3 the queries per row block. Built by the test with nvcc (the header is host + device code).
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -21,6 +21,8 @@ int main() {
     for (std::istringstream in(line); in;) { long long x; if (in >> x) code.push_back(x); }
     std::getline(std::cin, line);
     for (std::istringstream in(line); in;) { long long x; if (in >> x) lens.push_back(x); }
+    int block_rows = 64;   // line 3: queries per row block (64 or 128)
+    if (std::getline(std::cin, line)) std::istringstream(line) >> block_rows;
     SeqMask mk{};
     size_t at = 0;
     mk.row_stride = static_cast<int32_t>(code[at++]);
@@ -37,13 +39,13 @@ int main() {
     long long start = 0, full_tiles = 0, tiles = 0;
     for (long long len : lens) {
         const int s = mk.row_stride;
-        const int blocks = s * (((len + s - 1) / s + kSeqBlockRows - 1) / kSeqBlockRows);
+        const int blocks = s * (((len + s - 1) / s + block_rows - 1) / block_rows);
         for (int wl = 0; wl < blocks; ++wl) {
-            const SeqWindow blk = seq_window_in(start, static_cast<int32_t>(len), wl, s);
+            const SeqWindow blk = seq_window_in(start, static_cast<int32_t>(len), wl, s, block_rows);
             if (blk.rows == 0) continue;
             SeqTileCursor cur;
             for (bool more = cur.first(mk, blk); more; more = cur.next(mk, blk)) {
-                for (int w = 0; w < kSeqBlockRows / 16; ++w) {
+                for (int w = 0; w < block_rows / 16; ++w) {
                     const SeqWindow win = seq_sub_window(blk, w);
                     for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {
                         const int32_t n0 = cur.tile * kSeqTileKeys + 16 * sl;

@@ -2,17 +2,19 @@
 // over the implicit key sets of seq_mask.cuh, with the graph kernel's online
 // softmax (online_softmax.cuh) and shared-memory tiles (smem_tile.cuh).
 //
-// Work decomposition. A block of 4 warps runs one (row block of 64 queries,
-// head); warp w owns queries 16w .. 16w+15. The block walks its key tiles
+// Work decomposition. A block of 4 warps runs one (row block of 128 queries,
+// 64 for D = 128; head); warp w owns two m-tiles of 16 queries (one for
+// D = 128), so each K and V fragment read from shared memory feeds two
+// tiles' mmas. The block walks its key tiles
 // (64 keys: four pairs of 16) in order; each warp copies one 16-key slice of
 // K and V into shared memory (cp.async, zero-filled past a segment's end),
 // double buffered so that the next tile loads while this one computes, and
 // every warp reads all four slices through ldmatrix. Per pair, a warp gets
 // its mask bits from the policy and skips pairs none of its queries sees
 // (a band's edges). Loads per key are shared by 64 queries instead of 16:
-// a quarter of the graph kernel's L2 traffic on a band.
+// an eighth of the graph kernel's L2 traffic on a band.
 //
-// Per pair, with the warp's 16 queries as the mma M dimension:
+// Per pair and m-tile, with its 16 queries as the mma M dimension:
 //   S [16, 16] = Q K^T            (Q: A fragments in registers, K: ldmatrix)
 //   online softmax, fp32, log2 domain, -inf masking
 //   O [16, D] += P V              (P from registers, V: ldmatrix.trans)
@@ -35,16 +37,19 @@ namespace gt_fused3s {
 template <int kHeadDim>
 struct SeqFwdConfig {
     static_assert(kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128, "sequence head dim must be 32, 64 or 128");
-    static constexpr int kWarps = kSeqBlockRows / 16;
+    static constexpr int kWarps = 4;
     static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kBlockRows = seq_block_rows(kHeadDim);
+    static constexpr int kMTiles = kBlockRows / (16 * kWarps);   // m-tiles of 16 queries per warp
     static constexpr int kNT = kHeadDim / 8;      // n-tiles of O
     static constexpr int kSteps = kHeadDim / 16;  // k-steps of S
     using Tile = RowTile<kHeadDim>;
     // Shared memory: 2 stages x (K, V) x 4 slices of 16 keys.
     static constexpr int kSlices = kSeqTileKeys / 16;
+    static_assert(kSlices == kWarps, "each warp copies one slice of a tile");
     static constexpr int kStageBytes = 2 * kSlices * Tile::kBytes;
     static constexpr int kSmemBytes = 2 * kStageBytes;
-    static constexpr int kMinBlocks = kHeadDim == 128 ? 2 : 3;
+    static constexpr int kMinBlocks = 2;
 };
 
 template <typename T, int kHeadDim>
@@ -53,6 +58,7 @@ seq_fwd_kernel(const SeqFwdParams p) {
     using Cfg = SeqFwdConfig<kHeadDim>;
     using Tile = typename Cfg::Tile;
     constexpr int kNT = Cfg::kNT;
+    constexpr int kM = Cfg::kMTiles;
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -60,34 +66,41 @@ seq_fwd_kernel(const SeqFwdParams p) {
 
     SeqWindow blk;
     if (!seq_window(p, blockIdx.x, blk) || blk.rows == 0) return;   // block-uniform
-    const SeqWindow win = seq_sub_window(blk, warp);
     const SeqMask& mk = p.mask;
 
     const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q_ptr) + head * p.q_head_stride;
     const uint16_t* k = reinterpret_cast<const uint16_t*>(p.k_ptr) + head * p.k_head_stride;
     const uint16_t* v = reinterpret_cast<const uint16_t*>(p.v_ptr) + head * p.v_head_stride;
-    const bool in0 = g < win.rows, in1 = g + 8 < win.rows;
-    const int64_t tok0 = blk.doc_start + win.base + static_cast<int64_t>(win.stride) * g;
-    const int64_t tok1 = tok0 + static_cast<int64_t>(win.stride) * 8;
 
-    // Q as m16n8k16 A fragments: a0 (row g, k 2t..2t+1), a1 (row g+8), a2, a3 (k + 8).
-    uint32_t qa[Cfg::kSteps][4];
-    {
-        const uint16_t* q0 = q + (in0 ? tok0 : 0) * p.q_row_stride + 2 * t;
-        const uint16_t* q1 = q + (in1 ? tok1 : 0) * p.q_row_stride + 2 * t;
+    // Per m-tile of this warp (queries 16 (kM warp + i) ..): its sub-window,
+    // Q as m16n8k16 A fragments (a0: row g, k 2t..2t+1; a1: row g+8; a2, a3:
+    // k + 8), the O accumulator and the softmax state.
+    SeqWindow win[kM];
+    int64_t tok[kM][2];
+    bool in[kM][2];
+    uint32_t qa[kM][Cfg::kSteps][4];
+    float o[kM][kNT][4];
+    SoftmaxState st[kM];
+#pragma unroll
+    for (int i = 0; i < kM; ++i) {
+        win[i] = seq_sub_window(blk, kM * warp + i);
+        in[i][0] = g < win[i].rows;
+        in[i][1] = g + 8 < win[i].rows;
+        tok[i][0] = blk.doc_start + win[i].base + static_cast<int64_t>(win[i].stride) * g;
+        tok[i][1] = tok[i][0] + static_cast<int64_t>(win[i].stride) * 8;
+        const uint16_t* q0 = q + (in[i][0] ? tok[i][0] : 0) * p.q_row_stride + 2 * t;
+        const uint16_t* q1 = q + (in[i][1] ? tok[i][1] : 0) * p.q_row_stride + 2 * t;
 #pragma unroll
         for (int s = 0; s < Cfg::kSteps; ++s) {
-            qa[s][0] = in0 ? __ldg(reinterpret_cast<const unsigned int*>(q0 + 16 * s)) : 0u;
-            qa[s][1] = in1 ? __ldg(reinterpret_cast<const unsigned int*>(q1 + 16 * s)) : 0u;
-            qa[s][2] = in0 ? __ldg(reinterpret_cast<const unsigned int*>(q0 + 16 * s + 8)) : 0u;
-            qa[s][3] = in1 ? __ldg(reinterpret_cast<const unsigned int*>(q1 + 16 * s + 8)) : 0u;
+            qa[i][s][0] = in[i][0] ? __ldg(reinterpret_cast<const unsigned int*>(q0 + 16 * s)) : 0u;
+            qa[i][s][1] = in[i][1] ? __ldg(reinterpret_cast<const unsigned int*>(q1 + 16 * s)) : 0u;
+            qa[i][s][2] = in[i][0] ? __ldg(reinterpret_cast<const unsigned int*>(q0 + 16 * s + 8)) : 0u;
+            qa[i][s][3] = in[i][1] ? __ldg(reinterpret_cast<const unsigned int*>(q1 + 16 * s + 8)) : 0u;
         }
-    }
-    float o[kNT][4];
 #pragma unroll
-    for (int j = 0; j < kNT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    SoftmaxState st;
-    softmax_init(st);
+        for (int j = 0; j < kNT; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
+        softmax_init(st[i]);
+    }
 
     const uint32_t smem0 = smem_addr(smem);
     auto k_slice = [&](int stage, int slice) { return smem0 + stage * Cfg::kStageBytes + slice * Tile::kBytes; };
@@ -118,27 +131,43 @@ seq_fwd_kernel(const SeqFwdParams p) {
             cp_async_wait<0>();
         }
         __syncthreads();   // this tile's slices, from every warp, are in shared memory
-        uint32_t bits[Cfg::kSlices];
-        const uint32_t on = seq_tile_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, bits);
+        uint32_t bits[kM][Cfg::kSlices], on[kM];
+#pragma unroll
+        for (int i = 0; i < kM; ++i) {
+            on[i] = seq_tile_bits(mk, win[i], cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, bits[i]);
+        }
 #pragma unroll
         for (int sl = 0; sl < Cfg::kSlices; ++sl) {
-            if (!((on >> sl) & 1u)) continue;
-            float s[2][4] = {};
+            bool any = false;
+#pragma unroll
+            for (int i = 0; i < kM; ++i) any |= (on[i] >> sl) & 1u;
+            if (!any) continue;   // warp-uniform: no query of this warp sees these keys
+            float s[kM][2][4] = {};
 #pragma unroll
             for (int step = 0; step < Cfg::kSteps; ++step) {
                 uint32_t b[4];
                 Tile::bt_frags(b, k_slice(stage, sl), step, lane);
-                mma_16816<T>(s[0], qa[step], b[0], b[1]);
-                mma_16816<T>(s[1], qa[step], b[2], b[3]);
+#pragma unroll
+                for (int i = 0; i < kM; ++i) {
+                    mma_16816<T>(s[i][0], qa[i][step], b[0], b[1]);
+                    mma_16816<T>(s[i][1], qa[i][step], b[2], b[3]);
+                }
             }
-            uint32_t pa[4];
-            online_softmax_pair<T, kNT>(s, bits[sl], p.scale_log2, no_bias, no_edges, st, o, pa);
+            uint32_t pa[kM][4];
+#pragma unroll
+            for (int i = 0; i < kM; ++i) {
+                const uint32_t mask = ((on[i] >> sl) & 1u) ? bits[i][sl] : 0u;
+                online_softmax_pair<T, kNT>(s[i], mask, p.scale_log2, no_bias, no_edges, st[i], o[i], pa[i]);
+            }
 #pragma unroll
             for (int jj = 0; jj < kNT / 2; ++jj) {
                 uint32_t b[4];
                 Tile::b_frags(b, v_slice(stage, sl), jj, lane);
-                mma_16816<T>(o[2 * jj], pa, b[0], b[1]);
-                mma_16816<T>(o[2 * jj + 1], pa, b[2], b[3]);
+#pragma unroll
+                for (int i = 0; i < kM; ++i) {
+                    mma_16816<T>(o[i][2 * jj], pa[i], b[0], b[1]);
+                    mma_16816<T>(o[i][2 * jj + 1], pa[i], b[2], b[3]);
+                }
             }
         }
         __syncthreads();   // every warp is done with `stage` before it is refilled
@@ -146,22 +175,24 @@ seq_fwd_kernel(const SeqFwdParams p) {
         more = has_next;
         stage ^= 1;
     }
-    softmax_finish(st);
 
     // O in the mma C layout: row g (c0, c1) and g + 8 (c2, c3), d = 8j + 2t, 2t+1.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (!(r == 0 ? in0 : in1)) continue;
-        const int64_t tok = r == 0 ? tok0 : tok1;
-        const float l = st.l[r];
-        const float inv = l != 0.f ? 1.f / l : 0.f;   // a NaN l (NaN scores) stays NaN, as in the graph kernel
-        uint32_t* dst = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.o_ptr) + tok * p.o_row_stride +
-                                                    head * p.o_head_stride + 2 * t);
+    for (int i = 0; i < kM; ++i) {
+        softmax_finish(st[i]);
 #pragma unroll
-        for (int j = 0; j < kNT; ++j) dst[4 * j] = TypeTraits<T>::pack(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
-        if (t == 0) {
-            p.lse_ptr[tok * p.lse_row_stride + head * p.lse_head_stride] =
-                l != 0.f ? (st.m[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+        for (int r = 0; r < 2; ++r) {
+            if (!in[i][r]) continue;
+            const float l = st[i].l[r];
+            const float inv = l != 0.f ? 1.f / l : 0.f;   // a NaN l (NaN scores) stays NaN, as in the graph kernel
+            uint32_t* dst = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.o_ptr) + tok[i][r] * p.o_row_stride +
+                                                        head * p.o_head_stride + 2 * t);
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) dst[4 * j] = TypeTraits<T>::pack(o[i][j][2 * r] * inv, o[i][j][2 * r + 1] * inv);
+            if (t == 0) {
+                p.lse_ptr[tok[i][r] * p.lse_row_stride + head * p.lse_head_stride] =
+                    l != 0.f ? (st[i].m[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+            }
         }
     }
 }

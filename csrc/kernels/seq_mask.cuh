@@ -1,9 +1,9 @@
 // The implicit key-set policy of sequence attention: a block's keys, tile by
 // tile, computed from the mask's parameters (seq_params.h), never stored.
 //
-// Positions are document-local (0 .. len-1). A row block holds up to 64
-// queries i_r = base + stride * r (r < 64, i_r < len); its warps own 16 rows
-// each (a sub-window). Each mask part gives the block one or more key
+// Positions are document-local (0 .. len-1). A row block holds up to 64 or
+// 128 queries i_r = base + stride * r (i_r < len), in m-tiles of 16 rows (a
+// sub-window each). Each mask part gives the block one or more key
 // segments: keys start + step * n, n < count (the global part: the listed
 // positions). A segment is walked in tiles of 64 keys (four pairs of 8-column
 // TCBs, the shape of the graph kernel's tiles); per pair and warp,
@@ -51,30 +51,30 @@ struct SeqWindow {
     int32_t rmin, rmax;  // first and last valid query position
 };
 
-constexpr int kSeqBlockRows = 64;   // queries per block (4 warps x 16)
 constexpr int kSeqTileKeys = 64;    // keys per tile (4 pairs of 16)
 
-// Row block wl (document-local index) of a document of `len` tokens.
-GT_SEQ_HD SeqWindow seq_window_in(int64_t doc_start, int32_t len, int32_t wl, int32_t s) {
+// Row block wl (document-local index, `rows` queries per block) of a document
+// of `len` tokens.
+GT_SEQ_HD SeqWindow seq_window_in(int64_t doc_start, int32_t len, int32_t wl, int32_t s, int32_t rows) {
     SeqWindow win;
     win.doc_start = doc_start;
     win.len = len;
-    const int32_t per_residue = ((len + s - 1) / s + kSeqBlockRows - 1) / kSeqBlockRows;
+    const int32_t per_residue = ((len + s - 1) / s + rows - 1) / rows;
     const int32_t c = wl / per_residue, m = wl - c * per_residue;
-    win.base = c + s * kSeqBlockRows * m;
+    win.base = c + s * rows * m;
     win.stride = s;
     const int32_t left = len - win.base;   // positions from base on
-    win.rows = left <= 0 ? 0 : seq_min(kSeqBlockRows, (left + s - 1) / s);
+    win.rows = left <= 0 ? 0 : seq_min(rows, (left + s - 1) / s);
     win.rmin = win.base;
     win.rmax = win.base + s * (win.rows - 1);
     return win;
 }
 
-// The 16 rows of warp w of a block.
-GT_SEQ_HD SeqWindow seq_sub_window(const SeqWindow& blk, int w) {
+// The 16 rows of m-tile m of a block (rows 16m .. 16m+15).
+GT_SEQ_HD SeqWindow seq_sub_window(const SeqWindow& blk, int m) {
     SeqWindow win = blk;
-    win.base = blk.base + blk.stride * 16 * w;
-    win.rows = seq_max(0, seq_min(16, blk.rows - 16 * w));
+    win.base = blk.base + blk.stride * 16 * m;
+    win.rows = seq_max(0, seq_min(16, blk.rows - 16 * m));
     win.rmin = win.base;
     win.rmax = win.base + win.stride * (win.rows - 1);
     return win;
@@ -91,20 +91,22 @@ __device__ __forceinline__ bool seq_window(const SeqFwdParams& p, int64_t w, Seq
     }
     const int64_t start = __ldg(p.cu_seqlens + lo);
     win = seq_window_in(start, __ldg(p.cu_seqlens + lo + 1) - static_cast<int32_t>(start),
-                        static_cast<int32_t>(w - __ldg(p.cu_windows + lo)), p.mask.row_stride);
+                        static_cast<int32_t>(w - __ldg(p.cu_windows + lo)), p.mask.row_stride, p.block_rows);
     return true;
 }
 
 // One key segment: keys start + step * n, n < count; step 0: the global list.
+// qb: the query block a random block belongs to (its queries only), else -1.
 struct KeySeg {
-    int32_t start, step, count;
+    int32_t start, step, count, qb;
 };
 
-// Number of segments part `pt` gives the window (random blocks: one per block).
+// Number of segments part `pt` gives the window (random blocks: one per key
+// block of each query block the window's rows meet).
 GT_SEQ_HD int32_t seq_num_segs(const SeqMaskPart& pt, const SeqWindow& win) {
     if (pt.kind != kSeqRandom) return 1;
     const int32_t nb = (win.len + pt.a - 1) / pt.a;
-    return seq_min(pt.b, nb);
+    return seq_min(pt.b, nb) * (win.rmax / pt.a - win.rmin / pt.a + 1);
 }
 
 // Random blocks: first block and step (coprime with nb) of query block qb.
@@ -124,7 +126,7 @@ GT_SEQ_HD void seq_random_walk(const SeqMaskPart& pt, int32_t qb, int32_t nb, in
 // Segment `sg` of part `pt` for the window (count 0: nothing).
 GT_SEQ_HD KeySeg seq_segment(const SeqMask& mk, const SeqMaskPart& pt, int32_t sg,
                                               const SeqWindow& win) {
-    KeySeg ks{0, 1, 0};
+    KeySeg ks{0, 1, 0, -1};
     if (win.rows == 0) return ks;
     const int32_t L = win.len;
     switch (pt.kind) {
@@ -164,10 +166,12 @@ GT_SEQ_HD KeySeg seq_segment(const SeqMask& mk, const SeqMaskPart& pt, int32_t s
             break;
         }
         case kSeqRandom: {
-            const int32_t nb = (L + pt.a - 1) / pt.a;
+            const int32_t nb = (L + pt.a - 1) / pt.a, per = seq_min(pt.b, nb);
+            ks.qb = win.rmin / pt.a + sg / per;
             int32_t start, step;
-            seq_random_walk(pt, win.rmin / pt.a, nb, start, step);
-            const int32_t kb = static_cast<int32_t>((static_cast<int64_t>(start) + static_cast<int64_t>(sg) * step) % nb);
+            seq_random_walk(pt, ks.qb, nb, start, step);
+            const int32_t kb =
+                static_cast<int32_t>((static_cast<int64_t>(start) + static_cast<int64_t>(sg % per) * step) % nb);
             ks.start = kb * pt.a;
             ks.count = seq_min(L, ks.start + pt.a) - ks.start;
             break;
@@ -233,7 +237,7 @@ GT_SEQ_HD bool seq_part_covers(const SeqMaskPart& pt, const SeqWindow& win, cons
             return win.stride == pt.b && ks.step == pt.b && (win.rmin % pt.a) % pt.b == pt.c &&
                    win.rmin / pt.a == win.rmax / pt.a && jlo / pt.a == win.rmin / pt.a && jhi / pt.a == win.rmin / pt.a;
         case kSeqGlobal: return true;
-        case kSeqRandom: return win.rmin / pt.a == win.rmax / pt.a;   // one query block
+        case kSeqRandom: return ks.qb == win.rmin / pt.a && ks.qb == win.rmax / pt.a;
         default: return false;
     }
 }
@@ -281,6 +285,9 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
     const int32_t jlo = seg_key(mk, ks, n0), jhi = seg_key(mk, ks, n0 + valid - 1);
     const SeqMaskPart& own = mk.parts[part];
     if (!seq_part_may_reach(mk, own, win, jlo, jhi)) return false;
+    // a random block serves the queries of its query block (16-row
+    // sub-windows lie in one: blocks are multiples of 16 tokens, stride 1)
+    if (own.kind == kSeqRandom && ks.qb != win.rmin / own.a) return false;
     bool overlap = false;   // could an earlier part give one of these keys?
     for (int q = 0; q < part; ++q) overlap |= seq_part_may_reach(mk, mk.parts[q], win, jlo, jhi);
     if (!overlap && win.rows == 16 && valid == 16 && seq_part_covers(own, win, ks, jlo, jhi)) {

@@ -16,7 +16,7 @@ enum SeqPartKind : int32_t {
     kSeqDilated = 2,        // a = left, b = right, c = rate:  j - i = k c, -a <= k <= b
     kSeqBlockDilated = 3,   // a = segment, b = rate, c = offset (LongNet)
     kSeqGlobal = 4,         // the key columns of SeqMask::global_idx (global rows: outside the kernel)
-    kSeqRandom = 5,         // a = block (a multiple of 64), b = blocks per query block, c = seed (BigBird)
+    kSeqRandom = 5,         // a = block (a multiple of 16), b = blocks per query block, c = seed (BigBird)
 };
 
 constexpr int kSeqMaxParts = 5;
@@ -27,7 +27,7 @@ struct SeqMaskPart {
 };
 
 struct SeqMask {
-    // Row blocks hold 64 queries base + row_stride * r (row_stride > 1: the
+    // Row blocks hold queries base + row_stride * r (row_stride > 1: the
     // queries of one residue of a dilated mask, whose keys are then
     // consecutive in the same strided order: dense tiles).
     int32_t row_stride;
@@ -52,18 +52,25 @@ struct SeqFwdParams {
     int64_t lse_row_stride, lse_head_stride;
 
     // Documents: tokens cu_seqlens[d] .. cu_seqlens[d+1]-1, and row blocks of
-    // 64 queries cu_windows[d] .. cu_windows[d+1]-1 (row_stride *
-    // ceil(ceil(len / row_stride) / 64) each). num_windows: the launch's upper
-    // bound on cu_windows[num_docs] (one thread block each).
+    // block_rows queries cu_windows[d] .. cu_windows[d+1]-1 (row_stride *
+    // ceil(ceil(len / row_stride) / block_rows) each). num_windows: the
+    // launch's upper bound on cu_windows[num_docs] (one thread block each).
+    // block_rows: seq_block_rows(head dim).
     const int32_t* cu_seqlens;
     const int32_t* cu_windows;
     int32_t num_docs;
     int64_t num_windows;
+    int32_t block_rows;
 
     int32_t num_heads;
     float scale_log2;   // scale * log2(e)
     SeqMask mask;
 };
+
+// Queries per thread block: 4 warps of two m-tiles of 16 (one for D = 128,
+// whose accumulators fill the registers). gt_fused3s/sequence/attention.py
+// computes cu_windows with the same rule.
+constexpr int seq_block_rows(int head_dim) { return head_dim <= 64 ? 128 : 64; }
 
 // Launches the forward on `stream`. T: __half or __nv_bfloat16; HeadDim in
 // {32, 64, 128}.

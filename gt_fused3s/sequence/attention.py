@@ -25,7 +25,11 @@ from ..reference import sequence_reference
 from .masks import Mask, as_mask, kernel_code
 
 _KERNEL_DIMS = (32, 64, 128)
-_BLOCK_ROWS = 64   # queries per thread block (seq_mask.cuh: kSeqBlockRows)
+
+
+def _block_rows(head_dim: int) -> int:
+    """Queries per thread block (seq_params.h: seq_block_rows)."""
+    return 128 if head_dim <= 64 else 64
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None) -> None:
@@ -61,11 +65,17 @@ def _host_offsets(cu_seqlens: Tensor, T: int) -> list[int]:
     return cu
 
 
-def _windows(cu: Tensor, stride: int) -> Tensor:
-    """cu_windows: the first row block of 64 queries of each document (seq_params.h)."""
+def _windows(cu: Tensor, stride: int, rows: int) -> Tensor:
+    """cu_windows: the first row block (of ``rows`` queries) of each document
+    (seq_params.h)."""
     lens = (cu[1:] - cu[:-1]).long()
-    per = stride * ((lens + stride - 1) // stride + _BLOCK_ROWS - 1).div(_BLOCK_ROWS, rounding_mode="floor")
+    per = stride * ((lens + stride - 1) // stride + rows - 1).div(rows, rounding_mode="floor")
     return torch.cat([per.new_zeros(1), per.cumsum(0)]).to(torch.int32)
+
+
+def _kernel_dim(D: int) -> int:
+    """The compiled head dim D is padded to."""
+    return next(d for d in _KERNEL_DIMS if d >= D)
 
 
 @functools.lru_cache(maxsize=64)
@@ -76,14 +86,14 @@ def _code_of(mask: Mask) -> list[int]:
 _OFFSETS: dict[tuple, tuple[Tensor, Tensor]] = {}
 
 
-def _batch_offsets(B: int, L: int, stride: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def _batch_offsets(B: int, L: int, stride: int, rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """cu_seqlens and cu_windows of B sequences of L tokens, made once per
     shape (a call then launches the kernel only)."""
-    key = (B, L, stride, device)
+    key = (B, L, stride, rows, device)
     got = _OFFSETS.get(key)
     if got is None:
         cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * L
-        got = _OFFSETS[key] = (cu, _windows(cu, stride))
+        got = _OFFSETS[key] = (cu, _windows(cu, stride, rows))
         if len(_OFFSETS) > 256:
             _OFFSETS.pop(next(iter(_OFFSETS)))
     return got
@@ -97,10 +107,10 @@ def _kernel_fits(q: Tensor) -> bool:
 def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
                     scale: float, num_windows: int) -> Tensor:
     D = q.size(-1)
-    Dp = next(d for d in _KERNEL_DIMS if d >= D)
+    Dp = _kernel_dim(D)
     cdt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16
     qk, kk, vk = (ops._kernel_operand(t, cdt, Dp) for t in (q, k, v))
-    out, _lse = ops._op("seq_fwd")(qk, kk, vk, cu, cu_windows, code, scale, num_windows)
+    out, _lse = ops._op("seq_fwd")(qk, kk, vk, cu, cu_windows, code, scale, num_windows, _block_rows(Dp))
     return out[..., :D].to(q.dtype)
 
 
@@ -208,14 +218,14 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
         return out.reshape(q.shape) if batched else out
 
     code = _code_of(umask)
-    stride = code[0]
+    stride, rows = code[0], _block_rows(_kernel_dim(D))
     if batched:
-        cu, cu_windows = _batch_offsets(B, L, stride, q.device)
-        num_windows = B * stride * (((L + stride - 1) // stride + _BLOCK_ROWS - 1) // _BLOCK_ROWS)
+        cu, cu_windows = _batch_offsets(B, L, stride, rows, q.device)
+        num_windows = B * stride * (((L + stride - 1) // stride + rows - 1) // rows)
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        cu_windows = _windows(cu, stride)
-        num_windows = (T + _BLOCK_ROWS - 1) // _BLOCK_ROWS + (cu.numel() - 1) * (2 * stride + 1)
+        cu_windows = _windows(cu, stride, rows)
+        num_windows = (T + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
     out = _SeqAttention.apply(qf, kf, vf, cu, cu_windows, umask, code, scale, num_windows)
     rows = umask.global_rows(L if batched else 1 << 62)
     if rows:

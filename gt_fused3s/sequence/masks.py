@@ -194,16 +194,16 @@ class RandomBlocks(Mask):
     attends to ``blocks`` distinct key blocks of the same size. The blocks of
     query block qb of a document with nb blocks are (start + t * step) mod nb,
     t < blocks, with start and step (coprime with nb) hashed from (seed, qb):
-    reproducible, nothing stored. ``block`` must be a multiple of 64 (the
-    kernel's row blocks then see one query block each)."""
+    reproducible, nothing stored. ``block`` must be a multiple of 16 (the
+    kernel's m-tiles of 16 queries then lie in one query block)."""
     block: int
     blocks: int
     seed: int = 0
 
     def __post_init__(self):
-        _int("block", self.block, 64)
-        if self.block % 64:
-            raise ValueError(f"RandomBlocks: block must be a multiple of 64 (got {self.block})")
+        _int("block", self.block, 16)
+        if self.block % 16:
+            raise ValueError(f"RandomBlocks: block must be a multiple of 16 (got {self.block})")
         _int("blocks", self.blocks, 0)
         object.__setattr__(self, "seed", _int("seed", self.seed, 0) & _M32)
 
