@@ -78,7 +78,7 @@ def kernel_pairs(exe, mask, lens, block_rows=128) -> tuple[list[tuple[int, int]]
     return pairs, run.stderr
 
 
-@pytest.mark.parametrize("block_rows", [64, 128])
+@pytest.mark.parametrize("block_rows", [64, 128])   # the kernel runs 64; the policy takes any multiple of 16
 @pytest.mark.parametrize("lens", LENGTHS.values(), ids=LENGTHS.keys())
 @pytest.mark.parametrize("name", MASKS.keys())
 def test_kernel_key_sets_equal_dense_truth(seq_host, name, lens, block_rows):

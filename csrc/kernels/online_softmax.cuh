@@ -27,30 +27,41 @@ __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
     st.l[0] = st.l[1] = 0.f;
 }
 
-// s: raw scores of TCBs a, b (mma C layout). mask: 8 bits, bits 2x..2x+1 = row g
-// cols 2t, 2t+1 of TCB x (x = 0: a, 1: b) at bit 4x, row g+8 at bit 4x + 2.
-// bias: the pair's edge terms (edge_bias.cuh: PairBias): the bias, added in
-// log2 units, and the dropout mask, applied to the P of the SpMM.
-// On return p holds the A fragment (packed T) of P[16, 16] for the SpMM, and
-// o[kNT][4] (the SpMM accumulator of this thread) has been rescaled.
-template <typename T, int kNT, typename Bias>
-__device__ __forceinline__ void online_softmax_pair(const float (&s)[2][4], uint32_t mask, float scale_log2,
-                                                    const Bias& bias, const EdgeBiasArgs& eb, SoftmaxState& st,
-                                                    float (&o)[kNT][4], uint32_t (&p)[4]) {
-    // x[x][i]: scaled, masked score. i = 0,1: row g; i = 2,3: row g+8.
-    float x[2][4];
+// Several TCB pairs at once (kPairs x 16 columns): one row max, one
+// rescale of O and of the row sums for all of them (FlashAttention's step
+// over a block of keys); the pair version below is its one-pair case.
+// s[x]: raw scores of pair x's TCBs a, b (mma C layout). mask[x]: 8 bits, bit
+// 4b + i = element (b, i) (b: TCB a / b; i = 0, 1: row g cols 2t, 2t+1; i = 2,
+// 3: row g+8); masked elements are -inf. bias(x, b, i, v): the score v (log2
+// units) plus element (x, b, i)'s edge bias; drop(x, b, i, v): v times its
+// dropout factor (applied to the SpMM's P only). On return p[x] holds the A
+// fragment (packed T) of pair x's P[16, 16] for the SpMM, and o[kNT][4] (the
+// SpMM accumulator of this thread) has been rescaled.
+template <typename T, int kNT, int kPairs, typename AddBias, typename Drop>
+__device__ __forceinline__ void online_softmax_pairs(const float (&s)[kPairs][2][4], const uint32_t (&mask)[kPairs],
+                                                     float scale_log2, const AddBias& bias, const Drop& drop,
+                                                     SoftmaxState& st, float (&o)[kNT][4], uint32_t (&p)[kPairs][4]) {
+    // x[x][b][i]: scaled, masked score. i = 0,1: row g; i = 2,3: row g+8.
+    float x[kPairs][2][4];
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
+    for (int c = 0; c < kPairs; ++c) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const bool on = (mask >> (4 * b + i)) & 1u;
-            x[b][i] = on ? bias.add(s[b][i] * scale_log2, b, i) : -INFINITY;
+        for (int b = 0; b < 2; ++b) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const bool on = (mask[c] >> (4 * b + i)) & 1u;
+                x[c][b][i] = on ? bias(c, b, i, s[c][b][i] * scale_log2) : -INFINITY;
+            }
         }
     }
     float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float mx = fmaxf(fmaxf(x[0][2 * r], x[0][2 * r + 1]), fmaxf(x[1][2 * r], x[1][2 * r + 1]));
+        float mx = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < kPairs; ++c) {
+            mx = fmaxf(mx, fmaxf(fmaxf(x[c][0][2 * r], x[c][0][2 * r + 1]), fmaxf(x[c][1][2 * r], x[c][1][2 * r + 1])));
+        }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(st.m[r], mx);
@@ -60,10 +71,13 @@ __device__ __forceinline__ void online_softmax_pair(const float (&s)[2][4], uint
         st.m[r] = m_new;
         float sum = 0.f;
 #pragma unroll
-        for (int b = 0; b < 2; ++b) {
-            x[b][2 * r] = fast_exp2(x[b][2 * r] - m_ref);
-            x[b][2 * r + 1] = fast_exp2(x[b][2 * r + 1] - m_ref);
-            sum += x[b][2 * r] + x[b][2 * r + 1];
+        for (int c = 0; c < kPairs; ++c) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                x[c][b][2 * r] = fast_exp2(x[c][b][2 * r] - m_ref);
+                x[c][b][2 * r + 1] = fast_exp2(x[c][b][2 * r + 1] - m_ref);
+                sum += x[c][b][2 * r] + x[c][b][2 * r + 1];
+            }
         }
         st.l[r] = st.l[r] * alpha[r] + sum;
     }
@@ -74,17 +88,35 @@ __device__ __forceinline__ void online_softmax_pair(const float (&s)[2][4], uint
         o[j][2] *= alpha[1];
         o[j][3] *= alpha[1];
     }
-    // Dropout acts on the SpMM's P only: the row sums above are of the full P.
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
+    for (int c = 0; c < kPairs; ++c) {
+        // Dropout acts on the SpMM's P only: the row sums above are of the full P.
 #pragma unroll
-        for (int i = 0; i < 4; ++i) x[b][i] = bias.drop(x[b][i], b, i, eb);
+        for (int b = 0; b < 2; ++b) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) x[c][b][i] = drop(c, b, i, x[c][b][i]);
+        }
+        // P as the A operand of m16n8k16: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
+        p[c][0] = TypeTraits<T>::pack(x[c][0][0], x[c][0][1]);   // row g,   k 2t, 2t+1
+        p[c][1] = TypeTraits<T>::pack(x[c][0][2], x[c][0][3]);   // row g+8, k 2t, 2t+1
+        p[c][2] = TypeTraits<T>::pack(x[c][1][0], x[c][1][1]);   // row g,   k 2t+8, 2t+9
+        p[c][3] = TypeTraits<T>::pack(x[c][1][2], x[c][1][3]);   // row g+8, k 2t+8, 2t+9
     }
-    // P as the A operand of m16n8k16: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
-    p[0] = TypeTraits<T>::pack(x[0][0], x[0][1]);   // row g,   k 2t, 2t+1
-    p[1] = TypeTraits<T>::pack(x[0][2], x[0][3]);   // row g+8, k 2t, 2t+1
-    p[2] = TypeTraits<T>::pack(x[1][0], x[1][1]);   // row g,   k 2t+8, 2t+9
-    p[3] = TypeTraits<T>::pack(x[1][2], x[1][3]);   // row g+8, k 2t+8, 2t+9
+}
+
+// One pair: the graph kernels' step. bias: the pair's edge terms
+// (edge_bias.cuh: PairBias): the bias, added in log2 units, and the dropout
+// mask, applied to the P of the SpMM.
+template <typename T, int kNT, typename Bias>
+__device__ __forceinline__ void online_softmax_pair(const float (&s)[2][4], uint32_t mask, float scale_log2,
+                                                    const Bias& bias, const EdgeBiasArgs& eb, SoftmaxState& st,
+                                                    float (&o)[kNT][4], uint32_t (&p)[4]) {
+    const float (&s1)[1][2][4] = *reinterpret_cast<const float (*)[1][2][4]>(&s);
+    uint32_t (&p1)[1][4] = *reinterpret_cast<uint32_t (*)[1][4]>(&p);
+    const uint32_t m1[1] = {mask};
+    online_softmax_pairs<T, kNT, 1>(
+        s1, m1, scale_log2, [&](int, int b, int i, float v) { return bias.add(v, b, i); },
+        [&](int, int b, int i, float v) { return bias.drop(v, b, i, eb); }, st, o, p1);
 }
 
 // Full row sums (the 4 threads of a row hold partial sums).

@@ -2,21 +2,22 @@
 // over the implicit key sets of seq_mask.cuh, with the graph kernel's online
 // softmax (online_softmax.cuh) and shared-memory tiles (smem_tile.cuh).
 //
-// Work decomposition. A block of 4 warps runs one (row block of 128 queries,
-// 64 for D = 128; head); warp w owns two m-tiles of 16 queries (one for
-// D = 128), so each K and V fragment read from shared memory feeds two
-// tiles' mmas. The block walks its key tiles
+// Work decomposition. A block of 4 warps runs one (row block of 64 queries,
+// head); warp w owns the m-tile of queries 16w .. 16w+15 (the code takes
+// several m-tiles per warp, seq_block_rows; two measured slower on an H100:
+// the registers halved the resident warps). The block walks its key tiles
 // (64 keys: four pairs of 16) in order; each warp copies one 16-key slice of
 // K and V into shared memory (cp.async, zero-filled past a segment's end),
 // double buffered so that the next tile loads while this one computes, and
 // every warp reads all four slices through ldmatrix. Per pair, a warp gets
 // its mask bits from the policy and skips pairs none of its queries sees
 // (a band's edges). Loads per key are shared by 64 queries instead of 16:
-// an eighth of the graph kernel's L2 traffic on a band.
+// a quarter of the graph kernel's L2 traffic on a band.
 //
-// Per pair and m-tile, with its 16 queries as the mma M dimension:
-//   S [16, 16] = Q K^T            (Q: A fragments in registers, K: ldmatrix)
-//   online softmax, fp32, log2 domain, -inf masking
+// Per tile and m-tile, with its 16 queries as the mma M dimension:
+//   S [16, 64] = Q K^T            (Q: A fragments in registers, K: ldmatrix)
+//   online softmax over the 64 keys at once (one row max, one rescale of O),
+//   fp32, log2 domain, -inf masking
 //   O [16, D] += P V              (P from registers, V: ldmatrix.trans)
 // Global rows (a few queries that attend to every key) are computed apart.
 #pragma once
@@ -27,7 +28,6 @@
 
 #include "seq_params.h"
 #include "seq_mask.cuh"
-#include "edge_bias.cuh"
 #include "mma_utils.cuh"
 #include "online_softmax.cuh"
 #include "smem_tile.cuh"
@@ -49,7 +49,7 @@ struct SeqFwdConfig {
     static_assert(kSlices == kWarps, "each warp copies one slice of a tile");
     static constexpr int kStageBytes = 2 * kSlices * Tile::kBytes;
     static constexpr int kSmemBytes = 2 * kStageBytes;
-    static constexpr int kMinBlocks = 2;
+    static constexpr int kMinBlocks = kHeadDim <= 64 ? 3 : 2;
 };
 
 template <typename T, int kHeadDim>
@@ -115,8 +115,6 @@ seq_fwd_kernel(const SeqFwdParams p) {
         cp_async_commit();
     };
 
-    const PairBias<false, false> no_bias;
-    const EdgeBiasArgs no_edges{};
     SeqTileCursor cur;
     bool more = cur.first(mk, blk);
     if (more) load_tile(cur, 0);
@@ -131,42 +129,54 @@ seq_fwd_kernel(const SeqFwdParams p) {
             cp_async_wait<0>();
         }
         __syncthreads();   // this tile's slices, from every warp, are in shared memory
-        uint32_t bits[kM][Cfg::kSlices], on[kM];
+        uint32_t bits[kM][Cfg::kSlices], on[kM], any = 0u;
 #pragma unroll
         for (int i = 0; i < kM; ++i) {
             on[i] = seq_tile_bits(mk, win[i], cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, bits[i]);
+            any |= on[i];
+#pragma unroll
+            for (int sl = 0; sl < Cfg::kSlices; ++sl) bits[i][sl] = ((on[i] >> sl) & 1u) ? bits[i][sl] : 0u;
         }
+        // S of the tile's pairs (pairs no query of this warp sees: skipped, masked)
+        float s[kM][Cfg::kSlices][2][4];
 #pragma unroll
         for (int sl = 0; sl < Cfg::kSlices; ++sl) {
-            bool any = false;
 #pragma unroll
-            for (int i = 0; i < kM; ++i) any |= (on[i] >> sl) & 1u;
-            if (!any) continue;   // warp-uniform: no query of this warp sees these keys
-            float s[kM][2][4] = {};
+            for (int i = 0; i < kM; ++i) {
+#pragma unroll
+                for (int x = 0; x < 8; ++x) s[i][sl][x >> 2][x & 3] = 0.f;
+            }
+            if (!((any >> sl) & 1u)) continue;   // warp-uniform
 #pragma unroll
             for (int step = 0; step < Cfg::kSteps; ++step) {
                 uint32_t b[4];
                 Tile::bt_frags(b, k_slice(stage, sl), step, lane);
 #pragma unroll
                 for (int i = 0; i < kM; ++i) {
-                    mma_16816<T>(s[i][0], qa[i][step], b[0], b[1]);
-                    mma_16816<T>(s[i][1], qa[i][step], b[2], b[3]);
+                    mma_16816<T>(s[i][sl][0], qa[i][step], b[0], b[1]);
+                    mma_16816<T>(s[i][sl][1], qa[i][step], b[2], b[3]);
                 }
             }
-            uint32_t pa[kM][4];
+        }
+        // One softmax step over the tile's 64 keys per m-tile.
+        uint32_t pa[kM][Cfg::kSlices][4];
+        auto no_bias = [](int, int, int, float v) { return v; };
 #pragma unroll
-            for (int i = 0; i < kM; ++i) {
-                const uint32_t mask = ((on[i] >> sl) & 1u) ? bits[i][sl] : 0u;
-                online_softmax_pair<T, kNT>(s[i], mask, p.scale_log2, no_bias, no_edges, st[i], o[i], pa[i]);
-            }
+        for (int i = 0; i < kM; ++i) {
+            online_softmax_pairs<T, kNT, Cfg::kSlices>(s[i], bits[i], p.scale_log2, no_bias, no_bias, st[i], o[i], pa[i]);
+        }
+        // O += P V
+#pragma unroll
+        for (int sl = 0; sl < Cfg::kSlices; ++sl) {
+            if (!((any >> sl) & 1u)) continue;
 #pragma unroll
             for (int jj = 0; jj < kNT / 2; ++jj) {
                 uint32_t b[4];
                 Tile::b_frags(b, v_slice(stage, sl), jj, lane);
 #pragma unroll
                 for (int i = 0; i < kM; ++i) {
-                    mma_16816<T>(o[i][2 * jj], pa[i], b[0], b[1]);
-                    mma_16816<T>(o[i][2 * jj + 1], pa[i], b[2], b[3]);
+                    mma_16816<T>(o[i][2 * jj], pa[i][sl], b[0], b[1]);
+                    mma_16816<T>(o[i][2 * jj + 1], pa[i][sl], b[2], b[3]);
                 }
             }
         }

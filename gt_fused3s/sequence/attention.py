@@ -29,7 +29,7 @@ _KERNEL_DIMS = (32, 64, 128)
 
 def _block_rows(head_dim: int) -> int:
     """Queries per thread block (seq_params.h: seq_block_rows)."""
-    return 128 if head_dim <= 64 else 64
+    return 64
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None) -> None:
