@@ -150,11 +150,13 @@ def free_cuda_memory(device: torch.device | str = "cuda") -> None:
 
 
 # ------------------------------------------------------------------ errors
-def short_error(err: BaseException, limit: int = 160) -> str:
-    """One line naming the error, for a table cell or a note."""
+def short_error(err: BaseException, limit: int | None = 160) -> str:
+    """One line naming the error, for a table cell or a note (cut at
+    ``limit`` characters; ``None``: the whole first line, for a log line
+    whose end says what to do)."""
     msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
     msg = f"{type(err).__name__}: {msg}" if msg else type(err).__name__
-    return msg if len(msg) <= limit else msg[:limit - 3] + "..."
+    return msg if limit is None or len(msg) <= limit else msg[:limit - 3] + "..."
 
 
 def is_oom(err: BaseException) -> bool:

@@ -306,7 +306,7 @@ def _run_dataset(spec: dict, s: _Settings, rows: list[dict]) -> None:
         else:            # one graph, on the device
             batches = [ds.get(0, device)]
     except Exception as err:   # missing file, offline, bad params: note it, go on
-        s.log(f"{name}: dataset not loaded: {short_error(err)}")
+        s.log(f"{name}: dataset not loaded: {short_error(err, None)}")
         rows.append({**base, "backend": "-", "status": "error", "note": f"dataset: {short_error(err)}"})
         return
 
@@ -727,7 +727,8 @@ def format_summary(rows: list[dict], backends: tuple[str, ...] = (
     lines.append("synthetic structures: " + ("; ".join(by_kind["synthetic"]) or "none"))
     failed = sorted({r["dataset"] for r in rows if r.get("backend") == "-"})
     if failed:
-        lines.append("not loaded: " + ", ".join(failed))
+        lines.append("not loaded: " + ", ".join(failed) + " (why, and what to do: the lines "
+                     "'dataset not loaded' above)")
     return lines
 
 

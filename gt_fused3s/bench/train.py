@@ -374,7 +374,7 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
         task = load_task(cfg, device, quick=quick, offline=offline, progress=progress)
     except _LOAD_ERRORS as err:   # no file, no network, bad params: one line, no traceback
         raise ValueError(f"dataset {cfg['dataset'].get('name', cfg['dataset']['kind'])} "
-                         f"not loaded: {common.short_error(err)}") from err
+                         f"not loaded: {common.short_error(err, None)}") from err
     env["dataset"] = task.name
     log(task.about)
     log(describe_run(task, cfg, env["dtype"]))

@@ -104,7 +104,9 @@ def load_dataset(spec: dict[str, Any], *, device: torch.device | str = "cpu", se
     ``params`` (a smaller setting of the same dataset, for smoke tests).
     ``fallback`` is loaded instead when the entry's loader finds the data
     unavailable, or at once if ``offline``; the dataset's ``info`` then has
-    ``fallback_reason``.
+    ``fallback_reason``. If the fallback is unavailable too, the
+    :class:`DatasetUnavailableError` is one line with both reasons (the
+    download's own error first) and what to do.
     """
     if not isinstance(spec, dict) or "kind" not in spec:
         raise ValueError(f"a dataset entry needs at least 'kind' (got {spec!r})")
@@ -118,8 +120,16 @@ def load_dataset(spec: dict[str, Any], *, device: torch.device | str = "cpu", se
         except _UNAVAILABLE as err:
             if fallback is None:
                 raise
-            reason = f"{type(err).__name__}: {err}".splitlines()[0]
-    ds = _load(fallback, name, device, seed, quick)
+            reason = f"{type(err).__name__}: {getattr(err, 'reason', err)}".splitlines()[0]
+    try:
+        ds = _load(fallback, name, device, seed, quick)
+    except _UNAVAILABLE as err:
+        hint = getattr(err, "hint", "")
+        if offline:
+            hint = (hint + "; or r" if hint else "R") + "un without --offline (offline=False) to download it"
+        raise DatasetUnavailableError(
+            f"{name}: {reason}; the fallback ({fallback['kind']}) failed too: "
+            f"{type(err).__name__}: {getattr(err, 'reason', err)}".splitlines()[0], hint) from err
     ds.info["fallback_reason"] = reason
     return ds
 

@@ -16,13 +16,34 @@ import torch
 from torch import Tensor
 from torch_geometric.data import Data
 
-#: the source checkout this package runs from (``<repo>/gt_fused3s/data/base.py``)
+#: the source checkout this package runs from (``<repo>/gt_fused3s/data/base.py``);
+#: in an installed package, the folder above ``site-packages`` (see :data:`IN_CHECKOUT`)
 REPO_ROOT = Path(__file__).resolve().parents[2]
+#: whether :data:`REPO_ROOT` is a checkout of this repository (an editable
+#: install), not the folder of an installed wheel
+IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "gt_fused3s").is_dir()
 DATA_ENV = "GT_FUSED3S_DATA"
 
 
+def download_root() -> Path:
+    """Where the online loaders download to by default: ``<repo>/.data/datasets``
+    in a checkout (ignored by git), else ``$XDG_CACHE_HOME/gt_fused3s/datasets``
+    (``~/.cache/gt_fused3s/datasets``), never inside an installed package."""
+    if IN_CHECKOUT:
+        return REPO_ROOT / ".data" / "datasets"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache).expanduser() / "gt_fused3s" / "datasets"
+
+
 class DatasetUnavailableError(RuntimeError):
-    """A dataset is not on disk and could not be fetched (offline, no file)."""
+    """A dataset is not on disk and could not be fetched (offline, no file).
+
+    ``reason`` is what went wrong and ``hint`` what to do; the message is
+    both (a caller with a fallback shows the reason and its own hint)."""
+
+    def __init__(self, reason: str, hint: str = ""):
+        super().__init__(f"{reason}. {hint}" if hint else reason)
+        self.reason, self.hint = reason, hint
 
 
 @dataclass(eq=False)
@@ -127,12 +148,14 @@ def random_features(num_nodes: int, num_features: int, *, seed: int = 0, stream:
 
 def data_dirs() -> list[Path]:
     """Folders searched for structure files, in order: ``$GT_FUSED3S_DATA``,
-    ``<repo>/../shared/data``, ``<repo>/.data`` (the ignored folder a device
-    run carries its data in). Only those that exist are listed."""
+    and in a checkout ``<repo>/../shared/data`` and ``<repo>/.data`` (the
+    ignored folder a device run carries its data in). Only those that exist
+    are listed."""
     dirs = []
     if os.environ.get(DATA_ENV):
         dirs.append(Path(os.environ[DATA_ENV]).expanduser())
-    dirs += [REPO_ROOT.parent / "shared" / "data", REPO_ROOT / ".data"]
+    if IN_CHECKOUT:
+        dirs += [REPO_ROOT.parent / "shared" / "data", REPO_ROOT / ".data"]
     return [d for d in dirs if d.is_dir()]
 
 
@@ -144,16 +167,18 @@ def resolve_path(path: str | os.PathLike) -> Path:
     name is looked up in :func:`data_dirs`. So ``../shared/data/zinc.npz``
     works from the checkout, and on a machine that keeps the files elsewhere
     setting ``GT_FUSED3S_DATA`` (or copying them to ``<repo>/.data``) suffices.
+    The error of a file found nowhere is one line that says so.
     """
     raw = Path(os.path.expandvars(os.fspath(path))).expanduser()
-    tried = [raw] if raw.is_absolute() else [Path.cwd() / raw, REPO_ROOT / raw]
+    tried = [raw] if raw.is_absolute() else [Path.cwd() / raw] + ([REPO_ROOT / raw] if IN_CHECKOUT else [])
     tried += [d / raw.name for d in data_dirs()]
+    tried = list(dict.fromkeys(Path(os.path.normpath(p)) for p in tried))
     for p in tried:
         if p.is_file():
             return p.resolve()
-    raise FileNotFoundError(f"data file {os.fspath(path)!r} not found; tried "
+    raise FileNotFoundError(f"data file {os.fspath(path)!r} not found (tried "
                             + ", ".join(str(p) for p in tried)
-                            + f" (set {DATA_ENV} to the folder that holds it)")
+                            + f"); set {DATA_ENV} to the folder that holds {raw.name}")
 
 
 #: the vocabulary of :func:`generated_bond_types` (one column)

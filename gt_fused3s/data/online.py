@@ -1,6 +1,8 @@
 """Loaders of published datasets: OGB (``ogb``), LRGB and the other PyG
 datasets (``torch_geometric.datasets``). They read ``root`` and download
-there on first use; offline and without the files they raise
+there on first use (default: ``.data/datasets`` of the checkout, or
+``~/.cache/gt_fused3s/datasets`` for an installed package, see
+:func:`~gt_fused3s.data.base.download_root`); offline and without the files they raise
 :class:`DatasetUnavailableError` naming the dataset, the folder and the
 offline alternative (an npz structure file).
 
@@ -10,8 +12,10 @@ datasets without node features get seeded random normal ones.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -19,11 +23,8 @@ from unittest import mock
 
 import torch
 
-from .base import (GENERATED_BOND_VOCAB, REPO_ROOT, DatasetUnavailableError, GraphDataset,
+from .base import (GENERATED_BOND_VOCAB, DatasetUnavailableError, GraphDataset, download_root,
                    generated_bond_types, make_data, random_features)
-
-#: default download folder (ignored by git)
-DEFAULT_ROOT = REPO_ROOT / ".data" / "datasets"
 
 
 def _answer_yes(question: str = "") -> str:
@@ -44,11 +45,13 @@ def _open(name: str, root: Path, make: Callable[[], Any]):
             return make()
     # URLError and socket errors are OSErrors; ogb exits when a download fails
     except (OSError, EOFError, SystemExit) as err:
+        own = " ".join(str(err).split()) or "(no message)"
         raise DatasetUnavailableError(
             f"dataset {name} is not in {root} and could not be downloaded (offline?): "
-            f"{type(err).__name__}: {err}. Put the files there (or set its 'root'), or use "
-            f"the npz structure file option: kind: npz, params: {{structure: path/to/{name}.npz}} "
-            f"(layout of shared/data/README.md)") from err
+            f"{type(err).__name__}: {own}",
+            f"Put the files there (or set its 'root'), or use the npz structure file option: "
+            f"kind: npz, params: {{structure: path/to/{name}.npz}} (layout of "
+            f"shared/data/README.md)") from err
 
 
 def _node_features(data, num_features: int, seed: int, stream: int, device) -> torch.Tensor:
@@ -125,6 +128,15 @@ def _edge_types(data, vocab, device) -> torch.Tensor:
     return ea.reshape(ea.size(0), -1).long().to(device)
 
 
+@contextlib.contextmanager
+def _needs_ogb(name: str):
+    """Turns a missing ``ogb`` into an ImportError that says how to install it."""
+    try:
+        yield
+    except ImportError as err:
+        raise ImportError(f'dataset {name} needs the ogb package ({err}): pip install "gt-fused3s[ogb]"') from err
+
+
 def load_ogb(name: str, *, root: str | Path | None = None, split: str | None = None,
              **kwargs) -> GraphDataset:
     """An OGB node (``ogbn-*``) or graph (``ogbg-*``) property dataset.
@@ -133,13 +145,16 @@ def load_ogb(name: str, *, root: str | Path | None = None, split: str | None = N
     ``get_idx_split()``; default all graphs. Other keyword arguments go to
     :func:`from_pyg`.
     """
-    root = Path(root) if root else DEFAULT_ROOT / "ogb"
+    root = Path(root) if root else download_root() / "ogb"
+    os.environ.setdefault("DGLBACKEND", "pytorch")    # ogb imports DGL where it is installed
     if name.startswith("ogbn-"):
-        from ogb.nodeproppred import PygNodePropPredDataset
+        with _needs_ogb(name):
+            from ogb.nodeproppred import PygNodePropPredDataset
         ds = _open(name, root, lambda: PygNodePropPredDataset(name=name, root=str(root)))
         classes = int(ds.num_classes)
     elif name.startswith("ogbg-"):
-        from ogb.graphproppred import PygGraphPropPredDataset
+        with _needs_ogb(name):
+            from ogb.graphproppred import PygGraphPropPredDataset
         ds = _open(name, root, lambda: PygGraphPropPredDataset(name=name, root=str(root)))
         classes = int(ds.num_tasks)
         if split is not None:
@@ -157,7 +172,7 @@ def load_lrgb(name: str, *, root: str | Path | None = None, split: str = "test",
     one ``split`` (``"train"``, ``"val"``, ``"test"``)."""
     from torch_geometric.datasets import LRGBDataset
 
-    root = Path(root) if root else DEFAULT_ROOT / "lrgb"
+    root = Path(root) if root else download_root() / "lrgb"
     ds = _open(name, root, lambda: LRGBDataset(str(root), name, split=split))
     return from_pyg(ds, name, num_classes=int(ds.num_classes),
                     info={"source": "lrgb", "split": split}, **kwargs)
@@ -178,7 +193,7 @@ def load_pyg(cls: str, *, label: str | None = None, root: str | Path | None = No
         raise ValueError(f"torch_geometric.datasets has no dataset class {cls!r}")
     wrap = {k: kwargs.pop(k) for k in _FROM_PYG_KEYS if k in kwargs}
     dataset_cls = getattr(pyg_datasets, cls)
-    root = Path(root) if root else DEFAULT_ROOT / "pyg" / cls
+    root = Path(root) if root else download_root() / "pyg" / cls
     if "root" in inspect.signature(dataset_cls).parameters:   # not e.g. FakeDataset
         kwargs["root"] = str(root)
     label = label or (f"{cls}-{kwargs['name']}" if "name" in kwargs else cls)
