@@ -129,26 +129,17 @@ seq_fwd_kernel(const SeqFwdParams p) {
             cp_async_wait<0>();
         }
         __syncthreads();   // this tile's slices, from every warp, are in shared memory
-        uint32_t bits[kM][Cfg::kSlices], on[kM], any = 0u;
+        uint32_t bits[kM][Cfg::kSlices], any = 0u;
 #pragma unroll
-        for (int i = 0; i < kM; ++i) {
-            on[i] = seq_tile_bits(mk, win[i], cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, bits[i]);
-            any |= on[i];
+        for (int i = 0; i < kM; ++i) any |= seq_tile_bits(mk, win[i], cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, bits[i]);
+        // S of the tile's pairs, k-step by k-step over all pairs (independent
+        // mma chains); pairs no query of this warp sees are skipped (masked).
+        float s[kM][Cfg::kSlices][2][4] = {};
 #pragma unroll
-            for (int sl = 0; sl < Cfg::kSlices; ++sl) bits[i][sl] = ((on[i] >> sl) & 1u) ? bits[i][sl] : 0u;
-        }
-        // S of the tile's pairs (pairs no query of this warp sees: skipped, masked)
-        float s[kM][Cfg::kSlices][2][4];
+        for (int step = 0; step < Cfg::kSteps; ++step) {
 #pragma unroll
-        for (int sl = 0; sl < Cfg::kSlices; ++sl) {
-#pragma unroll
-            for (int i = 0; i < kM; ++i) {
-#pragma unroll
-                for (int x = 0; x < 8; ++x) s[i][sl][x >> 2][x & 3] = 0.f;
-            }
-            if (!((any >> sl) & 1u)) continue;   // warp-uniform
-#pragma unroll
-            for (int step = 0; step < Cfg::kSteps; ++step) {
+            for (int sl = 0; sl < Cfg::kSlices; ++sl) {
+                if (!((any >> sl) & 1u)) continue;   // warp-uniform
                 uint32_t b[4];
                 Tile::bt_frags(b, k_slice(stage, sl), step, lane);
 #pragma unroll

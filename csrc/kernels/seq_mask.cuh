@@ -315,10 +315,25 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
     return true;
 }
 
+// The bits of a tile's pairs by pair tests (band edges, overlapping parts,
+// short segments): kept out of line, so that the kernel's loop over the
+// inside of a band stays small in the instruction cache.
+__host__ __device__ __noinline__ uint32_t seq_tile_bits_slow(const SeqMask& mk, const SeqWindow& win, int part,
+                                                             const KeySeg& ks, int32_t n0, int lane, uint32_t* bits) {
+    uint32_t on = 0u;
+#pragma unroll
+    for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {
+        if (seq_pair_bits(mk, win, part, ks, n0 + 16 * sl, lane, bits[sl])) on |= 1u << sl;
+        else bits[sl] = 0u;
+    }
+    return on;
+}
+
 // The bits of the tile's four pairs (keys n0 .. n0+63) for sub-window win:
-// bits[sl] of pair sl; returns the pairs the warp computes (bit sl). A tile
-// wholly inside its part's band for every query of win, with no earlier part
-// near it, takes one test instead of four (the inside of a band).
+// bits[sl] of pair sl (0 for pairs the warp skips); returns the pairs the
+// warp computes (bit sl). A tile wholly inside its part's band for every
+// query of win, with no earlier part near it, takes one test instead of four
+// (the inside of a band).
 GT_SEQ_HD uint32_t seq_tile_bits(const SeqMask& mk, const SeqWindow& win, int part, const KeySeg& ks, int32_t n0,
                                  int lane, uint32_t (&bits)[kSeqTileKeys / 16]) {
     constexpr int kPairs = kSeqTileKeys / 16;
@@ -332,11 +347,10 @@ GT_SEQ_HD uint32_t seq_tile_bits(const SeqMask& mk, const SeqWindow& win, int pa
             return (1u << kPairs) - 1u;
         }
     }
-    uint32_t on = 0u;
+    uint32_t tmp[kPairs];
+    const uint32_t on = seq_tile_bits_slow(mk, win, part, ks, n0, lane, tmp);
 #pragma unroll
-    for (int sl = 0; sl < kPairs; ++sl) {
-        if (seq_pair_bits(mk, win, part, ks, n0 + 16 * sl, lane, bits[sl])) on |= 1u << sl;
-    }
+    for (int sl = 0; sl < kPairs; ++sl) bits[sl] = tmp[sl];
     return on;
 }
 
