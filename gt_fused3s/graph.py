@@ -56,6 +56,7 @@ builder must equal exactly.
 """
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -400,6 +401,21 @@ def _op_build_available(device: torch.device) -> bool:
         return False
     from ._build import extension_available
     return extension_available()
+
+
+def check_int(name: str, value: Any, low: int = 1) -> int:
+    """``value`` as a Python int if it is an integer >= ``low`` (a Python or
+    numpy integer, or a 0-d integer tensor; not a bool), else one-line
+    ValueError naming ``name``."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise ValueError(f"{name} must be an int >= {low} (got {value!r})")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int >= {low} (got {value!r})") from None
+    if as_int < low:
+        raise ValueError(f"{name} must be an int >= {low} (got {value!r})")
+    return as_int
 
 
 def _check_num_nodes(num_nodes: Any) -> int:

@@ -84,6 +84,24 @@ def test_constructor_options():
     assert model.backend == "fused3s"
 
 
+def test_bad_sizes_numpy_sizes_and_torchscript():
+    """Sizes: one-line ValueErrors (heads=0 was a ZeroDivisionError), numpy
+    integers accepted; TorchScript fails at once pointing to torch.compile
+    and torch.export (tests/test_compile.py exports the model)."""
+    import numpy as np
+    for kwargs, match in (({"heads": 0}, "heads must be an int >= 1"),
+                          ({"hidden_channels": 0}, "hidden_channels must be an int >= 1"),
+                          ({"num_layers": 0}, "num_layers must be an int >= 1"),
+                          ({"heads": 2.0}, "heads must be an int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            _model(**kwargs)
+    model = GraphTransformer(np.int64(4), np.int64(16), np.int32(5), num_layers=np.int64(2), heads=np.int64(2))
+    x, ei, _ = _molecules()
+    assert model(x[:, :4], ei).shape == (x.size(0), 5)
+    with pytest.raises(RuntimeError, match="cannot be compiled by TorchScript.*torch.compile.*torch.export"):
+        torch.jit.script(model)
+
+
 def test_plan_built_once_per_forward(stand_in_kernels):
     calls = stand_in_kernels.calls             # the kernel path, with CPU stand-ins
     builds = lambda: calls.count("bsb_build")  # noqa: E731

@@ -230,6 +230,20 @@ def test_bad_features_raise_dgl_error():
         conv(g, random_feat(33, 5))
 
 
+def test_bad_sizes_numpy_sizes_and_torchscript():
+    import numpy as np
+    for kwargs, match in (({"out_feats": 0}, "out_feats must be an int >= 1 .got 0."),
+                          ({"num_heads": 0}, "num_heads must be an int >= 1 .got 0."),
+                          ({"num_heads": 1.5}, "num_heads must be an int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            Fused3SConv(**{"in_feats": F_IN, "out_feats": D, "num_heads": 2, **kwargs})
+    g = to_dgl("self_loops")
+    conv = Fused3SConv(np.int64(F_IN), np.int64(D), np.int32(2))
+    assert conv(g, random_feat(g.num_nodes())).shape == (g.num_nodes(), 2, D)
+    with pytest.raises(RuntimeError, match="cannot be compiled by TorchScript.*torch.compile.*torch.export"):
+        torch.jit.script(conv)
+
+
 def test_heterograph_with_another_node_type_raises_like_dotgatconv():
     """One edge type but an extra node type: DotGatConv refuses it, and so
     does the layer (the edges' ids are per node type); one relation works."""

@@ -562,9 +562,12 @@ def test_clear_errors_for_scripting_sizes_and_edge_indices():
     _, ours = make_pair(heads=2)
     with pytest.raises(RuntimeError, match="cannot be compiled by TorchScript.*torch.compile"):
         torch.jit.script(ours)
-    for kwargs in ({"out_channels": 0}, {"heads": 0}):
+    for kwargs in ({"out_channels": 0}, {"heads": 0}, {"heads": 2.0}):
         with pytest.raises(ValueError, match=r"must be an int >= 1"):
             Fused3SConv(F_IN, **{"out_channels": D, **kwargs})
+    import numpy as np                  # numpy integers are ints, as everywhere in PyG
+    conv = Fused3SConv(np.int64(F_IN), np.int64(D), heads=np.int32(2))
+    assert conv.out_channels == D and type(conv.heads) is int
     q = torch.randn(5, 2, 0)
     with pytest.raises(ValueError, match="head dim >= 1"):
         fused3s_attention(q, q, q, torch.zeros(2, 1, dtype=torch.long))

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ..backends import AttentionGraph, get_backend
 from ..distributed import LocalGraph, partitioned_attention
-from ..graph import BSBGraph
+from ..graph import BSBGraph, check_int
 from ..plan import GraphPlan
 
 
@@ -188,13 +188,15 @@ class GraphTransformer(nn.Module):
                  norm: str = "layer", readout: str = "node", dropout: float = 0.0,
                  self_loops: bool = False, edge_vocab: tuple[int, ...] | None = None):
         super().__init__()
+        in_channels, hidden_channels, out_channels, num_layers, heads = (
+            check_int(name, value) for name, value in (
+                ("in_channels", in_channels), ("hidden_channels", hidden_channels),
+                ("out_channels", out_channels), ("num_layers", num_layers), ("heads", heads)))
         if edge_vocab and self_loops:
             raise ValueError("self_loops adds edges without edge features: add typed self loops "
                              "to the data instead, or leave edge_vocab unset")
         if readout not in ("node", "graph"):
             raise ValueError(f"readout must be 'node' or 'graph' (got {readout!r})")
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1 (got {num_layers})")
         self.readout = readout
         self.self_loops = self_loops
         self.embed = nn.Linear(in_channels, hidden_channels)
@@ -204,6 +206,12 @@ class GraphTransformer(nn.Module):
         self.head = nn.Linear(hidden_channels, out_channels)
         self.backend = backend
         self._timer: AttentionTimer | None = None
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first: fail at once, in one line
+        raise RuntimeError("GraphTransformer cannot be compiled by TorchScript (its attention "
+                           "backends and graph plans are Python objects): use torch.compile, or "
+                           "torch.export for serving (forward on a prepared GraphPlan)")
 
     def _check_edge_attr(self, edge_attr, num_edges: int) -> None:
         _check_edge_attr_for(self, edge_attr, num_edges)

@@ -25,6 +25,7 @@ except ImportError as e:  # ModuleNotFoundError, or DGL's own import failures
     raise ImportError('gt_fused3s.nn.dgl needs DGL, which could not be imported '
                       f'({e}); install it with: pip install "gt-fused3s[dgl]"') from e
 
+from ..graph import check_int
 from ..ops import fused3s_attention, kernel_accepts
 from ..plan import GraphPlan
 from ..reference import attention_reference
@@ -73,9 +74,9 @@ class Fused3SConv(nn.Module):
     graphs, the blocks of ``dgl.to_block`` from neighbour sampling) are
     fused too: rows are destinations, columns sources, both padded to
     ``max(N_src, N_dst)`` rows. ``get_attention=True`` returns the
-    attention the fused kernel computes (one extra score pass). Graphs with
-    several edge types take the unfused DGL computation above, which needs
-    the features on the graph's device.
+    attention the fused kernel computes (one extra score pass). A graph with
+    several edge types or an extra node type is refused with a DGLError, as
+    DGL's DotGatConv refuses it: pass one relation, ``g[etype]``.
 
     Duplicate edges (a multigraph) count as often as they appear, as in
     DGL's edge softmax.
@@ -108,6 +109,7 @@ class Fused3SConv(nn.Module):
     def __init__(self, in_feats, out_feats: int, num_heads: int, bias: bool = True,
                  allow_zero_in_degree: bool = False):
         super().__init__()
+        out_feats, num_heads = check_int("out_feats", out_feats), check_int("num_heads", num_heads)
         self._in_src_feats, self._in_dst_feats = expand_as_pair(in_feats)
         self._out_feats = out_feats
         self._num_heads = num_heads
@@ -116,6 +118,12 @@ class Fused3SConv(nn.Module):
         self.k_proj = nn.Linear(self._in_src_feats, out_feats * num_heads, bias=bias)
         self.v_proj = nn.Linear(self._in_src_feats, out_feats * num_heads, bias=bias)
         self.reset_parameters()
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first: fail at once, in one line
+        raise RuntimeError("Fused3SConv cannot be compiled by TorchScript (it reads DGL graphs and "
+                           "its graph plans are Python objects): use torch.compile, or torch.export "
+                           "for serving")
 
     def reset_parameters(self):
         """Reinitialise the projections (as DGL's BiasedMHA: Xavier uniform
@@ -149,7 +157,8 @@ class Fused3SConv(nn.Module):
         Parameters
         ----------
         graph : DGLGraph
-            The graph (homogeneous, or with one edge type).
+            The graph (homogeneous, bipartite or a block: one edge type and
+            one node type on each side).
         feat : torch.Tensor or pair of torch.Tensor
             :math:`(N, D_{in})` features, or a pair of source and destination
             features.

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch_geometric.nn import TransformerConv
 from torch_geometric.typing import SparseTensor
 
-from ..graph import BSBGraph, _check_index_tensor, _check_range, _in_capture_or_compile
+from ..graph import BSBGraph, _check_index_tensor, _check_range, _in_capture_or_compile, check_int
 from .. import ops
 from ..edge_terms import edge_dot, edge_scatter
 from ..ops import fused3s_attention, kernel_accepts
@@ -163,9 +163,10 @@ class Fused3SConv(TransformerConv):
         cached: bool = False,
         **kwargs,
     ):
-        for name, value in (("out_channels", out_channels), ("heads", heads)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
+        out_channels, heads = check_int("out_channels", out_channels), check_int("heads", heads)
+        # numpy integers are ints here (-1: lazy, as in TransformerConv)
+        in_channels = (tuple(check_int("in_channels", c, -1) for c in in_channels)
+                       if isinstance(in_channels, (tuple, list)) else check_int("in_channels", in_channels, -1))
         super().__init__(in_channels, out_channels, heads=heads, concat=concat,
                          beta=beta, dropout=dropout, edge_dim=edge_dim, bias=bias,
                          root_weight=root_weight, **kwargs)
