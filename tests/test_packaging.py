@@ -47,3 +47,19 @@ def test_configs_resolve_through_the_installed_package(tmp_path, monkeypatch):
     assert common.shipped_config("default.yaml") == package / "configs" / "default.yaml"
     with pytest.raises(FileNotFoundError, match="tried .*no-checkout.*site-packages"):
         common.resolve_config_path("configs/missing.yaml", None)
+
+
+def test_an_installed_package_reports_no_foreign_git_sha(tmp_path, monkeypatch):
+    """A virtual environment inside someone's repository must not label our
+    results with that repository's sha."""
+    import subprocess
+    import gt_fused3s
+    monkeypatch.delenv("GT_FUSED3S_GIT_SHA", raising=False)
+    outer = tmp_path / "their-project"
+    site = outer / ".venv" / "lib" / "python3" / "site-packages"
+    site.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    monkeypatch.setattr(common, "REPO_ROOT", site.parent)
+    assert common.git_sha() == f"unknown (installed gt-fused3s {gt_fused3s.__version__})"
+    monkeypatch.setattr(common, "REPO_ROOT", ROOT)        # the checkout: its own sha
+    assert "installed" not in common.git_sha()

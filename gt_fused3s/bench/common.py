@@ -34,9 +34,14 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # ------------------------------------------------------------- environment
 def git_sha() -> str:
     """Short sha of the checkout (``-dirty`` if modified); ``$GT_FUSED3S_GIT_SHA``
-    wins (a copy of the tree without ``.git``, as on the GPU machine)."""
+    wins (a copy of the tree without ``.git``, as on the GPU machine). An
+    installed package is no checkout: it says its version, never the sha of
+    a repository that happens to hold its environment."""
     if os.environ.get("GT_FUSED3S_GIT_SHA"):
         return os.environ["GT_FUSED3S_GIT_SHA"]
+    if not ((REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "gt_fused3s").is_dir()):
+        from .. import __version__
+        return f"unknown (installed gt-fused3s {__version__})"
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=10, check=False)
