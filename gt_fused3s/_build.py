@@ -10,14 +10,23 @@ the architectures of the visible GPUs, and cached on disk:
   stale build is never loaded;
 * a later process with the same sources loads the cached library at once.
 
+An ahead-of-time build (``GT_FUSED3S_BUILD_EXT=1`` at ``pip install``, see
+``setup.py``) leaves ``gt_fused3s/_C*.so`` and its stamp ``_C.json`` (torch
+and CUDA versions, a digest of the sources, ``TORCH_CUDA_ARCH_LIST``) in the
+package; it is loaded instead of compiling when the stamp matches this torch,
+these sources and the visible GPUs, and otherwise passed over with a warning
+that says why (then the JIT build runs as above).
+
 ``load_extension()`` returns the op namespace (``torch.ops.gt_fused3s``) or
 raises ``RuntimeError`` saying why not (no CUDA torch, no GPU, no nvcc, no
 ninja, GPU too old, compiler error). ``extension_available()`` never raises
-and remembers a failure.
+and remembers a failure; ``extension_origin()`` says which library was
+loaded.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import threading
@@ -27,6 +36,15 @@ from pathlib import Path
 _LOCK = threading.RLock()
 _OPS = None            # torch.ops.gt_fused3s once loaded
 _FAILURE: str | None = None   # reason of the first failed attempt
+_ORIGIN: str | None = None    # "prebuilt <path>" or "jit <path>" once loaded
+
+#: compiler flags of both builds (the JIT adds -gencode for the visible GPUs;
+#: the ahead-of-time build takes them from TORCH_CUDA_ARCH_LIST)
+CUDA_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
+CFLAGS = ["-O3"]
+#: the ahead-of-time build: module name (in the package) and its stamp file
+PREBUILT_NAME = "_C"
+PREBUILT_STAMP = "_C.json"
 
 _COMPILE_MESSAGE = "gt_fused3s: compiling the CUDA extension (first use, ~1-2 min)..."
 _MIN_CAPABILITY = (8, 0)   # mma.sync m16n8k16 with bf16 needs sm_80
@@ -52,6 +70,95 @@ def _sources(csrc: Path) -> tuple[list[str], list[Path]]:
     headers = sorted(p for ext in ("*.cuh", "*.h") for p in (csrc / "kernels").glob(ext))
     sources = [csrc / "bindings.cpp"] + kernels
     return [str(p) for p in sources], sources + headers
+
+
+def include_dirs(csrc: Path, cuda_home: str | None) -> list[str]:
+    """The sources' folder, and CUDA's CCCL headers where the toolkit keeps them apart."""
+    cccl = Path(cuda_home) / "include" / "cccl" if cuda_home else None
+    return [str(csrc)] + ([str(cccl)] if cccl is not None and cccl.is_dir() else [])
+
+
+def source_digest(csrc: Path) -> str:
+    """sha1 of the name and content of every file that defines the build."""
+    h = hashlib.sha1()
+    for p in _sources(csrc)[1]:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def parse_arch_list(text: str) -> list[tuple[int, int, str]]:
+    """``TORCH_CUDA_ARCH_LIST`` ("8.0;9.0a 9.0+PTX") as (major, minor, suffix)
+    triples, suffix "", "a" or "+PTX". Raises ValueError on an entry that is
+    not an architecture number, or one older than the kernel needs."""
+    archs = []
+    for entry in text.replace(",", ";").replace(" ", ";").split(";"):
+        if not entry:
+            continue
+        base, ptx = (entry[:-4], "+PTX") if entry.endswith("+PTX") else (entry, "")
+        base, arch_a = (base[:-1], "a") if base.endswith("a") else (base, "")
+        try:
+            major, minor = (int(v) for v in base.split("."))
+        except ValueError:
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {entry!r} is not an architecture "
+                             f"such as 8.0, 9.0a or 9.0+PTX") from None
+        if (major, minor) < _MIN_CAPABILITY:
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {entry!r}: the fused kernel needs compute "
+                             f"capability >= {_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]}")
+        archs.append((major, minor, arch_a + ptx))
+    if not archs:
+        raise ValueError(f"TORCH_CUDA_ARCH_LIST {text!r} names no architecture")
+    return archs
+
+
+def _runs_on(archs: list[tuple[int, int, str]], cap: tuple[int, int]) -> bool:
+    """Whether code built for ``archs`` runs on a GPU of capability ``cap``:
+    machine code of the same major version and a minor <= the GPU's (an
+    arch-specific "a" build only on its own capability), or PTX of an older
+    or equal capability, which the driver compiles."""
+    for major, minor, suffix in archs:
+        if "a" in suffix.replace("+PTX", ""):
+            if (major, minor) == cap:
+                return True
+        elif major == cap[0] and minor <= cap[1]:
+            return True
+        if suffix.endswith("+PTX") and (major, minor) <= cap:
+            return True
+    return False
+
+
+def _prebuilt(torch, package: Path | None = None) -> Path | None:
+    """The library of an ahead-of-time build in ``package`` (default: this
+    package) if its stamp fits this torch, the sources it would compile and
+    every visible GPU; else None (with a warning that says why, if there is
+    a library)."""
+    package = package or Path(__file__).resolve().parent
+    libs = sorted(package.glob(f"{PREBUILT_NAME}.*.so")) + sorted(package.glob(f"{PREBUILT_NAME}.so"))
+    if not libs:
+        return None
+    lib, stamp_path = libs[0], package / PREBUILT_STAMP
+    try:
+        stamp = json.loads(stamp_path.read_text())
+        archs = parse_arch_list(stamp["arch_list"])
+        why = None
+        if stamp["torch"] != torch.__version__ or stamp["cuda"] != torch.version.cuda:
+            why = (f"built for torch {stamp['torch']} + CUDA {stamp['cuda']}, this is torch "
+                   f"{torch.__version__} + CUDA {torch.version.cuda}")
+        elif stamp["sources"] != source_digest(_csrc_dir()):
+            why = f"its sources differ from those in {_csrc_dir()}"
+        else:
+            caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+            missing = [f"{a}.{b}" for a, b in caps if not _runs_on(archs, (a, b))]
+            if missing:
+                why = (f"built for TORCH_CUDA_ARCH_LIST={stamp['arch_list']!r}, which does not run on "
+                       f"compute capability {', '.join(missing)}")
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        why = f"its stamp {stamp_path} could not be checked ({type(e).__name__}: {e})"
+    if why is not None:
+        warnings.warn(f"gt_fused3s: the ahead-of-time build {lib.name} is not used ({why}); the "
+                      f"kernel is compiled on first use instead", RuntimeWarning, stacklevel=5)
+        return None
+    return lib
 
 
 def _arch_flags(torch) -> list[str]:
@@ -83,6 +190,14 @@ def _load() -> object:
                            f"kernel needs a CUDA build of torch")
     if not torch.cuda.is_available():
         raise RuntimeError("gt_fused3s: no CUDA GPU is visible (torch.cuda.is_available() is False)")
+    global _ORIGIN
+    from . import ops  # noqa: F401  (defines the op schemas the library implements)
+    prebuilt = _prebuilt(torch)
+    if prebuilt is not None:
+        _arch_flags(torch)       # the same clear error for a GPU older than sm_80
+        torch.ops.load_library(str(prebuilt))
+        _ORIGIN = f"prebuilt {prebuilt}"
+        return torch.ops.gt_fused3s
     from torch.utils import cpp_extension
     if cpp_extension.CUDA_HOME is None:
         raise RuntimeError("gt_fused3s: no CUDA toolchain found (nvcc); install the CUDA toolkit "
@@ -90,13 +205,11 @@ def _load() -> object:
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("gt_fused3s: ninja is needed to build the CUDA extension (pip install ninja)")
 
-    from . import ops  # noqa: F401  (defines the op schemas the library implements)
     csrc = _csrc_dir()
     sources, deps = _sources(csrc)
-    cuda_flags = ["-O3", "--use_fast_math", "-lineinfo"] + _arch_flags(torch)
-    cflags = ["-O3"]
-    cccl = Path(cpp_extension.CUDA_HOME) / "include" / "cccl"
-    include_paths = [str(csrc)] + ([str(cccl)] if cccl.is_dir() else [])
+    cuda_flags = CUDA_FLAGS + _arch_flags(torch)
+    cflags = list(CFLAGS)
+    include_paths = include_dirs(csrc, cpp_extension.CUDA_HOME)
 
     h = hashlib.sha1()
     for p in deps:
@@ -115,6 +228,7 @@ def _load() -> object:
                            is_python_module=False, verbose=os.environ.get("GT_FUSED3S_VERBOSE_BUILD") == "1")
     except Exception as e:   # compiler errors come as RuntimeError with the build log
         raise RuntimeError(f"gt_fused3s: building the CUDA extension in {build_dir} failed:\n{e}") from e
+    _ORIGIN = f"jit {lib}"
     return torch.ops.gt_fused3s
 
 
@@ -152,6 +266,12 @@ def extension_available() -> bool:
         return True
     except Exception:
         return False
+
+
+def extension_origin() -> str | None:
+    """Which library the ops come from once loaded: ``"prebuilt <path>"`` (the
+    ahead-of-time build) or ``"jit <path>"``; None before."""
+    return _ORIGIN
 
 
 def failure_reason() -> str | None:
