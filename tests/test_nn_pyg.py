@@ -203,6 +203,27 @@ def test_an_edge_index_refilled_behind_torchs_back_is_not_stale(stand_in_kernels
     assert (out_second - out_first).abs().max() > 0.1      # a stale plan would repeat the first
 
 
+def test_an_edge_index_edited_through_data_is_not_stale(stand_in_kernels):
+    """An edit through ``.data`` leaves the tensor's version counter as it
+    was; the layer and the functional op still compute the edited graph."""
+    from gt_fused3s import fused3s_attention
+    from gt_fused3s.reference import attention_reference
+    edge_index, n = GRAPH_CASES["random_1003"]()
+    edge_index = edge_index.clone()
+    second = torch.randint(0, n, edge_index.shape, generator=torch.Generator().manual_seed(7))
+    ref, ours = make_pair(heads=2)
+    x = random_x(n)
+    close = dict(atol=3e-3, rtol=0)       # the kernel path's fp16 operands
+    torch.testing.assert_close(ours(x, edge_index), ref(x, edge_index), **close)
+    q = torch.randn(n, 2, 8)
+    fused3s_attention(q, q, q, edge_index)
+    version = edge_index._version
+    edge_index.data.copy_(second)
+    assert edge_index._version == version             # torch cannot see the edit
+    torch.testing.assert_close(ours(x, edge_index), ref(x, second), **close)
+    torch.testing.assert_close(fused3s_attention(q, q, q, edge_index), attention_reference(q, q, q, second), **close)
+
+
 
 def test_prebuilt_plan(bsb_builds, fused_calls):
     edge_index, n = GRAPH_CASES["isolated_nodes"]()
