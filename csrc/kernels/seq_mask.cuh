@@ -318,7 +318,7 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
 // The bits of a tile's pairs by pair tests (band edges, overlapping parts,
 // short segments): kept out of line, so that the kernel's loop over the
 // inside of a band stays small in the instruction cache.
-__host__ __device__ __noinline__ uint32_t seq_tile_bits_slow(const SeqMask& mk, const SeqWindow& win, int part,
+static __host__ __device__ __noinline__ uint32_t seq_tile_bits_slow(const SeqMask& mk, const SeqWindow& win, int part,
                                                              const KeySeg& ks, int32_t n0, int lane, uint32_t* bits) {
     uint32_t on = 0u;
 #pragma unroll
