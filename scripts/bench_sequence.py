@@ -19,6 +19,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", help="mask kinds to run")
     p.add_argument("--max-length", type=int, help="skip cases longer than this")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    p.add_argument("--probe-max-length", type=int, nargs="+", metavar="L",
+                   help="instead of the cases: the longest of these lengths whose local 1601-key forward fits")
     p.add_argument("--out", help="CSV path")
     a = p.parse_args(argv)
     import torch
@@ -35,6 +37,13 @@ def main(argv=None) -> int:
           f"D={cfg['head_dim']} H={cfg['heads']} {cfg.get('dtype', 'float16')}, forward", flush=True)
     print(bench.HEADER, flush=True)
     rows = []
+    if a.probe_max_length:
+        for row in bench.probe_max_length(a.probe_max_length, D=cfg["head_dim"], dtype=dtype):
+            rows.append(row)
+            print(bench.fmt(row), flush=True)
+        if a.out:
+            write_csv(rows, bench.COLUMNS, a.out)
+        return 0
     for case in cfg["cases"]:
         if (a.only and case["mask"] not in a.only) or (a.max_length and case["L"] > a.max_length):
             continue

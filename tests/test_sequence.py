@@ -207,3 +207,26 @@ def test_queries_without_keys_give_zero_and_nan_propagates():
     k[0, 3] = float("nan")
     out = sequence_attention(q, k, q, Local(1))
     assert torch.isnan(out[0, 2:5]).all() and not torch.isnan(out[0, 6:]).any()
+
+
+@pytest.mark.parametrize("kind", ["local", "dilated", "longformer", "dilated_global", "bigbird"])
+def test_flex_baseline_block_lists(kind):
+    """The benchmark's FlexAttention BlockMask (kv block lists built without
+    an [nb, nb] matrix): every allowed (query, key) lies in a listed block,
+    full blocks are wholly allowed, partial and full lists are disjoint."""
+    from gt_fused3s.bench import sequence as bench
+    L, nb, bs = 4096, 32, bench.FLEX_BLOCK
+    mask = bench.make_mask(kind, L, 513 if kind in ("local", "dilated") else 101, density=0.05)
+    _, (kn, ki), (fn, fi) = bench._flex_pieces(mask, L, torch.device("cpu"))
+    i = torch.arange(L)
+    ok = mask.allowed(i[:, None], i[None, :], L)
+    ok[mask.global_rows(L)] = False   # computed apart
+    blocks = ok.reshape(nb, bs, nb, bs)
+    part, full = torch.zeros(nb, nb, dtype=torch.bool), torch.zeros(nb, nb, dtype=torch.bool)
+    for q in range(nb):
+        part[q, ki[0, 0, q, :kn[0, 0, q]].long()] = True
+        full[q, fi[0, 0, q, :fn[0, 0, q]].long()] = True
+    assert ki.shape[-1] == fi.shape[-1]
+    assert bool((blocks.any(3).any(1) <= (part | full)).all())
+    assert bool((full <= blocks.all(3).all(1)).all())
+    assert not bool((part & full).any())

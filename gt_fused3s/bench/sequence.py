@@ -71,9 +71,10 @@ def _flex_pieces(mask, L: int, device):
         elif isinstance(p, RandomBlocks):
             if p.block != BS:
                 raise ValueError(f"the Flex baseline takes random blocks of {BS}")
-            table = torch.zeros(nb, nb, dtype=torch.bool)
-            for b in range(nb):
-                table[b, p.key_blocks(b, nb)] = True
+            rand_lists = [p.key_blocks(b, nb) for b in range(nb)]
+            table = torch.zeros(nb, nb, dtype=torch.bool)   # for mask_mod (BigBird runs at <= 1M tokens)
+            for b, kbs in enumerate(rand_lists):
+                table[b, kbs] = True
             rand = table.to(device)
             mods.append(lambda b, h, q, kv, t=rand: t[q // BS, kv // BS])
 
@@ -92,27 +93,36 @@ def _flex_pieces(mask, L: int, device):
     in_band = cand <= last[:, None]
     full = in_band & (dil == 1) & (cand * BS - hi_row[:, None] >= -left) & \
         (torch.clamp(cand * BS + BS - 1, max=L - 1) - lo_row[:, None] <= right) & (cand * BS + BS <= L)
-    extra = torch.zeros(nb, nb, dtype=torch.bool, device=device)   # global columns, random blocks
+    # Candidate kv blocks per query block, O(nb x width) (never [nb, nb]):
+    # the band's, the global columns' and the random blocks', with a
+    # duplicate kept once (full wins).
+    cols, fulls = [torch.where(in_band, cand, nb)], [full]
     if gl is not None:
-        extra[:, (gl // BS).unique()] = True
+        g = (gl // BS).unique()
+        cols.append(g[None, :].expand(nb, -1))
+        fulls.append(torch.zeros(nb, g.numel(), dtype=torch.bool, device=device))
     if rand is not None:
-        extra |= rand
-    dense_partial = extra.clone()
-    rows = qb[:, None].expand_as(cand)
-    dense_partial[rows[in_band & ~full], cand[in_band & ~full]] = True
-    dense_full = torch.zeros_like(extra)
-    dense_full[rows[full], cand[full]] = True
-    dense_partial &= ~dense_full
-
+        r = torch.stack([torch.tensor(rb_list, device=device) for rb_list in rand_lists])
+        cols.append(r)
+        fulls.append(torch.zeros_like(r, dtype=torch.bool))
+    col, isfull = torch.cat(cols, 1), torch.cat(fulls, 1)
+    key = col * 2 + (~isfull).long()              # a full entry sorts before its partial twin
+    key, order = key.sort(1)
+    col, isfull = col.gather(1, order), isfull.gather(1, order)
+    dup = torch.zeros_like(isfull)
+    dup[:, 1:] = col[:, 1:] == col[:, :-1]
+    keep = (col < nb) & ~dup
+    part_sel, full_sel = keep & ~isfull, keep & isfull
     # Both lists with one width: Flex's kernel reads the full list with the
     # partial list's row stride (lists of different widths gave wrong rows).
-    width = max(1, int(dense_partial.sum(1).max()), int(dense_full.sum(1).max()))
+    width = max(1, int(part_sel.sum(1).max()), int(full_sel.sum(1).max()))
 
-    def lists(dense):
-        num = dense.sum(1).to(torch.int32)
-        idx = torch.argsort((~dense).to(torch.int8), dim=1, stable=True)[:, :width].to(torch.int32)
-        return num[None, None], idx[None, None].contiguous()
-    return mask_mod, lists(dense_partial), lists(dense_full)
+    def lists(sel):
+        num = sel.sum(1).to(torch.int32)
+        first = torch.argsort((~sel).to(torch.int8), dim=1, stable=True)[:, :width]
+        idx = torch.where(torch.arange(width, device=device)[None, :] < num[:, None], col.gather(1, first), 0)
+        return num[None, None], idx.to(torch.int32)[None, None].contiguous()
+    return mask_mod, lists(part_sel), lists(full_sel)
 
 
 def flex_runner(mask, L: int, H: int, device):
@@ -197,3 +207,30 @@ def fmt(row: dict) -> str:
 
 HEADER = (f"{'mask':<15}{'L':>11} {'keys/q':>8} {'ours ms':>10} {'kern ms':>9} {'TF/s':>7} {'flex ms':>10} "
           f"{'vs flex':>7} {'dense ms':>10} {'vs paper':>9} {'|diff|':>9}")
+
+
+def probe_max_length(lengths, keys: int = 1601, D: int = 64, dtype=torch.float16) -> list[dict]:
+    """The longest of ``lengths`` (tried longest first) whose forward with a
+    local window of ``keys`` keys runs on this GPU (q, k, v and out
+    resident), with its time; the longer ones' errors."""
+    device = torch.device("cuda")
+    rows = []
+    for L in sorted(lengths, reverse=True):
+        free_cuda_memory(device)
+        row = {"mask": "local", "L": L, "keys": keys, "keys_per_query": keys, "D": D, "H": 1,
+               "dtype": str(dtype).replace("torch.", "")}
+        try:
+            q, k, v = (torch.randn(1, L, 1, D, device=device, dtype=dtype) for _ in range(3))
+            mask = Local((keys - 1) // 2)
+            fn = lambda: sequence_attention(q, k, v, mask)   # noqa: E731
+            fn()
+            row["ours_ms"] = time_cuda(fn, min_reps=2, max_reps=3, budget_ms=1, flush=False)["median"]
+            row["ours_tflops"] = 4 * L * keys * D / (row["ours_ms"] * 1e-3) / 1e12
+            rows.append(row)
+            break
+        except torch.OutOfMemoryError as e:
+            row["note"] = short_error(e)
+            rows.append(row)
+        finally:
+            q = k = v = None
+    return rows
