@@ -104,7 +104,7 @@ def _flex_pieces(mask, L: int, device):
     if rand is not None:
         r = torch.stack([torch.tensor(rb_list, device=device) for rb_list in rand_lists])
         cols.append(r)
-        fulls.append(torch.zeros_like(r, dtype=torch.bool))
+        fulls.append(r * BS + BS <= L)   # a random block is wholly allowed (but a last, short one)
     col, isfull = torch.cat(cols, 1), torch.cat(fulls, 1)
     key = col * 2 + (~isfull).long()              # a full entry sorts before its partial twin
     key, order = key.sort(1)
