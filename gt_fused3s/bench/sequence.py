@@ -150,7 +150,8 @@ def global_rows(out, q, k, v, rows):
 
 
 def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=torch.float16,
-               flex: bool = True, dense_max: int = 262144, paper_s: float | None = None) -> dict:
+               flex: bool = True, dense_max: int = 262144, paper_s: float | None = None,
+               explicit_max_edges: int = 1 << 26) -> dict:
     device = torch.device("cuda")
     mask = make_mask(kind, L, keys)
     row = {"mask": kind, "L": L, "keys": keys, "D": D, "H": H, "dtype": str(dtype).replace("torch.", ""),
@@ -180,6 +181,23 @@ def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=t
             row["speedup_vs_flex"] = row["flex_ms"] / row["ours_ms"]
         except Exception as e:   # Flex's own failure (memory, compile) is a result
             row["flex_note"] = short_error(e)
+    if kind == "local" and L * keys <= explicit_max_edges:
+        # the same band as an explicit edge_index through the graph kernel:
+        # its format build and its forward
+        from .. import GraphPlan, fused3s_attention
+        i = torch.arange(L, device=device)
+        off = torch.arange(-(keys // 2), keys // 2 + 1, device=device)
+        j = i[:, None] + off[None, :]
+        ok = (j >= 0) & (j < L)
+        ei = torch.stack([j[ok], i[:, None].expand_as(j)[ok]])
+        build = lambda: GraphPlan.from_edge_index(ei, L).prepare(heads=H, head_dim=D)   # noqa: E731
+        row["explicit_build_ms"] = time_cuda(build, min_reps=2, max_reps=5, budget_ms=500, flush=False)["median"]
+        plan = build()
+        qe, ke, ve = (x[0] for x in (q, k, v))
+        ex = lambda: fused3s_attention(qe, ke, ve, plan)   # noqa: E731
+        row["explicit_ms"] = time_cuda(ex, min_reps=3, max_reps=50, budget_ms=1000, flush=False)["median"]
+        row["explicit_max_diff"] = float((ex() - out[0]).abs().max())
+        del ei, plan, j, ok
     if L <= dense_max:
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         dn = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)   # noqa: E731
@@ -190,7 +208,7 @@ def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=t
 
 
 COLUMNS = ["mask", "L", "keys", "keys_per_query", "D", "H", "dtype", "ours_ms", "ours_kernel_ms", "ours_tflops",
-           "flex_ms", "speedup_vs_flex", "dense_sdpa_ms", "paper_A100_s", "speedup_vs_paper", "max_diff_vs_flex",
+           "flex_ms", "speedup_vs_flex", "dense_sdpa_ms", "explicit_ms", "explicit_build_ms", "explicit_max_diff", "paper_A100_s", "speedup_vs_paper", "max_diff_vs_flex",
            "flex_note", "note"]
 
 
@@ -202,11 +220,12 @@ def fmt(row: dict) -> str:
     return (f"{row['mask']:<15}{row['L']:>11} {f('keys_per_query', '>8.0f')} {f('ours_ms', '>10.3f')} "
             f"{f('ours_kernel_ms', '>9.3f')} {f('ours_tflops', '>7.0f')} {f('flex_ms', '>10.3f')} "
             f"{f('speedup_vs_flex', '>7.2f')} {f('dense_sdpa_ms', '>10.2f')} {f('speedup_vs_paper', '>9.0f')} "
-            f"{f('max_diff_vs_flex', '>9.1e')}  {row.get('flex_note') or row.get('note') or ''}")
+            f"{f('max_diff_vs_flex', '>9.1e')} {f('explicit_ms', '>9.3f')} {f('explicit_build_ms', '>9.2f')}  "
+            f"{row.get('flex_note') or row.get('note') or ''}")
 
 
 HEADER = (f"{'mask':<15}{'L':>11} {'keys/q':>8} {'ours ms':>10} {'kern ms':>9} {'TF/s':>7} {'flex ms':>10} "
-          f"{'vs flex':>7} {'dense ms':>10} {'vs paper':>9} {'|diff|':>9}")
+          f"{'vs flex':>7} {'dense ms':>10} {'vs paper':>9} {'|diff|':>9} {'edges ms':>9} {'build ms':>9}")
 
 
 def probe_max_length(lengths, keys: int = 1601, D: int = 64, dtype=torch.float16) -> list[dict]:
