@@ -227,10 +227,9 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
         cu_windows = _windows(cu, stride, rows)
         num_windows = (T + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
     out = _SeqAttention.apply(qf, kf, vf, cu, cu_windows, umask, code, scale, num_windows)
-    rows = umask.global_rows(L if batched else 1 << 62)
-    if rows:
-        if batched:
-            out = _global_rows_dense(q, k, v, out.reshape(q.shape), rows, scale, None)
-            return out
-        out = _global_rows_dense(qf, kf, vf, out, rows, scale, _host_offsets(cu_seqlens, T))
+    global_rows = umask.global_rows(L if batched else 1 << 62)
+    if global_rows and batched:
+        return _global_rows_dense(q, k, v, out.reshape(q.shape), global_rows, scale, None)
+    if global_rows:
+        return _global_rows_dense(qf, kf, vf, out, global_rows, scale, _host_offsets(cu_seqlens, T))
     return out.reshape(q.shape) if batched else out
