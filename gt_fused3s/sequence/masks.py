@@ -42,6 +42,17 @@ def _int(name: str, x, lo: int) -> int:
     return x
 
 
+def _window_sides(mask) -> None:
+    """Checks a window's ``left`` and sets its ``right``: ``left`` when
+    unset (symmetric), 0 when causal."""
+    name = type(mask).__name__
+    _int(f"{name} window", mask.left, 0)
+    if mask.causal and mask.right not in (None, 0):
+        raise ValueError(f"{name}(causal=True) looks back only: leave right unset")
+    right = 0 if mask.causal else (mask.left if mask.right is None else _int("right", mask.right, 0))
+    object.__setattr__(mask, "right", right)
+
+
 class Mask:
     """Base of the mask parts and their unions."""
 
@@ -79,11 +90,7 @@ class Local(Mask):
     causal: bool = False
 
     def __post_init__(self):
-        _int("Local window", self.left, 0)
-        right = 0 if self.causal else (self.left if self.right is None else _int("right", self.right, 0))
-        if self.causal and self.right not in (None, 0):
-            raise ValueError("Local(causal=True) looks back only: leave right unset")
-        object.__setattr__(self, "right", right)
+        _window_sides(self)
 
     def allowed(self, i, j, L):
         d = j - i
@@ -103,12 +110,8 @@ class Dilated(Mask):
     causal: bool = False
 
     def __post_init__(self):
-        _int("Dilated window", self.left, 0)
         _int("dilation", self.dilation, 1)
-        right = 0 if self.causal else (self.left if self.right is None else _int("right", self.right, 0))
-        if self.causal and self.right not in (None, 0):
-            raise ValueError("Dilated(causal=True) looks back only: leave right unset")
-        object.__setattr__(self, "right", right)
+        _window_sides(self)
 
     def allowed(self, i, j, L):
         d = j - i
