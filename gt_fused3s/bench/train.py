@@ -122,7 +122,7 @@ from ..capture import CudaGraphRunner
 from ..data import check_entry, load_dataset, structural_task
 from ..data.bucket import Buckets
 from ..data.targets import STRUCTURAL_TARGETS
-from ..distributed import data_parallel
+from ..distributed import data_parallel, single_graph
 from ..models import GraphTransformer
 from . import common
 from .stream import num_graphs
@@ -152,7 +152,7 @@ DEFAULTS: dict[str, Any] = {
     "quick": {"steps": 6, "warmup": 1},
     "checkpoint": None,
     "resume": None,
-    "distributed": {"partitioner": "contiguous", "head_chunks": 4},
+    "distributed": dict(single_graph.SETTINGS),
     "dataset": None,
 }
 TARGETS = ("auto", "labels", "structure")
@@ -201,8 +201,7 @@ def validate_config(raw: dict) -> dict:
     if not isinstance(cfg["model"]["edge_features"], bool):
         raise ValueError(f"model.edge_features must be true or false (got {cfg['model']['edge_features']!r})")
     _check_choice("target", cfg["target"], TARGETS)
-    _check_choice("distributed.partitioner", cfg["distributed"]["partitioner"], ("contiguous", "metis"))
-    _check_int("distributed.head_chunks", cfg["distributed"]["head_chunks"], 1)
+    single_graph.check_settings(cfg["distributed"])
     _check_choice("loss", cfg["loss"], LOSSES)
     bad = set(cfg["quick"]) - (set(DEFAULTS) - {"quick", "dataset"})
     if bad:
@@ -419,31 +418,11 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     return rows, curve, task
 
 
-@dataclass
-class _LocalBatch:
-    """A rank's rows of a partitioned graph, in place of the whole graph's
-    batch (which every rank loaded and no longer needs)."""
-
-    x: Tensor
-    y: Tensor
-    edge_attr: Tensor | None
-    edge_index: Tensor      # the local graph's (its shape names the run's one static shape)
-    num_nodes: int          # the whole graph's
-    graph_edges: int        # the whole graph's edge count
-
-
 def _partition(task: Task, cfg: dict, world: int, rank: int):
     """This rank's share of the task's one graph, partitioned over ``world``
-    ranks; the task keeps only this rank's rows of it."""
-    from ..distributed import local_graph, partition_nodes
-    data = task.batches[0]
-    part = partition_nodes(data.edge_index, data.num_nodes, world, cfg["distributed"]["partitioner"])
-    lg = local_graph(data.edge_index, data.num_nodes, part, rank, parts=world)
-    lg.head_chunks = cfg["distributed"]["head_chunks"]
-    edge_attr = getattr(data, "edge_attr", None)
-    task.batches[0] = _LocalBatch(data.x[lg.nodes], data.y[lg.nodes],
-                                  edge_attr[lg.edge_ids] if edge_attr is not None else None,
-                                  lg.edge_index, data.num_nodes, data.edge_index.size(1))
+    ranks; the task keeps only this rank's rows of it
+    (:func:`gt_fused3s.distributed.single_graph.split_graph`)."""
+    lg, task.batches[0] = single_graph.split_graph(task.batches[0], world, rank, cfg["distributed"])
     return lg
 
 
@@ -640,7 +619,7 @@ class _Trainer:
         lg, model = self.local_graph, self.model
         self.opt.zero_grad(set_to_none=True)
         with exchange_timer() as timer:
-            with self.autocast:       # data: this rank's rows (_LocalBatch)
+            with self.autocast:       # data: this rank's rows (a LocalBatch)
                 out = model(data.x, None, graph=lg,
                             edge_attr=data.edge_attr if model.edge_vocab is not None else None)
             share = lg.num_local / data.num_nodes
