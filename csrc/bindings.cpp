@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/bsb_build.h"
+#include "kernels/edge_terms.h"
 #include "kernels/fused3s_bwd_params.h"
 #include "kernels/fused3s_params.h"
 #include "kernels/seq_params.h"
@@ -710,6 +711,79 @@ std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at
     return {out, lse};
 }
 
+// ---- edge-feature products (kernels/edge_terms.h) ------------------------------
+// fp32 contiguous operands (gt_fused3s/edge_terms.py casts); each message
+// names its input.
+void check_f32(const at::Tensor& t, const char* name, int64_t dim, const at::Tensor& like) {
+    TORCH_CHECK(t.defined(), name, " must be a tensor (got an undefined tensor)");
+    TORCH_CHECK(t.is_cuda() && t.device() == like.device(), name, " must be on ", like.device().str(),
+                " (got ", t.device().str(), ")");
+    TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32 (got ", dtype_name(t.scalar_type()), ")");
+    TORCH_CHECK(t.dim() == dim, name, " must have ", num(dim), " dims (got ", shape(t.sizes()), ")");
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_edge_index_array(const at::Tensor& t, const char* name, int64_t size, const at::Tensor& like) {
+    check_index(t, name, at::kLong, like);
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == size, name, " must have shape [", num(size), "] (got ",
+                shape(t.sizes()), ")");
+}
+
+EdgeTermsShape edge_shape(int64_t E, int64_t N, int64_t H, int64_t F) {
+    TORCH_CHECK(H > 0 && H <= INT32_MAX && F > 0 && F <= INT32_MAX, "heads and features must be positive");
+    return {E, N, static_cast<int32_t>(H), static_cast<int32_t>(F)};
+}
+
+// out[e, h] = <x[idx[e], h, :], a[e, :]>
+at::Tensor edge_dot_cuda(const at::Tensor& x, const at::Tensor& a, const at::Tensor& idx) {
+    check_f32(x, "x", 3, x);
+    check_f32(a, "a", 2, x);
+    TORCH_CHECK(a.size(1) == x.size(2), "a must have shape [E, F] with x's F = ", num(x.size(2)), " (got ",
+                shape(a.sizes()), ")");
+    check_edge_index_array(idx, "idx", a.size(0), x);
+    const c10::cuda::CUDAGuard device_guard(x.device());
+    auto out = at::empty({a.size(0), x.size(1)}, x.options());
+    const EdgeTermsShape s = edge_shape(a.size(0), x.size(0), x.size(1), x.size(2));
+    C10_CUDA_CHECK(run_edge_dot(x.data_ptr<float>(), a.data_ptr<float>(), idx.data_ptr<int64_t>(),
+                                out.data_ptr<float>(), s, c10::cuda::getCurrentCUDAStream().stream()));
+    return out;
+}
+
+// out[e, f] = sum_h w[e, h] x[idx[e], h, f]
+at::Tensor edge_rows_cuda(const at::Tensor& w, const at::Tensor& x, const at::Tensor& idx) {
+    check_f32(x, "x", 3, x);
+    check_f32(w, "w", 2, x);
+    TORCH_CHECK(w.size(1) == x.size(1), "w must have shape [E, H] with x's H = ", num(x.size(1)), " (got ",
+                shape(w.sizes()), ")");
+    check_edge_index_array(idx, "idx", w.size(0), x);
+    const c10::cuda::CUDAGuard device_guard(x.device());
+    auto out = at::empty({w.size(0), x.size(2)}, x.options());
+    const EdgeTermsShape s = edge_shape(w.size(0), x.size(0), x.size(1), x.size(2));
+    C10_CUDA_CHECK(run_edge_rows(w.data_ptr<float>(), x.data_ptr<float>(), idx.data_ptr<int64_t>(),
+                                 out.data_ptr<float>(), s, c10::cuda::getCurrentCUDAStream().stream()));
+    return out;
+}
+
+// out[n, h, f] = sum over node n's edges (order[rowptr[n] .. rowptr[n + 1]]) of w[e, h] a[e, f]
+at::Tensor edge_scatter_cuda(const at::Tensor& w, const at::Tensor& a, const at::Tensor& rowptr,
+                             const at::Tensor& order) {
+    check_f32(w, "w", 2, w);
+    check_f32(a, "a", 2, w);
+    TORCH_CHECK(a.size(0) == w.size(0), "a must have w's ", num(w.size(0)), " edges (got ", shape(a.sizes()), ")");
+    TORCH_CHECK(rowptr.dim() == 1 && rowptr.size(0) >= 1, "rowptr must have shape [N + 1] (got ",
+                shape(rowptr.sizes()), ")");
+    check_edge_index_array(rowptr, "rowptr", rowptr.size(0), w);
+    check_edge_index_array(order, "order", w.size(0), w);
+    const int64_t N = rowptr.size(0) - 1;
+    const c10::cuda::CUDAGuard device_guard(w.device());
+    auto out = at::empty({N, w.size(1), a.size(1)}, w.options());
+    const EdgeTermsShape s = edge_shape(w.size(0), N, w.size(1), a.size(1));
+    C10_CUDA_CHECK(run_edge_scatter(w.data_ptr<float>(), a.data_ptr<float>(), rowptr.data_ptr<int64_t>(),
+                                    order.data_ptr<int64_t>(), out.data_ptr<float>(), s,
+                                    c10::cuda::getCurrentCUDAStream().stream()));
+    return out;
+}
+
 }  // namespace
 }  // namespace gt_fused3s
 
@@ -721,4 +795,7 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("bsb_build", &gt_fused3s::bsb_build_cuda);
     m.impl("probs", &gt_fused3s::probs_cuda);
     m.impl("seq_fwd", &gt_fused3s::seq_fwd_cuda);
+    m.impl("edge_dot", &gt_fused3s::edge_dot_cuda);
+    m.impl("edge_rows", &gt_fused3s::edge_rows_cuda);
+    m.impl("edge_scatter", &gt_fused3s::edge_scatter_cuda);
 }

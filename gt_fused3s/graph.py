@@ -518,3 +518,15 @@ def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor]:
     nnz = nnz_offset[tcb] + below + torch.where(word == 1, counts[tcb, 0], 0)
     slot_edge = torch.empty_like(order, dtype=torch.int32).scatter_(0, nnz, order.int())
     return nnz_offset.int(), slot_edge
+
+
+def node_csr(idx: Tensor, num_nodes: int) -> tuple[Tensor, Tensor]:
+    """The edges grouped by one of their nodes ``idx`` [E] (a destination, say):
+    ``(rowptr [num_nodes + 1], order [E])``, int64, the edges of node ``n``
+    being ``order[rowptr[n]:rowptr[n + 1]]`` (edge ids in the caller's order,
+    ascending within a node). One stable sort and a search, on ``idx``'s
+    device, with static shapes and no host synchronisation."""
+    idx = idx.long()
+    order = torch.sort(idx, stable=True).indices
+    nodes = torch.arange(num_nodes + 1, device=idx.device, dtype=idx.dtype)
+    return torch.searchsorted(idx[order], nodes), order

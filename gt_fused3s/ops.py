@@ -10,6 +10,8 @@ use, see ``_build``):
 * ``bwd``        the fused backward kernels: (dq, dk, dv, d edge_bias)
 * ``probs``      the attention probabilities per edge [E, H], from the forward's lse
 * ``bsb_build``  the CUDA builder of the BSB format, at capacity, no host sync
+* ``edge_dot``, ``edge_rows``, ``edge_scatter``
+                 the edge-feature products of ``edge_terms.py`` (fp32), one pass each
 * ``attention``  fwd with autograd (bwd), the one op ``torch.compile`` sees
 
 CUDA tensors take the fused kernel; CPU tensors, and CUDA tensors when the
@@ -54,6 +56,9 @@ _LIB.define("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor rw_offset, T
             "Tensor bitmap, Tensor window_order, Tensor edges, Tensor counters)")
 _LIB.define("seq_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, int[] mask, "
             "float scale, int num_windows, int block_rows) -> (Tensor out, Tensor lse)")
+_LIB.define("edge_dot(Tensor x, Tensor a, Tensor idx) -> Tensor")
+_LIB.define("edge_rows(Tensor w, Tensor x, Tensor idx) -> Tensor")
+_LIB.define("edge_scatter(Tensor w, Tensor a, Tensor rowptr, Tensor order) -> Tensor")
 
 
 @torch.library.register_fake("gt_fused3s::fwd")
@@ -96,6 +101,21 @@ def _bsb_build_fake(edge_index, num_nodes):
     return (edge_index.new_empty((R + 1,), **i32), edge_index.new_empty((T * 8,), **i32),
             edge_index.new_empty((T, 2), **i64), edge_index.new_empty((R,), **i32),
             edge_index.new_empty((2, E), **i64), edge_index.new_empty((5,), **i64))
+
+
+@torch.library.register_fake("gt_fused3s::edge_dot")
+def _edge_dot_fake(x, a, idx):
+    return x.new_empty((a.size(0), x.size(1)))
+
+
+@torch.library.register_fake("gt_fused3s::edge_rows")
+def _edge_rows_fake(w, x, idx):
+    return x.new_empty((w.size(0), x.size(2)))
+
+
+@torch.library.register_fake("gt_fused3s::edge_scatter")
+def _edge_scatter_fake(w, a, rowptr, order):
+    return w.new_empty((rowptr.size(0) - 1, w.size(1), a.size(1)))
 
 
 def bsb_build(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, ...]:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .graph import (BSBGraph, _check_edge_index, _check_num_nodes, _check_range, _in_capture_or_compile,
-                    edge_slots)
+                    edge_slots, node_csr)
 from .schedule import work_schedule
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -80,6 +80,8 @@ class GraphPlan:
         self._edges = edge_index if edge_index is not None else bsb.edge_index
         # bias_args(): where each edge sits in the BSB and its transpose (per-edge terms)
         self._bias_args: tuple[Tensor, ...] | None = None
+        # destination_csr(): the edges grouped by destination (edge-feature terms)
+        self._csr: tuple[Tensor, Tensor] | None = None
         # (heads, padded head dim) -> (forward arguments, backward arguments)
         self._fwd_args: dict[tuple[int, int], tuple[Tensor, ...]] = {}
         self._bwd_args: dict[tuple[int, int], tuple[Tensor, ...]] = {}
@@ -100,17 +102,21 @@ class GraphPlan:
         return cls(bsb, edge_index=edge_index, num_rows=num_rows)
 
     def prepare(self, heads: int, head_dim: int, *, backward: bool = True,
-                edge_bias: bool = False) -> "GraphPlan":
+                edge_bias: bool = False, edge_features: bool = False) -> "GraphPlan":
         """Build the kernels' schedules for ``heads`` heads of ``head_dim``
         (and, with ``backward``, the transposed BSB and its schedule; with
-        ``edge_bias``, where each edge sits in both formats), so that a call
-        of :func:`~gt_fused3s.ops.fused3s_attention` on this plan builds
-        nothing. Idempotent; returns ``self``."""
+        ``edge_bias``, where each edge sits in both formats; with
+        ``edge_features``, that and the edges grouped by destination), so
+        that a call of :func:`~gt_fused3s.ops.fused3s_attention` (or
+        :func:`~gt_fused3s.edge_terms.edge_feature_attention`) on this plan
+        builds nothing. Idempotent; returns ``self``."""
         self.forward_args(heads, padded_head_dim(head_dim))
         if backward:
             self.backward_args(heads, padded_head_dim(head_dim))
-        if edge_bias:
+        if edge_bias or edge_features:
             self.bias_args()
+        if edge_features:
+            self.destination_csr()
         return self
 
     def forward_args(self, heads: int, head_dim: int) -> tuple[Tensor, ...]:
@@ -144,6 +150,14 @@ class GraphPlan:
             self._bias_args = (*edge_slots(self.bsb, self._edges),
                                *edge_slots(self._transposed(), self._edges.flip(0)))
         return self._bias_args
+
+    def destination_csr(self) -> tuple[Tensor, Tensor]:
+        """The edges of :attr:`edge_index` grouped by destination,
+        ``(rowptr, order)`` (:func:`~gt_fused3s.graph.node_csr`): what the
+        edge-feature sums over a node's in-edges read. Built on first use."""
+        if self._csr is None:
+            self._csr = node_csr(self._edges[1], self.num_nodes)
+        return self._csr
 
     def _transposed(self) -> BSBGraph:
         if self.transposed is None:

@@ -6,9 +6,10 @@ import pytest
 def count_calls(monkeypatch):
     """``count_calls(owner, name)`` wraps ``owner.name`` (a function, or a
     classmethod looked up on its class) so that every call appends to the
-    returned list and then runs the original."""
-    def install(owner, name):
-        calls = []
+    returned list (or to ``calls``, shared between several names) and then
+    runs the original."""
+    def install(owner, name, calls=None):
+        calls = [] if calls is None else calls
         orig = getattr(owner, name)          # a classmethod comes back bound to owner
 
         def counting(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``bwd`` and
+"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``bwd``, ``probs``, the edge-term ops and
 ``bsb_build``, with their contracts, so that the CPU suite runs everything
 around the kernels: the plan, the registered ops and their fakes
 (``opcheck``), autograd, torch.compile tracing, casts and padding.
@@ -193,6 +193,29 @@ class StandIns:
         out[ids] = torch.exp(_scores(q, k, ei, scale, bias) - lse[ei[1]])
         return out
 
+    # The edge-feature products (csrc/kernels/edge_terms.h): fp32 operands,
+    # the sum over a node's edges read through rowptr / order as the kernel
+    # reads it (a wrong grouping gives a wrong sum).
+    def edge_dot(self, x, a, idx):
+        _check_f32(x, a)
+        self.calls.append("edge_dot")
+        return (x[idx] * a.unsqueeze(1)).sum(-1)
+
+    def edge_rows(self, w, x, idx):
+        _check_f32(w, x)
+        self.calls.append("edge_rows")
+        return (w.unsqueeze(-1) * x[idx]).sum(1)
+
+    def edge_scatter(self, w, a, rowptr, order):
+        _check_f32(w, a)
+        assert rowptr.dtype == order.dtype == torch.int64
+        assert rowptr[0] == 0 and rowptr[-1] == order.numel() and bool((rowptr.diff() >= 0).all())
+        self.calls.append("edge_scatter")
+        N = rowptr.numel() - 1
+        node = torch.repeat_interleave(torch.arange(N), rowptr.diff())
+        return torch.zeros(N, w.size(1), a.size(1)).index_add_(
+            0, node, w[order].unsqueeze(-1) * a[order].unsqueeze(1))
+
     def bsb_build(self, edge_index, num_nodes):
         self.calls.append("bsb_build")
         E = edge_index.size(1)
@@ -210,6 +233,11 @@ class StandIns:
         return g.rw_offset, cols, bitmap, g.window_order, g.edge_index, counters
 
 
+def _check_f32(*ts) -> None:
+    for t in ts:
+        assert t.dtype == torch.float32 and t.is_contiguous(), "the edge-term kernels take fp32 contiguous"
+
+
 def install(monkeypatch) -> StandIns:
     """Register the stand-ins as the ops' CPU kernels (removed when the test
     ends) and route CPU tensors through the kernel path."""
@@ -220,7 +248,7 @@ def install(monkeypatch) -> StandIns:
 
     stand_ins = StandIns()
     lib = torch.library.Library("gt_fused3s", "IMPL")
-    for name in ("fwd", "bwd", "bsb_build", "probs"):
+    for name in ("fwd", "bwd", "bsb_build", "probs", "edge_dot", "edge_rows", "edge_scatter"):
         lib.impl(name, getattr(stand_ins, name), "CPU")
     monkeypatch.setattr(ops_mod, "kernel_available", lambda device: True)
     monkeypatch.setattr(ops_mod, "_use_kernel", lambda q: True)

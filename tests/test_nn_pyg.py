@@ -15,6 +15,7 @@ from torch_geometric.data import Batch, Data
 from torch_geometric.nn import TransformerConv
 from torch_geometric.utils import coalesce
 
+import gt_fused3s.edge_terms as edge_terms
 import gt_fused3s.nn.pyg as pyg_mod
 from gt_fused3s import BSBGraph, GraphPlan, cached_plan
 from gt_fused3s.nn import Fused3SConv
@@ -30,9 +31,10 @@ F_IN, D = 19, 24          # odd sizes on purpose
 
 @pytest.fixture
 def fused_calls(count_calls):
-    """Calls of the fused attention from the layer (0 = the layer took
-    TransformerConv's unfused path)."""
-    return count_calls(pyg_mod, "fused3s_attention")
+    """Calls of the fused attention from the layer, with or without edge
+    features (0 = the layer took TransformerConv's unfused path)."""
+    calls = count_calls(pyg_mod, "fused3s_attention")
+    return count_calls(edge_terms, "fused3s_attention", calls)
 
 
 @pytest.fixture

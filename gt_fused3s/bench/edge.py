@@ -4,7 +4,9 @@ side by side in one process on one GPU.
 Two tables:
 
 * ``attention``: ``fused3s_attention`` on a prepared plan, fp16, without and
-  with an ``edge_bias`` [E, H] and with ``return_weights``; forward and
+  with an ``edge_bias`` [E, H], with ``return_weights``, and with edge
+  features (``edge_feature_attention``, ``EDGE_DIM`` raw features per edge,
+  TransformerConv's ``edge_dim``); forward and
   forward + backward, GPU time of the call (CUDA events, L2 flushed,
   median) and the ratio to the plain attention; the profiler's device time
   of the fused kernels alone and of every kernel of the call (the
@@ -29,6 +31,7 @@ from .timing import kernel_time, time_cuda, time_wall
 
 GRAPHS = ("zinc", "github", "powerlaw200k")
 ATTENTION_SETTINGS = ((4, 16), (1, 64), (8, 32))     # (heads, head dim)
+EDGE_DIM = 16
 
 
 def _env() -> dict:
@@ -37,6 +40,7 @@ def _env() -> dict:
 
 
 def attention_rows(graphs=GRAPHS, settings=ATTENTION_SETTINGS, seed: int = 0) -> list[dict]:
+    from ..edge_terms import edge_feature_attention
     from ..ops import fused3s_attention
     from ..plan import GraphPlan
     rows = []
@@ -48,8 +52,10 @@ def attention_rows(graphs=GRAPHS, settings=ATTENTION_SETTINGS, seed: int = 0) ->
             q, k, v, do = (torch.randn(n, H, D, device="cuda", generator=g, dtype=torch.float16)
                            for _ in range(4))
             bias = torch.randn(E, H, device="cuda", generator=g)
-            plan = GraphPlan.from_edge_index(ei, n).prepare(H, D, edge_bias=True)
-            leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+            attr = torch.randn(E, EDGE_DIM, device="cuda", generator=g)
+            w_e = (torch.randn(H, D, EDGE_DIM, device="cuda", generator=g) / math.sqrt(EDGE_DIM)).half()
+            plan = GraphPlan.from_edge_index(ei, n).prepare(H, D, edge_features=True)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, bias, attr, w_e)]
             dw = torch.randn(E, H, device="cuda", generator=g)
 
             def fwd(b=None, w=False):
@@ -64,19 +70,27 @@ def attention_rows(graphs=GRAPHS, settings=ATTENTION_SETTINGS, seed: int = 0) ->
                 else:
                     out.backward(do)
 
-            row = {"graph": name, "N": n, "E": E, "H": H, "D": D, **_env()}
+            def fwd_edges():
+                with torch.no_grad():
+                    return edge_feature_attention(q, k, v, plan, attr, w_e, 1 / math.sqrt(D))
+
+            def fb_edges():
+                out, _ = edge_feature_attention(*leaves[:3], plan, *leaves[4:], 1 / math.sqrt(D))
+                out.backward(do)
+
+            row = {"graph": name, "N": n, "E": E, "H": H, "D": D, "edge_dim": EDGE_DIM, **_env()}
             cases = {"fwd": lambda: fwd(), "fwd_bias": lambda: fwd(bias),
-                     "fwd_weights": lambda: fwd(bias, True),
+                     "fwd_weights": lambda: fwd(bias, True), "fwd_edges": fwd_edges,
                      "fb": lambda: fb(), "fb_bias": lambda: fb(leaves[3]),
-                     "fb_weights": lambda: fb(leaves[3], True)}
+                     "fb_weights": lambda: fb(leaves[3], True), "fb_edges": fb_edges}
             for key, fn in cases.items():
                 row[f"{key}_ms"] = time_cuda(fn)["median"]
                 # the fused kernels alone, and every kernel of the call (permutations included)
                 row[f"{key}_fused_kernels_ms"] = kernel_time(fn, "fused3s_", reps=10)
                 row[f"{key}_all_kernels_ms"] = kernel_time(fn, "", reps=10, flush=False)
-            for key in ("fwd_bias", "fwd_weights"):
+            for key in ("fwd_bias", "fwd_weights", "fwd_edges"):
                 row[f"{key}_x"] = row[f"{key}_ms"] / row["fwd_ms"]
-            for key in ("fb_bias", "fb_weights"):
+            for key in ("fb_bias", "fb_weights", "fb_edges"):
                 row[f"{key}_x"] = row[f"{key}_ms"] / row["fb_ms"]
             rows.append(row)
             print(format_attention_row(row), flush=True)
@@ -86,11 +100,14 @@ def attention_rows(graphs=GRAPHS, settings=ATTENTION_SETTINGS, seed: int = 0) ->
 
 def format_attention_row(r: dict) -> str:
     kern = " ".join(f"{k} {r[f'{k}_fused_kernels_ms'] or float('nan'):.4f}/{r[f'{k}_all_kernels_ms'] or float('nan'):.4f}"
-                    for k in ("fwd", "fwd_bias", "fwd_weights", "fb", "fb_bias", "fb_weights"))
+                    for k in ("fwd", "fwd_bias", "fwd_weights", "fwd_edges", "fb", "fb_bias", "fb_weights",
+                              "fb_edges"))
     return (f"  kernels (fused/all) {kern}\n" + f"{r['graph']:>13} H={r['H']} D={r['D']:>3} | fwd {r['fwd_ms']:.4f} bias {r['fwd_bias_ms']:.4f} "
-            f"({r['fwd_bias_x']:.2f}x) +weights {r['fwd_weights_ms']:.4f} ({r['fwd_weights_x']:.2f}x) | "
+            f"({r['fwd_bias_x']:.2f}x) +weights {r['fwd_weights_ms']:.4f} ({r['fwd_weights_x']:.2f}x) "
+            f"edge_dim {r['fwd_edges_ms']:.4f} ({r['fwd_edges_x']:.2f}x) | "
             f"fwd+bwd {r['fb_ms']:.4f} bias {r['fb_bias_ms']:.4f} ({r['fb_bias_x']:.2f}x) "
-            f"+weights {r['fb_weights_ms']:.4f} ({r['fb_weights_x']:.2f}x)")
+            f"+weights {r['fb_weights_ms']:.4f} ({r['fb_weights_x']:.2f}x) "
+            f"edge_dim {r['fb_edges_ms']:.4f} ({r['fb_edges_x']:.2f}x)")
 
 
 def _layer_step(conv, x, ei, edge_attr, grad):

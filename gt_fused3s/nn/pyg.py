@@ -13,7 +13,7 @@ from torch_geometric.typing import SparseTensor
 
 from ..graph import BSBGraph, _check_index_tensor, _check_range, _in_capture_or_compile, check_int
 from .. import ops
-from ..edge_terms import edge_dot, edge_scatter
+from ..edge_terms import edge_feature_attention
 from ..ops import fused3s_attention, kernel_accepts
 from ..plan import GraphPlan, as_plan, cached_plan
 
@@ -281,29 +281,22 @@ class Fused3SConv(TransformerConv):
         scale = 1.0 / math.sqrt(C)
         # the edges in the order of edge_attr and of the returned weights
         edges = as_plan(edge_index).edge_index if is_plan else edge_index
-        want_weights = isinstance(return_attention_weights, bool) or self.lin_edge is not None
-        edge_bias = None
+        want_weights = isinstance(return_attention_weights, bool)
+        drop_p, seed = 0.0, None
+        if self.training and self.dropout > 0:       # one seed for the kernel and the edge term
+            drop_p, seed = self.dropout, ops.draw_dropout_seed()
         if self.lin_edge is not None:
             self._check_edge_attr(edge_attr, edges.size(1), x_dst.device)
             if isinstance(graph, Tensor) and not torch.compiler.is_compiling():
                 # the reference path checks later, after edge_dot has indexed with it
                 _check_range("edge_index", edge_index, 0, n)
-            dst = edges[1].long()
             w_e = self.lin_edge.weight.view(H, C, -1)      # e_ij = W_e a_ij, per head [C, edge_dim]
-            edge_bias = edge_dot(torch.einsum("nhc,hcd->nhd", query, w_e), edge_attr, dst) * scale
-        drop_p, seed = 0.0, None
-        if self.training and self.dropout > 0:       # one seed for the kernel and the edge term
-            drop_p, seed = self.dropout, ops.draw_dropout_seed()
-        out = fused3s_attention(query, key, value, graph, scale, edge_bias=edge_bias,
-                                return_weights=want_weights, dropout_p=drop_p, dropout_seed=seed)
-        alpha = None
-        if want_weights:
-            out, alpha = out
-        if self.lin_edge is not None:
-            # sum_j alpha_ij W_e a_ij = W_e sum_j alpha_ij a_ij, with the kernel's dropout mask
-            used = alpha if not drop_p else alpha * ops.dropout_keep(seed, drop_p, *alpha.shape, alpha.device)
-            agg = edge_scatter(used, edge_attr, dst, out.size(0))
-            out = out + torch.einsum("nhd,hcd->nhc", agg, w_e).to(out.dtype)
+            out, alpha = edge_feature_attention(query, key, value, graph, edge_attr, w_e, scale,
+                                                dropout_p=drop_p, dropout_seed=seed)
+        else:
+            out = fused3s_attention(query, key, value, graph, scale, return_weights=want_weights,
+                                    dropout_p=drop_p, dropout_seed=seed)
+            out, alpha = out if want_weights else (out, None)
         out = self._combine(out[:n_dst], x_dst)
         if isinstance(return_attention_weights, bool):
             return out, (edges, alpha.to(query.dtype))

@@ -1,0 +1,40 @@
+// Products between node tensors and per-edge features: what TransformerConv's
+// edge features (edge_dim) add to the fused attention. gt_fused3s/edge_terms.py
+// holds their definition (its PyTorch code is the reference); these kernels
+// compute them in one pass each, without the [E, H, F] product that the
+// PyTorch form gathers.
+//
+// With a [E, F] the edges' features, idx [E] a node of each edge, X [N, H, F]
+// and w [E, H]:
+//   edge_dot      out[e, h]    = sum_f X[idx[e], h, f] a[e, f]            [E, H]
+//   edge_rows     out[e, f]    = sum_h w[e, h] X[idx[e], h, f]            [E, F]
+//   edge_scatter  out[n, h, f] = sum_{e: idx[e] = n} w[e, h] a[e, f]      [N, H, F]
+// edge_scatter reads the edges grouped by node (rowptr [N + 1], order [E]:
+// the edges of node n are order[rowptr[n] .. rowptr[n + 1])), so each output
+// is one thread's sum: no atomics, the same result on every run.
+//
+// No torch header: fp32, contiguous, raw device pointers, a stream. An index
+// outside [0, N) reads nothing and gives NaN (never an out-of-bounds read).
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace gt_fused3s {
+
+struct EdgeTermsShape {
+    int64_t num_edges;   // E
+    int64_t num_nodes;   // N
+    int32_t heads;       // H
+    int32_t features;    // F
+};
+
+cudaError_t run_edge_dot(const float* x, const float* a, const int64_t* idx, float* out,
+                         const EdgeTermsShape& s, cudaStream_t stream);
+cudaError_t run_edge_rows(const float* w, const float* x, const int64_t* idx, float* out,
+                          const EdgeTermsShape& s, cudaStream_t stream);
+cudaError_t run_edge_scatter(const float* w, const float* a, const int64_t* rowptr,
+                             const int64_t* order, float* out, const EdgeTermsShape& s,
+                             cudaStream_t stream);
+
+}  // namespace gt_fused3s

@@ -1,0 +1,122 @@
+"""The edge-feature kernels (csrc/kernels/edge_terms.cu) on the GPU machine:
+each product and its gradients against the PyTorch path in float64 on the
+CPU, with duplicates, a node of thousands of edges, isolated nodes, feature
+counts that take the vector and the scalar loads, no edges; an index out of
+range gives NaN; and the composed attention with edge features against
+TransformerConv's materialised form."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gt_fused3s import GraphPlan
+from gt_fused3s.edge_terms import edge_dot, edge_feature_attention, edge_scatter
+from gt_fused3s.graph import node_csr
+
+from graph_cases import GRAPH_CASES
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops():
+    from gt_fused3s._build import load_extension
+    return load_extension()
+
+
+def _operands(E, N, H, F, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, N, (E,), generator=g)
+    if E >= 4000:
+        idx[:3000] = N // 2                     # a high-degree node
+    return (idx, torch.randn(N, H, F, generator=g, dtype=torch.float64),
+            torch.randn(E, F, generator=g, dtype=torch.float64),
+            torch.randn(E, H, generator=g, dtype=torch.float64))
+
+
+def _grads(fn, *leaves, grad_dtype=torch.float32):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    g = torch.Generator().manual_seed(9)
+    out.backward(torch.randn(out.shape, generator=g, dtype=torch.float64).to(grad_dtype).to(out))
+    return out.detach().double().cpu(), [t.grad.double().cpu() for t in leaves]
+
+
+def _close(got, want, what, dtype):
+    # fp32 arithmetic; results (and gradients) in the operands' dtype
+    scale = max(want.abs().max().item(), 1.0)
+    err = (got - want).abs().max().item() if want.numel() else 0.0
+    tol = 2e-5 if dtype == torch.float32 else 1e-3
+    assert err <= tol * scale, f"{what}: max abs error {err:.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("E,N,H,F", [(5000, 400, 4, 16), (1000, 97, 1, 16), (3000, 211, 8, 5),
+                                     (700, 50, 3, 1), (0, 10, 2, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_products_and_gradients(E, N, H, F, dtype):
+    idx, X, a, w = _operands(E, N, H, F, seed=E + F)
+    idx_d = idx.cuda()
+    csr = node_csr(idx_d, N)
+    for name, fn, fn_d, leaves in (
+            ("edge_dot", lambda X, a: edge_dot(X, a, idx), lambda X, a: edge_dot(X, a, idx_d, csr), (X, a)),
+            ("edge_scatter", lambda w, a: edge_scatter(w, a, idx, N),
+             lambda w, a: edge_scatter(w, a, idx_d, N, csr), (w, a))):
+        # the reference on operands rounded as the GPU's are
+        rounded = [t.to(dtype).double() for t in leaves]
+        want, want_grads = _grads(fn, *rounded, grad_dtype=dtype)
+        got, got_grads = _grads(fn_d, *(t.to(dtype).cuda() for t in rounded), grad_dtype=dtype)
+        _close(got, want, name, dtype)
+        for i, (g, gw) in enumerate(zip(got_grads, want_grads)):
+            _close(g, gw, f"{name} grad {i}", dtype)
+
+
+def test_index_out_of_range_gives_nan():
+    idx, X, a, w = (t.cuda() for t in _operands(50, 20, 2, 8, seed=1))
+    idx[7] = 20
+    out = torch.ops.gt_fused3s.edge_dot(X.float(), a.float(), idx)
+    assert out[7].isnan().all() and not out[:7].isnan().any()
+    rows = torch.ops.gt_fused3s.edge_rows(w.float(), X.float(), idx)
+    assert rows[7].isnan().all() and not rows[8:].isnan().any()
+
+
+@pytest.mark.parametrize("case", ["duplicates", "random_1003", "empty_rows"])
+@pytest.mark.parametrize("H,C", [(1, 16), (4, 32)])
+def test_edge_feature_attention(case, H, C):
+    """fp16 kernels against TransformerConv's form in float64: out, weights and the
+    gradients of q, k, v, the edge features and W_e."""
+    edge_index, n = GRAPH_CASES[case]()
+    E, F = edge_index.size(1), 16
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, H, C, generator=g, dtype=torch.float64) for _ in range(3))
+    a = torch.randn(E, F, generator=g, dtype=torch.float64)
+    w_e = torch.randn(H, C, F, generator=g, dtype=torch.float64) * 0.2
+    src, dst = edge_index
+    scale = C ** -0.5
+
+    def materialised(q, k, v, a, w_e):
+        e = torch.einsum("hcf,ef->ehc", w_e, a)
+        s = (q[dst] * (k[src] + e)).sum(-1) * scale
+        mx = torch.full((n, H), -torch.inf, dtype=s.dtype).scatter_reduce(
+            0, dst[:, None].expand_as(s), s, "amax")
+        p = torch.exp(s - mx[dst])
+        alpha = p / torch.zeros(n, H, dtype=s.dtype).index_add(0, dst, p)[dst]
+        out = torch.zeros(n, H, C, dtype=s.dtype).index_add(0, dst, alpha.unsqueeze(-1) * (v[src] + e))
+        return torch.cat([out.flatten(), alpha.flatten()])
+
+    plan = GraphPlan.from_edge_index(edge_index.cuda(), n)
+
+    def fused(q, k, v, a, w_e):
+        out, alpha = edge_feature_attention(q, k, v, plan, a, w_e, scale)
+        return torch.cat([out.float().flatten(), alpha.flatten()])
+
+    rounded = [t.half().double() for t in (q, k, v)] + [a.float().double(), w_e.float().double()]
+    want, want_grads = _grads(materialised, *rounded)
+    got, got_grads = _grads(fused, *(t.half().cuda() for t in rounded[:3]),
+                            *(t.float().cuda() for t in rounded[3:]))
+    for what, x, y in [("out/alpha", got, want)] + [
+            (f"grad {i}", gx, gy) for i, (gx, gy) in enumerate(zip(got_grads, want_grads))]:
+        err = (x - y).abs().max().item()
+        assert err <= 1e-2 * max(y.abs().max().item(), 1.0), f"{what}: max abs error {err:.3g}"
