@@ -332,16 +332,41 @@ class BSBGraph:
         TCBs of static mode are left out)."""
         return _popcount64(self.bitmap[:self.num_tcbs]).sum(1)
 
-    def stats(self) -> dict:
-        """The paper's fit-for-tensor-cores statistics.
+    def stats(self, head_dim: int = 128, *, variants: bool = True) -> dict:
+        """The paper's fit-for-tensor-cores statistics, and the work of one
+        forward per head (issue 13: counts, not timings).
 
         ``tcb_per_rw_*`` are over all R windows (empty ones count as 0);
         ``nnz_per_tcb_*`` over all T TCBs; ``density`` = E / (T * 128).
+
+        Work per head of dimension ``head_dim`` = D (a multiple of 16), in
+        ``mma.m16n8k16`` invocations and bytes (see :func:`format_stats`):
+
+        - ``mma_fwd``: this 16 x 8 format's count, SDDMM D/16 per TCB plus
+          SpMM D/8 per pair of TCBs of a window (the SpMM's k of 16 is two
+          TCBs; an odd window's last TCB is a half-empty pair);
+        - ``mma_fwd_kernel``: what the current kernel executes: it computes
+          whole pairs, also the SDDMM of a missing second TCB (D/4 per pair);
+        - ``kv_rows``: K and V rows gathered (the TCBs' valid columns), and
+          ``kv_bytes_fwd`` = 2 * kv_rows * D * 2 bytes (K and V, fp16/bf16).
+
+        With ``variants`` (one sort of the edges more), the same counts for
+        8-row windows of 8 x 16 blocks (FlashSparse's swap-and-transpose:
+        S^T = K Q^T, O^T = V^T P^T, the rows are the mma's n = 8 side), under
+        the prefix ``w8_``: ``w8_num_windows``, ``w8_num_blocks``,
+        ``w8_nnz_per_block_mean``/``_cv``, ``w8_kv_rows``, ``w8_kv_bytes_fwd``,
+        ``w8_mma_fwd``. Reads the counters (a host synchronisation in static
+        mode).
         """
+        D = check_int("head_dim", head_dim)
+        if D % 16:
+            raise ValueError(f"head_dim must be a multiple of 16 (got {D})")
         tcb_per_rw = (self.rw_offset[1:] - self.rw_offset[:-1]).long()
         nnz = self.tcb_nnz()
         T = nnz.numel()
-        return {
+        kv_rows = int((self.cols[:T * COLS_PER_TCB] >= 0).sum())
+        pairs = int(((tcb_per_rw + 1) // 2).sum())
+        out = {
             "num_nodes": self.num_nodes,
             "num_edges": self.num_edges,
             "num_windows": self.num_windows,
@@ -352,7 +377,17 @@ class BSBGraph:
             "nnz_per_tcb_mean": float(nnz.double().mean()) if T else 0.0,
             "nnz_per_tcb_cv": _cv(nnz),
             "density": self.num_edges / (T * 128) if T else 0.0,
+            "head_dim": D,
+            "mma_fwd": T * (D // 16) + pairs * (D // 8),
+            "mma_fwd_kernel": pairs * (D // 4),
+            "kv_rows": kv_rows,
+            "kv_bytes_fwd": 2 * kv_rows * D * 2,
         }
+        if variants:
+            w8 = format_stats(self.edge_index, self.num_nodes, "8x16", D)
+            out.update({"w8_" + k: v for k, v in w8.items()
+                        if k not in ("format", "num_nodes", "num_edges", "head_dim")})
+        return out
 
     # ---------------------------------------------------------- decode / check
     def decode_edges(self) -> Tensor:
@@ -391,6 +426,98 @@ class BSBGraph:
         tcbs = f"tcb_capacity={self.tcb_capacity}, static=True" if self.static else f"num_tcbs={self.num_tcbs}"
         return (f"BSBGraph(num_nodes={self.num_nodes}, num_edges={self.num_edges}, "
                 f"num_windows={self.num_windows}, {tcbs}, device={self.device})")
+
+
+
+#: block formats :func:`format_stats` counts: name -> (rows per window, columns per block)
+FORMATS = {"16x8": (16, 8), "8x16": (8, 16)}
+
+
+def format_stats(edge_index: Tensor, num_nodes: int, fmt: str = "16x8",
+                 head_dim: int = 128) -> dict:
+    """Block counts of a window format, from the edges alone (no kernel).
+
+    ``fmt`` ``"16x8"`` is this module's BSB format; ``"8x16"`` is 8-row
+    windows cut into blocks of 8 rows x 16 columns (FlashSparse's
+    swap-and-transpose, whose sparse operand is the mma's n = 8 side).
+    Columns are formed as the builder forms them: per window, the distinct
+    (source, copy) pairs, ascending (a duplicate edge takes a column of its
+    own), cut into blocks of ``cols`` columns; every block has 128 entries.
+
+    Returns ``format``, ``num_nodes``, ``num_edges`` (duplicates included),
+    ``num_windows``, ``num_blocks``, ``blocks_per_window_mean``,
+    ``nnz_per_block_mean``/``_cv``/``_max``, ``kv_rows`` (columns over all
+    blocks = K and V rows gathered), ``kv_bytes_fwd`` (2 * kv_rows * D * 2),
+    ``head_dim`` and ``mma_fwd``: m16n8k16 invocations of one forward per head
+    of dimension D (a multiple of 16). Counted per block:
+
+    - 16x8: SDDMM S[16, 8] = Q K^T takes D/16; the SpMM O[16, D] += P V has
+      k = 16 columns, two TCBs: D/8 per pair of TCBs of a window (an odd
+      window's last TCB is a pair of its own), so D/16 per TCB on average;
+    - 8x16: SDDMM S^T[16, 8] = K Q^T takes D/16; SpMM O^T[D, 8] += V^T P^T
+      takes D/16 (m = 16 of D, k = the block's 16 columns).
+
+    Both are D/8 per block of 128 entries (but for the 16x8 odd windows), so
+    the formats differ in how many blocks the graph needs. Vectorised (one
+    sort of the edges); a few host synchronisations (the counts returned).
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {sorted(FORMATS)} (got {fmt!r})")
+    D = check_int("head_dim", head_dim)
+    if D % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 (got {D})")
+    edge_index = _check_edge_index(edge_index)
+    N = _check_num_nodes(num_nodes)
+    rows, width = FORMATS[fmt]
+    device = edge_index.device
+    R = (N + rows - 1) // rows
+    src, dst = edge_index[0].long(), edge_index[1].long()
+    _check_range("edge_index", edge_index, 0, N)
+    E = src.numel()
+    win = torch.div(dst, rows, rounding_mode="floor")
+    key, order = torch.sort((win * N + src) * rows + (dst - win * rows), stable=True)
+    pair = torch.div(key, rows, rounding_mode="floor")          # window * N + source
+    win = win[order]
+    idx = torch.arange(E, device=device)
+    first = torch.ones(E, dtype=torch.bool, device=device)
+    first[1:] = key[1:] != key[:-1]
+    copy = idx - torch.cummax(torch.where(first, idx, 0), 0).values   # copy number of the edge
+    new_pair = torch.ones(E, dtype=torch.bool, device=device)
+    new_pair[1:] = pair[1:] != pair[:-1]
+    pair_id = torch.cumsum(new_pair.long(), 0) - 1
+    pair_cols = torch.zeros(E, dtype=torch.long, device=device)
+    pair_cols.scatter_reduce_(0, pair_id, copy + 1, reduce="amax")
+    cols_per_win = torch.zeros(R, dtype=torch.long, device=device)
+    cols_per_win.index_add_(0, win[new_pair], pair_cols[pair_id[new_pair]])
+    col = torch.cumsum(pair_cols, 0) - pair_cols                  # first column of each pair
+    col = col[pair_id] + copy                                     # global column of the edge
+    first_col = torch.cumsum(cols_per_win, 0) - cols_per_win
+    rank = col - first_col[win]                                   # column within its window
+    blocks_per_win = (cols_per_win + width - 1) // width
+    block_off = torch.cumsum(blocks_per_win, 0) - blocks_per_win
+    B = int(blocks_per_win.sum())
+    nnz = torch.bincount(block_off[win] + torch.div(rank, width, rounding_mode="floor"),
+                         minlength=B)
+    kv_rows = int(cols_per_win.sum())
+    if fmt == "16x8":
+        mma = B * (D // 16) + int(((blocks_per_win + 1) // 2).sum()) * (D // 8)
+    else:
+        mma = B * (D // 8)
+    return {
+        "format": fmt,
+        "num_nodes": N,
+        "num_edges": E,
+        "num_windows": R,
+        "num_blocks": B,
+        "blocks_per_window_mean": B / R if R else 0.0,
+        "nnz_per_block_mean": E / B if B else 0.0,
+        "nnz_per_block_cv": _cv(nnz),
+        "nnz_per_block_max": int(nnz.max()) if B else 0,
+        "kv_rows": kv_rows,
+        "kv_bytes_fwd": 2 * kv_rows * D * 2,
+        "head_dim": D,
+        "mma_fwd": mma,
+    }
 
 
 def _op_build_available(device: torch.device) -> bool:

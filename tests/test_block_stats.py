@@ -1,0 +1,91 @@
+"""Block statistics of graph.format_stats and BSBGraph.stats (16-row
+windows of 16 x 8 TCBs and 8-row windows of 8 x 16 blocks) against counts
+made with Python loops, on the CPU (issue 13)."""
+from collections import Counter
+
+import pytest
+import torch
+
+from graph_cases import GRAPH_CASES
+from gt_fused3s.graph import BSBGraph, format_stats
+
+CASES = dict(GRAPH_CASES)
+CASES["empty_graph"] = lambda: (torch.zeros(2, 0, dtype=torch.long), 0)
+CASES["window_16_rows_17_cols"] = lambda: (torch.stack([torch.arange(17), torch.arange(17) % 16]), 17)
+
+
+def _brute_format(ei: torch.Tensor, n: int, rows: int, width: int, D: int) -> dict:
+    """The block counts with Python loops: per window, column (j, c) exists
+    if some row has more than c edges from j; columns ascending, cut into
+    blocks of ``width``; a row's c-th copy of edge j -> i sits in column (j, c)."""
+    R = (n + rows - 1) // rows
+    per_row = Counter((d, s) for s, d in ei.t().tolist())
+    blocks_per_win, nnz, kv_rows = [], [], 0
+    for w in range(R):
+        cols = sorted({(s, c) for (d, s), m in per_row.items() if d // rows == w for c in range(m)})
+        kv_rows += len(cols)
+        nb = (len(cols) + width - 1) // width
+        blocks_per_win.append(nb)
+        rank = {col: i for i, col in enumerate(cols)}
+        count = [0] * nb
+        for (d, s), m in per_row.items():
+            if d // rows == w:
+                for c in range(m):
+                    count[rank[(s, c)] // width] += 1
+        nnz += count
+    B = sum(blocks_per_win)
+    if (rows, width) == (16, 8):
+        mma = B * D // 16 + sum((b + 1) // 2 for b in blocks_per_win) * D // 8
+    else:
+        mma = B * D // 8
+    return {"num_windows": R, "num_blocks": B, "nnz": nnz, "kv_rows": kv_rows, "mma_fwd": mma,
+            "blocks_per_win": blocks_per_win}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_stats_equal_brute_force_counts(case):
+    ei, n = CASES[case]()
+    D = 48
+    g = BSBGraph.from_edge_index(ei, n)
+    s = g.stats(head_dim=D)
+    for fmt, rows, width in (("16x8", 16, 8), ("8x16", 8, 16)):
+        want = _brute_format(ei, n, rows, width, D)
+        got = format_stats(ei, n, fmt, D)
+        assert got["num_windows"] == want["num_windows"]
+        assert got["num_blocks"] == want["num_blocks"]
+        assert got["kv_rows"] == want["kv_rows"]
+        assert got["kv_bytes_fwd"] == 2 * want["kv_rows"] * D * 2
+        assert got["mma_fwd"] == want["mma_fwd"]
+        assert got["num_edges"] == ei.size(1) == sum(want["nnz"])
+        assert got["nnz_per_block_max"] == max(want["nnz"], default=0)
+        if want["num_blocks"]:
+            nnz = torch.tensor(want["nnz"], dtype=torch.float64)
+            assert got["nnz_per_block_mean"] == pytest.approx(nnz.mean().item())
+            assert got["nnz_per_block_cv"] == pytest.approx((nnz.std(unbiased=False) / nnz.mean()).item())
+        prefix = "" if fmt == "16x8" else "w8_"
+        assert s[prefix + "mma_fwd"] == want["mma_fwd"]
+        assert s[prefix + "kv_rows"] == want["kv_rows"]
+        assert s[prefix + "num_windows"] == want["num_windows"]
+    # the BSB's own arrays agree with the 16x8 count
+    assert s["num_tcbs"] == g.num_tcbs == format_stats(ei, n)["num_blocks"]
+    assert s["w8_num_blocks"] == _brute_format(ei, n, 8, 16, D)["num_blocks"]
+    assert s["mma_fwd_kernel"] == sum((b + 1) // 2 for b in _brute_format(ei, n, 16, 8, D)
+                                      ["blocks_per_win"]) * D // 4
+
+
+def test_stats_keys_and_arguments():
+    ei, n = GRAPH_CASES["random_1003"]()
+    g = BSBGraph.from_edge_index(ei, n)
+    s = g.stats()
+    for key in ("num_nodes", "num_edges", "num_windows", "num_tcbs", "tcb_per_rw_mean",
+                "tcb_per_rw_cv", "tcb_per_rw_max", "nnz_per_tcb_mean", "nnz_per_tcb_cv", "density"):
+        assert key in s
+    assert s["head_dim"] == 128 and s["mma_fwd"] == format_stats(ei, n, "16x8", 128)["mma_fwd"]
+    assert "w8_num_blocks" not in g.stats(variants=False)
+    assert g.stats(head_dim=64)["mma_fwd"] * 2 == s["mma_fwd"]
+    with pytest.raises(ValueError, match="head_dim"):
+        g.stats(head_dim=40)
+    with pytest.raises(ValueError, match="fmt"):
+        format_stats(ei, n, "4x32")
+    with pytest.raises(ValueError, match="edge_index"):
+        format_stats(ei, 10)
