@@ -165,4 +165,5 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     if dropout_p:     # the kernel's mask (same seed, same hash)
         used = alpha * ops.dropout_keep(dropout_seed, dropout_p, *alpha.shape, alpha.device)
     agg = edge_scatter(used, edge_attr, dst, out.size(0), csr)
-    return out + torch.einsum("nhd,hcd->nhc", agg, w_e).to(out.dtype), alpha
+    value_term = torch.einsum("nhd,hcd->nhc", agg, w_e.to(agg.dtype))
+    return out + value_term.to(out.dtype), alpha

@@ -47,8 +47,11 @@ def _grads(fn, *leaves, grad_dtype=torch.float32):
 
 def _close(got, want, what, dtype):
     # fp32 arithmetic; results (and gradients) in the operands' dtype
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    if not want.numel():
+        return
     scale = max(want.abs().max().item(), 1.0)
-    err = (got - want).abs().max().item() if want.numel() else 0.0
+    err = (got - want).abs().max().item()
     tol = 2e-5 if dtype == torch.float32 else 1e-3
     assert err <= tol * scale, f"{what}: max abs error {err:.3g} (scale {scale:.3g})"
 
