@@ -39,6 +39,32 @@ A backend that cannot run (flex on a CPU or on a collection of many batches
 - FlexAttention compiles once per graph shape -, above its ``max_nodes``, out of
 memory, an error) gets a row with a note instead of a time; the run goes on.
 
+**Under torchrun** (``torchrun --nproc_per_node=P gt-fused3s infer ...``;
+the process group from torchrun's environment, NCCL on GPUs, Gloo on CPUs,
+:func:`gt_fused3s.distributed.data_parallel.init`), every rank loads each
+dataset, and:
+
+* a single graph (``readout: node``) is partitioned as ``gt-fused3s train``
+  partitions it (``distributed: {partitioner, head_chunks}``,
+  :func:`gt_fused3s.distributed.single_graph.split_graph`): each rank keeps
+  its nodes' rows and computes them, every attention layer exchanging the
+  K and V halo. Runs are eager (other modes get a ``skipped`` row; no CUDA
+  graph of the halo exchange); the local plan is built by a first, untimed
+  forward (``fmt ms`` is empty); ``attn ms`` includes the exchange. The
+  outputs of the profiled pass are gathered from the ranks in the whole
+  graph's node order, so ``max|diff|`` compares whole outputs;
+* a collection's batches are sharded: rank r runs batches r, r + P, ...
+  (a rank past the last batch idles; ``--quick`` loads one batch per rank)
+  in every mode, with no communication; ``max|diff|`` is the largest
+  rank's, ``graphs_per_s`` the ranks' sum.
+
+Per run, ``ms/fwd`` (and ``attn ms``) are the slowest rank's, peak memory,
+``kernel ms`` and ``fmt ms`` the largest rank's; a run that fails on a rank
+fails (its note names the rank). The dataset columns (``batches``, sizes
+per forward) describe the whole dataset; ``ranks`` is P. Only rank 0 logs,
+prints the table and writes the CSV and the plot. Without torchrun nothing
+of this applies.
+
 Config schema (YAML; defaults in :data:`DEFAULTS`)::
 
     device: auto          # auto (cuda if available, else cpu) | cpu | cuda | cuda:1
@@ -58,6 +84,9 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
             out_channels: null, self_loops: false,   # hidden: a size or a list of sizes
             edge_features: false}   # an attention bias per block from the data's bond types
                                     # (dense and flex take none: skipped)
+    distributed: {partitioner: contiguous, head_chunks: 4}   # under torchrun, a single graph's
+                          # nodes are partitioned over the ranks (contiguous | metis); the K/V
+                          # halo exchange is pipelined in head_chunks chunks (1: no overlap)
     datasets:             # each: see gt_fused3s.data.load_dataset
       - name: molecules
         kind: molecules   # molecules | random_graphs | powerlaw | npz | ogb | lrgb | pyg
@@ -81,11 +110,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..backends import BACKENDS, AttentionGraph
 from ..capture import CudaGraphRunner
 from ..data import check_entry, load_dataset
 from ..data.bucket import Buckets
+from ..distributed import data_parallel, single_graph
+from ..distributed.partition import LocalGraph
 from ..models import GraphTransformer
 from .common import (
     INTERRUPTED_EXIT,
@@ -147,6 +179,7 @@ DEFAULTS: dict[str, Any] = {
     "max_nodes": {"dense": 4096, "flex": 65536},
     "model": {"hidden": 64, "layers": 10, "heads": 1, "norm": "layer", "dropout": 0.0,
               "out_channels": None, "self_loops": False, "edge_features": False},
+    "distributed": dict(single_graph.SETTINGS),
     "datasets": [],
 }
 _HARNESS_KEYS = {"max_batches", "readout"}     # dataset keys besides the loader's
@@ -159,7 +192,7 @@ COLUMNS = ["dataset", "hidden", "backend", "mode", "status", "note", "level", "s
            "speedup_vs_pyg@compile", "speedup_vs_pyg@reduce-overhead", "speedup_vs_fused3s@graph",
            "speedup_vs_fused3s@compile-graph",
            "speedup_vs_pyg_best", "pyg_best", "max_abs_diff", "reference",
-           "timing", "prefetch", "device", "device_name", "dtype", "layers", "heads", "torch", "git_sha",
+           "timing", "prefetch", "ranks", "device", "device_name", "dtype", "layers", "heads", "torch", "git_sha",
            "config"]
 
 
@@ -188,6 +221,7 @@ def validate_config(raw: dict) -> dict:
         value = cfg[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{key} must be an int >= {low} (got {value!r})")
+    single_graph.check_settings(cfg["distributed"])
     if not cfg["datasets"]:
         raise ValueError("the config lists no datasets")
     for spec in cfg["datasets"]:
@@ -254,6 +288,8 @@ class _Settings:
     log: Callable[[str], None]
     common: dict               # columns that are the same in every row
     runs: list                 # backend runs, "name" or "name@mode" (common.expand_runs)
+    world: int = 1             # ranks (torchrun); 1: one process
+    rank: int = 0
 
 
 def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool = True,
@@ -265,23 +301,26 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     :func:`gt_fused3s.bench.common.expand_runs`)."""
     log = log or log_stderr
     device = resolve_device(cfg["device"])
+    world, rank, device = data_parallel.init(device)      # (1, 0) unless under torchrun
+    if rank != 0:                                         # rank 0 speaks for all
+        log, progress = (lambda msg: None), False
     dtype = resolve_dtype(cfg["dtype"], device)
     warmup, repeats = int(cfg["warmup"]), int(cfg["repeats"])
     if quick:
         warmup, repeats = min(warmup, 1), min(repeats, 2)
-        cfg = _quick_on_cpu(cfg, device, dtype, log or log_stderr)
+        cfg = _quick_on_cpu(cfg, device, dtype, log)
         dtype = resolve_dtype(cfg["dtype"], device)
     runs = expand_runs(cfg["backends"], device, eager=eager, compiled_runs=cfg["compiled_runs"])
     if any(parse_run(r)[0] == "flex" or parse_run(r)[1] != "eager" for r in runs):
         # one compile per graph shape and head dim (flex), per bucket shape (compiled runs)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    common = {"reference": cfg["reference"], "prefetch": bool(cfg["prefetch"]),
+    common = {"reference": cfg["reference"], "prefetch": bool(cfg["prefetch"]), "ranks": world,
               "layers": cfg["model"]["layers"], "heads": cfg["model"]["heads"],
               **run_info(device, dtype, cfg.get("config", ""))}
     log(run_header("infer", common))
     # no autocast cache: a CUDA graph must not capture casts cached outside it
     settings = _Settings(cfg, device, autocast(device, dtype, cache=False), warmup, repeats,
-                         quick, offline, progress, log, common, runs)
+                         quick, offline, progress, log, common, runs, world, rank)
     rows: list[dict] = []
     try:
         for spec in cfg["datasets"]:
@@ -301,7 +340,7 @@ def _run_dataset(spec: dict, s: _Settings, rows: list[dict]) -> None:
         ds = load_dataset(spec, device=device, seed=cfg["seed"], quick=s.quick, offline=s.offline)
         streamed = ds.level == "graph"
         if streamed:     # host batches, pinned, made once: the stream copies them
-            limit = 1 if s.quick else spec.get("max_batches")
+            limit = s.world if s.quick else spec.get("max_batches")   # --quick: one per rank
             batches = [pin(b) for b in load_batches(ds, limit, "cpu", progress=s.progress)]
         else:            # one graph, on the device
             batches = [ds.get(0, device)]
@@ -310,12 +349,42 @@ def _run_dataset(spec: dict, s: _Settings, rows: list[dict]) -> None:
         rows.append({**base, "backend": "-", "status": "error", "note": f"dataset: {short_error(err)}"})
         return
 
-    sizes, line = describe_dataset(ds, spec["kind"], batches)
+    sizes, line = describe_dataset(ds, spec["kind"], batches)     # the whole dataset's
     s.log(line)
-    work = _Work(batches, streamed, spec.get("readout") or ds.level, s)
+    try:
+        work = _work_of(batches, streamed, spec.get("readout") or ds.level, s)
+    except ValueError as err:      # the same on every rank
+        s.log(f"{name}: not run: {err}")
+        rows.append({**base, **sizes, "backend": "-", "status": "error", "note": str(err)})
+        return
+    if work.lg is not None:
+        s.log(f"{name}: nodes partitioned over {s.world} ranks ({cfg['distributed']['partitioner']}); "
+              f"rank 0 owns {work.lg.num_local} nodes and receives {work.lg.halo.numel()} halo rows")
+    elif s.world > 1:
+        idle = s.world - len(batches)
+        s.log(f"{name}: {len(batches)} batches sharded over {s.world} ranks (batch i on rank "
+              f"i % {s.world}" + (f"; {idle} rank(s) without a batch idle" if idle > 0 else "") + ")")
     for hidden in _as_list(cfg["model"]["hidden"]):
         rows += _run_model(work, ds, hidden, {**base, **sizes, "hidden": hidden}, s)
         free_cuda_memory(device)
+
+
+def _work_of(batches: list, streamed: bool, readout: str, s: _Settings) -> "_Work":
+    """This rank's work on a dataset: every batch in one process; under
+    torchrun, a collection's every P-th batch (:func:`data_parallel.shard`;
+    ranks past the last batch have none), or its share of a single graph,
+    partitioned as ``train`` does (:func:`single_graph.split_graph`).
+    ValueError where the data cannot be shared out."""
+    whole = {"max_nodes": max(d.num_nodes for d in batches), "total_batches": len(batches)}
+    if s.world == 1:
+        return _Work(batches, streamed, readout, s, **whole)
+    if streamed:
+        return _Work(data_parallel.shard(batches, s.rank, s.world), streamed, readout, s, **whole)
+    if readout != "node":
+        raise ValueError(f"readout: {readout} on a single graph: under torchrun its nodes are "
+                         f"partitioned over the ranks, which needs readout: node")
+    lg, local = single_graph.split_graph(batches[0], s.world, s.rank, s.cfg["distributed"])
+    return _Work([local], streamed, readout, s, lg=lg, **whole)
 
 
 def _run_model(work: _Work, ds, hidden: int, base: dict, s: _Settings) -> list[dict]:
@@ -330,14 +399,20 @@ def _run_model(work: _Work, ds, hidden: int, base: dict, s: _Settings) -> list[d
                              self_loops=mcfg["self_loops"],
                              edge_vocab=ds.edge_vocab if mcfg["edge_features"] else None)
     model = model.to(device).eval()
-    max_nodes = max(d.num_nodes for d in work.batches)
     runs = s.runs
-    skip = {name: _skip_reason(parse_run(name)[0], device, max_nodes, cfg["max_nodes"],
-                               len(work.batches) if work.streamed else 0)
+    # from the whole dataset's sizes: every rank skips the same runs
+    skip = {name: _skip_reason(parse_run(name)[0], device, work.max_nodes, cfg["max_nodes"],
+                               work.total_batches if work.streamed else 0)
             for name in {*runs, ref}}
     for name in skip:
         if model.edge_vocab is not None and parse_run(name)[0] in ("dense", "flex") and not skip[name]:
             skip[name] = "takes no per-edge bias (model.edge_features)"
+        if work.lg is not None and parse_run(name)[1] != "eager" and not skip[name]:
+            skip[name] = "skipped: a partitioned graph runs eagerly under torchrun"
+    if not work.batches:           # a rank past a collection's last batch: nothing to measure
+        rows = [dict(base, backend=name, mode=parse_run(name)[1], status="skipped" if skip[name] else "idle",
+                     note=skip[name] or "") for name in runs]
+        return _merge_ranks(rows, s)
 
     # The agreement target: the reference backend's outputs, from its own run
     # when it is benchmarked (first), else from one pass of its own.
@@ -374,6 +449,8 @@ def _run_model(work: _Work, ds, hidden: int, base: dict, s: _Settings) -> list[d
                 if error:
                     row["note"] = f"outputs not compared: {error}"
     rows = [rows[b] for b in runs]
+    if s.world > 1:
+        rows = _merge_ranks(rows, s)
     for r in rows:
         if r.get("status") == "ok" and runs_reference_path(r["backend"], device):
             r["note"] = "; ".join(n for n in (r.get("note"), REFERENCE_PATH_NOTE) if n)
@@ -398,6 +475,44 @@ def _measure_row(work: _Work, model, mode: str, row: dict,
     row.update(result, status="ok", note="", peak_mem_mb=peak_memory_mb(device),
                reserved_mb=peak_reserved_mb(device))
     return row.pop("outputs"), None
+
+
+#: row keys a distributed run takes from its slowest rank's row (the largest ms_median)
+_SLOWEST_KEYS = ("ms_median", "ms_mean", "ms_std", "ms_min", "ms_max", "attn_ms", "attn_share", "timing")
+#: row keys a distributed run takes the largest of over the ranks
+_MAX_KEYS = ("kernel_ms", "format_ms", "peak_mem_mb", "reserved_mb", "max_abs_diff")
+
+
+def _merge_ranks(rows: list[dict], s: _Settings) -> list[dict]:
+    """Every rank's rows of one (dataset, hidden size) as one set, on every
+    rank (a collective; the ranks' rows are of the same runs, in order). A
+    run failed where it failed on any rank (the note names the ranks);
+    else its times are the slowest rank's, peak memory, kernel time, format
+    build and ``max|diff|`` the largest rank's, ``graphs_per_s`` the ranks'
+    sum (their batches run at once). Idle ranks (no batch of a collection)
+    count for nothing."""
+    every: list = [None] * s.world
+    dist.all_gather_object(every, rows)
+    merged = []
+    for i in range(len(rows)):
+        per_rank = [r[i] for r in every]
+        failed = [(rank, r) for rank, r in enumerate(per_rank) if r.get("status") in ("oom", "error")]
+        ran = [r for r in per_rank if r.get("status") == "ok"]
+        out = dict(per_rank[0])     # rank 0 always has work (a collection's first batch)
+        if failed:
+            out.update({k: None for k in (*_SLOWEST_KEYS, *_MAX_KEYS, "graphs_per_s")},
+                       status=failed[0][1]["status"],
+                       note="; ".join(f"rank {rank}: {r.get('note')}" for rank, r in failed))
+        elif ran:
+            slowest = max(ran, key=lambda r: r.get("ms_median") or 0.0)
+            out.update({k: slowest.get(k) for k in _SLOWEST_KEYS})
+            for key in _MAX_KEYS:
+                values = [r[key] for r in ran if r.get(key) is not None]
+                out[key] = max(values) if values else None
+            if any(r.get("graphs_per_s") is not None for r in ran):
+                out["graphs_per_s"] = sum(r.get("graphs_per_s") or 0.0 for r in ran)
+        merged.append(out)
+    return merged
 
 
 def _max_abs_diff(outputs: list, target: list) -> float:
@@ -437,12 +552,24 @@ def _edge_attr(model, data):
 class _Work:
     """The batches of one dataset, and how a model is measured on them."""
 
-    def __init__(self, batches: list, streamed: bool, readout: str, s: _Settings):
+    def __init__(self, batches: list, streamed: bool, readout: str, s: _Settings, *,
+                 lg: LocalGraph | None = None, max_nodes: int | None = None,
+                 total_batches: int | None = None):
         self.batches, self.streamed, self.readout, self.s = batches, streamed, readout, s
+        #: a single graph partitioned over the ranks: this rank's share
+        #: (``batches``: its :class:`~gt_fused3s.distributed.single_graph.LocalBatch`)
+        self.lg = lg
+        #: the whole dataset's (every rank's batches): what skips a backend
+        self.max_nodes = max_nodes if max_nodes is not None else max(d.num_nodes for d in batches)
+        self.total_batches = total_batches if total_batches is not None else len(batches)
         self._padded: list | None = None
 
     def forward(self, model, data, graph=None):
-        """``model`` on a batch on the device; ``graph`` None: the forward builds it."""
+        """``model`` on a batch on the device; ``graph`` None: the forward builds
+        it. A partitioned graph: this rank's rows (a collective: the halo exchange)."""
+        if self.lg is not None:
+            with torch.inference_mode(), self.s.autocast:
+                return model(data.x, None, graph=self.lg, edge_attr=_edge_attr(model, data))
         with torch.inference_mode(), self.s.autocast:
             return model(data.x, data.edge_index, data.batch if self.readout == "graph" else None,
                          graph=graph, num_graphs=num_graphs(data), edge_attr=_edge_attr(model, data))
@@ -534,8 +661,14 @@ class _Work:
     def _build_single(self, model) -> tuple[float, Staged]:
         """The single graph's format, built once more after a warm-up build
         (extension load, first-call costs) and timed: it makes host syncs,
-        so a synchronised wall clock. Returns (ms, the staged graph)."""
+        so a synchronised wall clock. Returns (ms, the staged graph). A
+        partitioned graph: (None, this rank's share): its local plan is built
+        by a first, untimed forward (and kept in the LocalGraph)."""
         device, data = self.s.device, self.batches[0]
+        if self.lg is not None:
+            self.forward(model, data)
+            sync(device)
+            return None, Staged(data, self.lg)
         stage(data, model, device)              # dropped at once
         sync(device)
         t0 = time.perf_counter()
@@ -561,7 +694,9 @@ class _Work:
             step(1)
         sync(device)
         forward, timing = (lambda r: run()), _timing_label(mode)
-        if device.type == "cuda" and (mode == "graph" or (eager and self.s.cfg["cuda_graphs"])):
+        if self.lg is not None:       # the halo exchange's collectives are not captured
+            timing = f"eager, partitioned over {self.s.world} ranks"
+        elif device.type == "cuda" and (mode == "graph" or (eager and self.s.cfg["cuda_graphs"])):
             try:
                 graph = self._capture(model, staged)
                 forward, timing = (lambda r: graph.replay()), "cuda-graph"
@@ -646,6 +781,8 @@ class _Work:
                 out = fwd(data) if use_fwd else self.forward(model, data, graph)
                 sync(device)
                 total += time.perf_counter() - t0
+                if self.lg is not None:   # every rank's rows, in the whole graph's order
+                    out = single_graph.gather_rows(out, self.lg, data.num_nodes)
                 real = self.batches[i]
                 rows = num_graphs(real) if self.readout == "graph" else real.num_nodes
                 outputs.append(out[:rows])
@@ -683,6 +820,12 @@ _LEFT = ("dataset", "backend", "timing", "note")
 def format_table(rows: list[dict]) -> str:
     """The rows as a fixed-width text table (one line per dataset, hidden
     size and backend), with a legend."""
+    ranks = max((r.get("ranks") or 1 for r in rows), default=1)
+    legend = "" if ranks == 1 else (
+        f" Under torchrun ({ranks} ranks): ms/fwd and attn ms are the slowest rank's, kernel ms and "
+        f"peak MB the largest rank's; a single graph is partitioned (attn ms includes the halo "
+        f"exchange; fmt ms -: its local plan is built by an untimed first forward; max|diff| over "
+        f"the gathered output), a collection's batches are sharded over the ranks.")
     return text_table(rows, _TABLE, _LEFT,
                       "ms/fwd: median per forward (wall, what a user waits); kernel ms: GPU "
                       "kernel time of a forward (profiler); fmt ms: the graph format's build, "
@@ -690,7 +833,7 @@ def format_table(rows: list[dict]) -> str:
                       "for single graphs; vs X: ms/fwd of X over this row's; vs best pyg: the "
                       "fastest pyg run's (eager or compiled). Runs name@mode: @graph CUDA-graph "
                       "replays, @compile / @reduce-overhead torch.compile, @compile-graph "
-                      "both (padded batches).")
+                      "both (padded batches)." + legend)
 
 
 def format_summary(rows: list[dict], backends: tuple[str, ...] = (
@@ -778,6 +921,8 @@ def main(args) -> int:
         rows, stopped = stop.result, True
         if not rows:
             raise
+    if data_parallel.world_from_env()[1] != 0:       # under torchrun, rank 0 reports
+        return 0 if any(r["status"] == "ok" for r in rows) else 1
     print(format_table(rows))
     print("\n".join(format_summary(rows)))
     if args.csv:
