@@ -89,3 +89,20 @@ def test_stats_keys_and_arguments():
         format_stats(ei, n, "4x32")
     with pytest.raises(ValueError, match="edge_index"):
         format_stats(ei, 10)
+
+
+def test_block_stats_rows():
+    """The table's rows are format_stats of the relabelled graph; the
+    caller's order is the identity row."""
+    from gt_fused3s.bench.block_stats import COLUMNS, format_row, graph_rows
+    from gt_fused3s.reorder import reorder
+    ei, n = GRAPH_CASES["random_1003"]()
+    rows = graph_rows("r", ei, n, ("identity", "cuthill_mckee"), head_dim=64, reps=1)
+    assert [r["method"] for r in rows] == ["identity", "cuthill_mckee"]
+    base = format_stats(ei, n, "16x8", 64)
+    assert rows[0]["w16_tcbs"] == base["num_blocks"] and rows[0]["w16_mma_vs_identity"] == 1.0
+    cm = reorder(ei, n, "cuthill_mckee").relabel(ei)
+    assert rows[1]["w8_mma_fwd"] == format_stats(cm, n, "8x16", 64)["mma_fwd"]
+    assert rows[1]["w16_mma_vs_identity"] == rows[1]["w16_mma_fwd"] / base["mma_fwd"]
+    assert set(rows[1]) <= set(COLUMNS)
+    assert format_row(rows[1]).count("|") == 14
