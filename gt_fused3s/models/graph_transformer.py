@@ -108,7 +108,7 @@ class EdgeEncoder(nn.Module):
         self.embeddings = nn.ModuleList(nn.Embedding(v, heads) for v in self.vocab)
 
     def forward(self, edge_attr: Tensor) -> Tensor:
-        edge_attr = edge_attr.reshape(edge_attr.size(0), -1)
+        edge_attr = edge_attr.reshape(edge_attr.size(0), len(self.vocab))   # E may be 0 (an empty rank)
         hot = torch.cat([edge_attr[:, c:c + 1] == torch.arange(v, device=edge_attr.device)
                          for c, v in enumerate(self.vocab)], dim=1)          # [E, sum(vocab)]
         torch._assert_async((hot.sum(1) == len(self.vocab)).all(),
@@ -146,7 +146,8 @@ class GraphTransformerBlock(nn.Module):
         # [N, 3, H, D] -> three strided [N, H, D] views (the kernel takes row strides)
         q, k, v = self.qkv(x).view(N, 3, self.heads, self.head_dim).unbind(1)
         bias = self.edge_encoder(edge_attr) if self.edge_encoder is not None else None
-        a = attend(q, k, v, 1.0 / math.sqrt(self.head_dim), bias).reshape(N, -1)
+        # the width named: N may be 0 (a rank of a partitioned graph that owns no node)
+        a = attend(q, k, v, 1.0 / math.sqrt(self.head_dim), bias).reshape(N, self.heads * self.head_dim)
         x = self.norm1(x + self.dropout(self.o(a)))
         return self.norm2(x + self.dropout(self.ffn(x)))
 
@@ -368,7 +369,7 @@ def _check_edge_attr_for(model: "GraphTransformer", edge_attr, num_edges: int) -
         raise ValueError(f"the model has edge_vocab={model.edge_vocab}: pass edge_attr, an int64 "
                          f"[E, {C}] tensor")
     if edge_attr.is_floating_point() or edge_attr.size(0) != num_edges or (
-            edge_attr.reshape(edge_attr.size(0), -1).size(1) != C):
+            math.prod(edge_attr.shape[1:]) != C):
         raise ValueError(f"edge_attr must be an integer [E, {C}] = [{num_edges}, {C}] tensor of edge "
                          f"types (got {edge_attr.dtype} {tuple(edge_attr.shape)})")
 
