@@ -73,43 +73,61 @@ edge_rows_kernel(const float* __restrict__ w, const float* __restrict__ x,
     }
 }
 
-// out[n, h, f] = sum over the edges e of node n of w[e, h] a[e, f]. Threads
-// run over (n, h, f) with f fastest (coalesced rows of a, w[e, h]
-// broadcast); a node's edges are read four at a time with independent
-// loads, so the thread of a high-degree node is not one long chain of
-// dependent loads. The sum's order is fixed: the same result every run.
+// out[n, h, f] = sum over the edges e of node n of w[e, h] a[e, f]. A thread
+// takes one f and up to kHeadsPerThread heads of one node (a[e, f] read once
+// for them), threads of one node and head group run over f (coalesced rows
+// of a and of out, w[e, h] broadcast); two edges per step with independent
+// loads, so the thread of a high-degree node is not one chain of dependent
+// loads. The sum's order is fixed: the same result every run.
+constexpr int kHeadsPerThread = 4;
+
 __global__ void __launch_bounds__(kThreads)
 edge_scatter_kernel(const float* __restrict__ w, const float* __restrict__ a,
                     const int64_t* __restrict__ rowptr, const int64_t* __restrict__ order,
                     float* __restrict__ out, EdgeTermsShape s) {
     const int F = s.features, H = s.heads;
-    const int64_t total = s.num_nodes * H * F;
+    const int groups = (H + kHeadsPerThread - 1) / kHeadsPerThread;
+    const int64_t total = s.num_nodes * groups * F;
     for (int64_t t = blockIdx.x * int64_t(kThreads) + threadIdx.x; t < total;
          t += int64_t(gridDim.x) * kThreads) {
-        const int64_t nh = t / F;
-        const int f = static_cast<int>(t - nh * F);
-        const int64_t n = nh / H;
-        const int h = static_cast<int>(nh - n * H);
+        const int64_t ng = t / F;
+        const int f = static_cast<int>(t - ng * F);
+        const int64_t n = ng / groups;
+        const int h0 = static_cast<int>(ng - n * groups) * kHeadsPerThread;
+        const int nh = H - h0 < kHeadsPerThread ? H - h0 : kHeadsPerThread;
         const int64_t begin = rowptr[n], end = rowptr[n + 1];
-        float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
-        int64_t k = begin;
+        float acc0[kHeadsPerThread] = {}, acc1[kHeadsPerThread] = {};
         bool bad = false;
-        for (; k + 4 <= end; k += 4) {
-            const int64_t e0 = order[k], e1 = order[k + 1], e2 = order[k + 2], e3 = order[k + 3];
-            bad |= !node_ok(e0, s.num_edges) | !node_ok(e1, s.num_edges) |
-                   !node_ok(e2, s.num_edges) | !node_ok(e3, s.num_edges);
-            if (bad) break;
-            acc0 = fmaf(w[e0 * H + h], a[e0 * F + f], acc0);
-            acc1 = fmaf(w[e1 * H + h], a[e1 * F + f], acc1);
-            acc2 = fmaf(w[e2 * H + h], a[e2 * F + f], acc2);
-            acc3 = fmaf(w[e3 * H + h], a[e3 * F + f], acc3);
+        int64_t k = begin;
+        for (; k + 2 <= end; k += 2) {
+            const int64_t e0 = order[k], e1 = order[k + 1];
+            if (!node_ok(e0, s.num_edges) || !node_ok(e1, s.num_edges)) { bad = true; break; }
+            const float a0 = a[e0 * F + f], a1 = a[e1 * F + f];
+            const float* w0 = w + e0 * H + h0;
+            const float* w1 = w + e1 * H + h0;
+#pragma unroll
+            for (int j = 0; j < kHeadsPerThread; ++j) {
+                if (j < nh) {
+                    acc0[j] = fmaf(w0[j], a0, acc0[j]);
+                    acc1[j] = fmaf(w1[j], a1, acc1[j]);
+                }
+            }
         }
-        for (; k < end && !bad; ++k) {
+        if (k < end && !bad) {
             const int64_t e = order[k];
-            bad = !node_ok(e, s.num_edges);
-            if (!bad) acc0 = fmaf(w[e * H + h], a[e * F + f], acc0);
+            if (!node_ok(e, s.num_edges)) {
+                bad = true;
+            } else {
+                const float av = a[e * F + f];
+#pragma unroll
+                for (int j = 0; j < kHeadsPerThread; ++j)
+                    if (j < nh) acc0[j] = fmaf(w[e * H + h0 + j], av, acc0[j]);
+            }
         }
-        out[t] = bad ? NAN : (acc0 + acc1) + (acc2 + acc3);
+        float* o = out + (n * H + h0) * F + f;
+#pragma unroll
+        for (int j = 0; j < kHeadsPerThread; ++j)
+            if (j < nh) o[j * F] = bad ? NAN : acc0[j] + acc1[j];
     }
 }
 
@@ -138,7 +156,8 @@ cudaError_t run_edge_rows(const float* w, const float* x, const int64_t* idx, fl
 cudaError_t run_edge_scatter(const float* w, const float* a, const int64_t* rowptr,
                              const int64_t* order, float* out, const EdgeTermsShape& s,
                              cudaStream_t stream) {
-    const int64_t total = s.num_nodes * s.heads * s.features;
+    const int64_t groups = (s.heads + kHeadsPerThread - 1) / kHeadsPerThread;
+    const int64_t total = s.num_nodes * groups * s.features;
     if (total == 0) return cudaSuccess;
     edge_scatter_kernel<<<static_cast<unsigned>(blocks_for(total)), kThreads, 0, stream>>>(
         w, a, rowptr, order, out, s);
