@@ -153,6 +153,9 @@ class _HeadProject(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
+        if not torch.is_autocast_enabled(x.device.type):      # else autocast picks the dtype
+            dtype = torch.promote_types(x.dtype, w.dtype)
+            x, w = x.to(dtype), w.to(dtype)
         return torch.einsum("nha,hab->nhb", x, w)
 
     @staticmethod
