@@ -11,7 +11,8 @@
 //   edge_scatter  out[n, h, f] = sum_{e: idx[e] = n} w[e, h] a[e, f]      [N, H, F]
 // edge_scatter reads the edges grouped by node (rowptr [N + 1], order [E]:
 // the edges of node n are order[rowptr[n] .. rowptr[n + 1])), so each output
-// is one thread's sum: no atomics, the same result on every run.
+// is the sum of a few threads' sums added in a fixed order: no atomics, the
+// same result on every run.
 //
 // No torch header: fp32, contiguous, raw device pointers, a stream. An index
 // outside [0, N) reads nothing and gives NaN (never an out-of-bounds read).
