@@ -1,5 +1,5 @@
-// The edge-feature products of edge_terms.h: plain CUDA-core kernels, one
-// thread per output element, fp32 accumulation in a fixed order.
+// The edge-feature products of edge_terms.h: plain CUDA-core kernels, fp32
+// accumulation in a fixed order.
 #include "edge_terms.h"
 
 #include <cmath>
