@@ -921,6 +921,8 @@ def main(args) -> int:
         rows, stopped = stop.result, True
         if not rows:
             raise
+    if not stopped:             # under torchrun: no rank leaves while another still talks
+        data_parallel.leave()
     if data_parallel.world_from_env()[1] != 0:       # under torchrun, rank 0 reports
         return 0 if any(r["status"] == "ok" for r in rows) else 1
     print(format_table(rows))

@@ -35,6 +35,15 @@ def init(device: torch.device) -> tuple[int, int, torch.device]:
     return dist.get_world_size(), dist.get_rank(), device
 
 
+def leave() -> None:
+    """Leave the process group, where one was joined: a barrier (no rank
+    tears its connections down while another still uses them), then the
+    group destroyed. Every rank calls it, after its last collective."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def shard(order: list[int], rank: int, world: int) -> list[int]:
     """This rank's batches of a global step order: step s of rank r trains on
     ``order[s * world + r]`` (a global step is ``world`` batches)."""
