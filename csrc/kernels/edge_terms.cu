@@ -82,6 +82,7 @@ edge_rows_kernel(const float* __restrict__ w, const float* __restrict__ x,
 // the kernel's time). a[e, f] is read once for the heads of a thread.
 constexpr int kHeadsPerThread = 4;
 constexpr int kSplit = 8;
+constexpr int kUnroll = 4;
 
 __global__ void __launch_bounds__(kThreads)
 edge_scatter_kernel(const float* __restrict__ w, const float* __restrict__ a,
@@ -104,14 +105,36 @@ edge_scatter_kernel(const float* __restrict__ w, const float* __restrict__ a,
         const int64_t end = rowptr[n + 1];
         float acc[kHeadsPerThread] = {};
         bool bad = false;
-        for (int64_t k = rowptr[n] + split; k < end; k += kSplit) {
+        // kUnroll edges per step: their indices, then their values, loaded
+        // independently (a step waits about two memory latencies, not 2 kUnroll)
+        int64_t k = rowptr[n] + split;
+        for (; k + (kUnroll - 1) * kSplit < end && !bad; k += kUnroll * kSplit) {
+            int64_t e[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                e[u] = order[k + u * kSplit];
+                bad |= !node_ok(e[u], s.num_edges);
+            }
+            if (bad) break;
+            float av[kUnroll], wv[kUnroll][kHeadsPerThread];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                av[u] = a[e[u] * F + f];
+#pragma unroll
+                for (int j = 0; j < kHeadsPerThread; ++j) wv[u][j] = j < nh ? w[e[u] * H + h0 + j] : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int j = 0; j < kHeadsPerThread; ++j) acc[j] = fmaf(wv[u][j], av[u], acc[j]);
+        }
+        for (; k < end && !bad; k += kSplit) {
             const int64_t e = order[k];
             if (!node_ok(e, s.num_edges)) { bad = true; break; }
             const float av = a[e * F + f];
-            const float* we = w + e * H + h0;
 #pragma unroll
             for (int j = 0; j < kHeadsPerThread; ++j)
-                if (j < nh) acc[j] = fmaf(we[j], av, acc[j]);
+                if (j < nh) acc[j] = fmaf(w[e * H + h0 + j], av, acc[j]);
         }
 #pragma unroll
         for (int off = 1; off < kSplit; off <<= 1) {
