@@ -75,7 +75,9 @@ class Fused3SConv(TransformerConv):
     \mathbf{a}_{ij}` of the fused kernel, and the value term
     :math:`\sum_j \alpha_{ij} \mathbf{W}_e \mathbf{a}_{ij} = \mathbf{W}_e
     \sum_j \alpha_{ij} \mathbf{a}_{ij}` is built from the attention
-    weights the kernel returns (their gradient enters the fused backward).
+    weights the kernel returns (their gradient enters the fused backward);
+    the products with the raw features are CUDA kernels of their own
+    (:func:`gt_fused3s.edge_terms.edge_feature_attention`).
     ``return_attention_weights`` returns those weights (in the order of the
     given ``edge_index``).
 
