@@ -112,6 +112,26 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
     return out
 
 
+def edge_feature_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor, edge_attr: Tensor,
+                           w_e: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """TransformerConv's attention with edge features as TransformerConv
+    computes it, ``e_ij = W_e a_ij`` materialised [E, H, C] and added to the
+    key and the value: the specification of
+    :func:`~gt_fused3s.edge_terms.edge_feature_attention`. q, k, v [N, H, C],
+    edge_attr [E, F], w_e [H, C, F]; returns ``(out [N, H, C], alpha [E, H])``."""
+    src, dst = edge_index.long()
+    n, H, C = q.shape
+    e = torch.einsum("hcf,ef->ehc", w_e, edge_attr)
+    s = (q[dst] * (k[src] + e)).sum(-1) * scale
+    mx = torch.full((n, H), -torch.inf, dtype=s.dtype, device=s.device).scatter_reduce(
+        0, dst[:, None].expand_as(s), s, "amax")
+    p = torch.exp(s - mx[dst])
+    alpha = p / torch.zeros(n, H, dtype=s.dtype, device=s.device).index_add(0, dst, p)[dst]
+    out = torch.zeros(n, H, C, dtype=s.dtype, device=s.device).index_add(
+        0, dst, alpha.unsqueeze(-1) * (v[src] + e))
+    return out, alpha
+
+
 def attention_dense(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
                     scale: float | None = None, *,
                     compute_dtype: torch.dtype = torch.float32,

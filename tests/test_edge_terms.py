@@ -10,6 +10,7 @@ import torch
 from gt_fused3s import GraphPlan
 from gt_fused3s.edge_terms import edge_dot, edge_feature_attention, edge_scatter
 from gt_fused3s.graph import node_csr
+from gt_fused3s.reference import edge_feature_reference
 
 try:
     from graph_cases import GRAPH_CASES
@@ -108,17 +109,8 @@ def test_edge_feature_attention_plan_equals_edge_index(stand_in_kernels):
     w_e = torch.randn(H, C, F, generator=g, dtype=torch.float64) * 0.3
     plan = GraphPlan.from_edge_index(edge_index, n)
 
-    src, dst = edge_index
-
     def materialised(q, k, v):
-        e = torch.einsum("hcf,ef->ehc", w_e, a)
-        s = (q[dst] * (k[src] + e)).sum(-1) * 0.25
-        mx = torch.full((n, H), -torch.inf, dtype=s.dtype).scatter_reduce(
-            0, dst[:, None].expand_as(s), s, "amax")
-        p = torch.exp(s - mx[dst])
-        alpha = p / torch.zeros(n, H, dtype=s.dtype).index_add(0, dst, p)[dst]
-        out = torch.zeros(n, H, C, dtype=s.dtype).index_add(0, dst, alpha.unsqueeze(-1) * (v[src] + e))
-        return torch.cat([out.flatten(), alpha.flatten()])
+        return torch.cat([t.flatten() for t in edge_feature_reference(q, k, v, edge_index, a, w_e, 0.25)])
 
     def fused(q, k, v):
         out, alpha = edge_feature_attention(q, k, v, plan, a.float(), w_e.float(), 0.25)

@@ -12,6 +12,7 @@ import torch
 from gt_fused3s import GraphPlan
 from gt_fused3s.edge_terms import edge_dot, edge_feature_attention, edge_scatter
 from gt_fused3s.graph import node_csr
+from gt_fused3s.reference import edge_feature_reference
 
 from graph_cases import GRAPH_CASES
 
@@ -96,18 +97,10 @@ def test_edge_feature_attention(case, H, C):
     q, k, v = (torch.randn(n, H, C, generator=g, dtype=torch.float64) for _ in range(3))
     a = torch.randn(E, F, generator=g, dtype=torch.float64)
     w_e = torch.randn(H, C, F, generator=g, dtype=torch.float64) * 0.2
-    src, dst = edge_index
     scale = C ** -0.5
 
     def materialised(q, k, v, a, w_e):
-        e = torch.einsum("hcf,ef->ehc", w_e, a)
-        s = (q[dst] * (k[src] + e)).sum(-1) * scale
-        mx = torch.full((n, H), -torch.inf, dtype=s.dtype).scatter_reduce(
-            0, dst[:, None].expand_as(s), s, "amax")
-        p = torch.exp(s - mx[dst])
-        alpha = p / torch.zeros(n, H, dtype=s.dtype).index_add(0, dst, p)[dst]
-        out = torch.zeros(n, H, C, dtype=s.dtype).index_add(0, dst, alpha.unsqueeze(-1) * (v[src] + e))
-        return torch.cat([out.flatten(), alpha.flatten()])
+        return torch.cat([t.flatten() for t in edge_feature_reference(q, k, v, edge_index, a, w_e, scale)])
 
     plan = GraphPlan.from_edge_index(edge_index.cuda(), n)
 
