@@ -55,7 +55,7 @@ def _edge_dot(X: Tensor, a: Tensor, idx: Tensor) -> Tensor:
     dtype = torch.promote_types(X.dtype, a.dtype)
     if _kernel(X, a):
         return ops._op("edge_dot")(_f32(X), _f32(a), idx.long().contiguous()).to(dtype)
-    out = a.new_empty((E, H), dtype=torch.promote_types(X.dtype, a.dtype))
+    out = a.new_empty((E, H), dtype=dtype)
     for s, e in _chunks(E, H * a.size(1)):
         out[s:e] = (X.index_select(0, idx[s:e]) * a[s:e].unsqueeze(1)).sum(-1)
     return out
@@ -181,7 +181,7 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     csr = plan.destination_csr() if plan is not None and _kernel(q) else None
     edge_bias = edge_dot(head_project(q, w_e, scale), edge_attr, dst, csr)
     out, alpha = fused3s_attention(q, k, v, graph, scale, edge_bias=edge_bias, return_weights=True,
-                                       dropout_p=dropout_p, dropout_seed=dropout_seed)
+                                   dropout_p=dropout_p, dropout_seed=dropout_seed)
     used = alpha
     if dropout_p:     # the kernel's mask (same seed, same hash)
         used = alpha * ops.dropout_keep(dropout_seed, dropout_p, *alpha.shape, alpha.device)

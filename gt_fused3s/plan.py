@@ -154,9 +154,10 @@ class GraphPlan:
     def destination_csr(self) -> tuple[Tensor, Tensor]:
         """The edges of :attr:`edge_index` grouped by destination,
         ``(rowptr, order)`` (:func:`~gt_fused3s.graph.node_csr`): what the
-        edge-feature sums over a node's in-edges read. Built on first use."""
+        edge-feature sums over a node's in-edges read, one group per
+        destination row (:attr:`num_rows`). Built on first use."""
         if self._csr is None:
-            self._csr = node_csr(self._edges[1], self.num_nodes)
+            self._csr = node_csr(self._edges[1], self.num_rows)
         return self._csr
 
     def _transposed(self) -> BSBGraph:

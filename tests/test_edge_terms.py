@@ -133,3 +133,11 @@ def test_head_project(H, A, B):
     w = torch.randn(H, A, B, generator=g, dtype=torch.float64, requires_grad=True)
     torch.testing.assert_close(head_project(x, w, 0.5), 0.5 * torch.einsum("nha,hab->nhb", x, w))
     assert torch.autograd.gradcheck(lambda x, w: head_project(x, w, 0.5), (x, w))
+
+
+def test_plan_groups_edges_by_destination_row():
+    """A plan whose destinations are its first rows (a partitioned graph's
+    rank) groups its edges per row: one group per row of q and the output."""
+    ei = torch.tensor([[5, 6, 0, 6, 2], [1, 0, 2, 1, 1]])
+    rowptr, order = GraphPlan.from_edge_index(ei, 7, num_rows=3).destination_csr()
+    assert rowptr.tolist() == [0, 1, 4, 5] and order.tolist() == [1, 0, 3, 4, 2]
