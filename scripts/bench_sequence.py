@@ -4,6 +4,7 @@
 
     python scripts/bench_sequence.py --out docs/sequence_h100.csv
     python scripts/bench_sequence.py --only local --max-length 2000000
+    python scripts/bench_sequence.py --only longformer dilated_global bigbird --plot fig6.png
 """
 import argparse
 import os
@@ -22,6 +23,7 @@ def main(argv=None) -> int:
     p.add_argument("--probe-max-length", type=int, nargs="+", metavar="L",
                    help="instead of the cases: the longest of these lengths whose local 1601-key forward fits")
     p.add_argument("--out", help="CSV path")
+    p.add_argument("--plot", help="PNG path: time against length per mask (needs matplotlib)")
     a = p.parse_args(argv)
     import torch
     import yaml
@@ -54,6 +56,9 @@ def main(argv=None) -> int:
         print(bench.fmt(row), flush=True)
     if a.out:
         write_csv(rows, bench.COLUMNS, a.out)
+    if a.plot:
+        from gt_fused3s.bench.plot import plot_sequence_times
+        print(f"plot: {plot_sequence_times(rows, a.plot)}")
     return 0
 
 

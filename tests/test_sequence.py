@@ -231,3 +231,17 @@ def test_flex_baseline_block_lists(kind):
     assert bool((need.reshape(nb, bs, nb, bs).any(3).any(1) <= (part | full)).all())
     assert bool((full <= may.reshape(nb, bs, nb, bs).all(3).all(1)).all())
     assert not bool((part & full).any())
+
+
+def test_plot_sequence_times(tmp_path):
+    """Fig. 6-style panels from bench_sequence rows: a PNG for masks with two
+    lengths or more; none to draw is an error, not an empty figure."""
+    pytest.importorskip("matplotlib")
+    from gt_fused3s.bench.plot import plot_sequence_times
+    rows = [{"mask": "longformer", "L": 65536, "ours_ms": 0.6, "flex_ms": 0.63},
+            {"mask": "longformer", "L": 1048576, "ours_ms": 2.95, "flex_ms": 1.63, "dense_sdpa_ms": ""},
+            {"mask": "local", "L": 65536, "ours_ms": 0.2}]
+    path = plot_sequence_times(rows, tmp_path / "fig6.png")
+    assert path.stat().st_size > 1000
+    with pytest.raises(ValueError, match="two lengths"):
+        plot_sequence_times(rows[2:], tmp_path / "none.png")

@@ -5,7 +5,8 @@ of memory or were skipped get a label instead of a bar.
 
     gt-fused3s plot results/study.csv results/study.png
 
-Also the loss curves of ``gt-fused3s train --plot`` (:func:`plot_loss_curves`).
+Also the loss curves of ``gt-fused3s train --plot`` (:func:`plot_loss_curves`)
+and the sequence benchmark's times against length (:func:`plot_sequence_times`).
 
 Needs matplotlib (``pip install "gt-fused3s[plot]"``), imported on use; draws
 with the Agg canvas, so no display is needed.
@@ -128,6 +129,43 @@ def plot_loss_curves(series: dict[str, tuple[list, list]], path: str | Path,
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(which="both", linewidth=0.3, alpha=0.5)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def plot_sequence_times(rows: list[dict], path: str | Path) -> Path:
+    """Forward time against sequence length, one panel per mask, ours and
+    FlexAttention (and dense SDPA where it ran), log-log: the rows of
+    ``scripts/bench_sequence.py`` (or read from its CSV), like the paper's
+    Fig. 6. Masks with a single length get no panel."""
+    from matplotlib.figure import Figure
+
+    series: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for r in rows:
+        L = _num(r.get("L"))
+        for key, label in (("ours_ms", "gt-fused3s"), ("flex_ms", "FlexAttention"), ("dense_sdpa_ms", "dense SDPA")):
+            t = _num(r.get(key))
+            if L and t:
+                series.setdefault(r["mask"], {}).setdefault(label, []).append((L, t))
+    masks = [m for m, s in series.items() if len({L for pts in s.values() for L, _ in pts}) > 1]
+    if not masks:
+        raise ValueError("no mask with times at two lengths or more in the rows")
+    fig = Figure(figsize=(3.6 * len(masks), 3.4), dpi=150)
+    axes = fig.subplots(1, len(masks), squeeze=False)[0]
+    for ax, mask in zip(axes, masks):
+        for (label, pts), style in zip(series[mask].items(), ("o-", "s--", "^:")):
+            pts = sorted(pts)
+            ax.plot([L for L, _ in pts], [t for _, t in pts], style, label=label, linewidth=1.2, markersize=3)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel("forward ms")
+        ax.set_title(mask, fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(which="both", linewidth=0.3, alpha=0.5)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
