@@ -159,10 +159,27 @@ def _dense_rows(qg: Tensor, k: Tensor, v: Tensor, scale: float, chunk: int = 1 <
     return (o / l).permute(0, 2, 1, 3)                                    # [B, g, H, D]
 
 
+_ROW_INDEX: dict[tuple, Tensor] = {}
+
+
+def _row_index(rows: list[int], device: torch.device) -> Tensor:
+    """The global rows as an index tensor on the device, made once per list:
+    ``torch.tensor(rows, device=...)`` per call is a copy from pageable host
+    memory, which waits for the kernels queued before it (the host then
+    launched the dense rows' ops one by one behind an idle GPU)."""
+    key = (tuple(rows), device)
+    idx = _ROW_INDEX.get(key)
+    if idx is None:
+        idx = _ROW_INDEX[key] = torch.tensor(rows, device=device)
+        if len(_ROW_INDEX) > 256:
+            _ROW_INDEX.pop(next(iter(_ROW_INDEX)))
+    return idx
+
+
 def _global_rows_dense(q, k, v, out, rows: list[int], scale: float, cu: list[int] | None) -> Tensor:
     """Overwrite the global rows of out with dense attention over their document."""
     if cu is None:   # [B, L, H, D]: the batch at once
-        idx = torch.tensor(rows, device=q.device)
+        idx = _row_index(rows, q.device)
         og = _dense_rows(q.index_select(1, idx), k, v, scale)
         return out.index_copy(1, idx, og.to(out.dtype))
     for d in range(len(cu) - 1):   # packed documents: one document at a time
@@ -170,7 +187,7 @@ def _global_rows_dense(q, k, v, out, rows: list[int], scale: float, cu: list[int
         local = [r for r in rows if r < L]
         if not local:
             continue
-        idx = torch.tensor(local, device=q.device) + s0
+        idx = _row_index(local, q.device) + s0
         og = _dense_rows(q.index_select(0, idx)[None], k[None, s0:s0 + L], v[None, s0:s0 + L], scale)[0]
         out = out.index_copy(0, idx, og.to(out.dtype))
     return out
