@@ -154,7 +154,11 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
             builds nothing and makes no host synchronisation), a
             :class:`~gt_fused3s.graph.BSBGraph`, or an ``edge_index`` [2, E]
             (source, destination), whose plan is built for this call (not
-            cached: build a plan once and pass it to reuse it).
+            cached: build a plan once and pass it to reuse it). A plan built
+            with ``reorder`` (a locality order of the nodes) runs the kernels
+            on q, k, v gathered into its order and gathers the output (and
+            the gradients) back: inputs, outputs and every edge tensor stay
+            in the caller's order.
         scale: the score scale :math:`s`, default ``1 / sqrt(D)``.
         edge_bias: optional [E, H] additive attention bias :math:`b`, in the
             order of the plan's :attr:`~gt_fused3s.plan.GraphPlan.edge_index`
@@ -234,7 +238,12 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (bias is not None and bias.requires_grad))
     bwd_args = plan.backward_args(H, Dp) if grad else ()
-    dst = plan.edge_index[1] if return_weights else None
+    # the kernels' rows are the plan's nodes (the destinations of the
+    # returned weights' gradient too); edge tensors keep the caller's order
+    dst = plan.kernel_edge_index[1] if return_weights else None
+    order = plan.order
+    if order is not None:
+        q, k, v = (_permute_rows(t, order.perm, order.inv) for t in (q, k, v))
     if torch.compiler.is_compiling():
         out, _, probs = _attention_op(q, k, v, list(fwd_args), list(bwd_args), scale, out_dtype,
                                       compute_dtype, bias, list(slots), dst, *drop)
@@ -244,7 +253,33 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
     else:
         out, _, probs = _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype, bias, slots,
                                         return_weights, drop)
+    if order is not None:
+        out = _permute_rows(out, order.inv, order.perm)
     return (out, probs) if return_weights else out
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, perm)`` whose gradient is the gather by the
+    inverse (not index_select's zero fill and scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inv):
+        ctx.save_for_backward(inv)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inv, = ctx.saved_tensors
+        return grad.index_select(0, inv), None, None
+
+
+def _permute_rows(x: Tensor, perm: Tensor, inv: Tensor) -> Tensor:
+    """Rows of ``x`` in the order ``perm`` (new -> old; ``inv`` its
+    inverse), one gather forward and one backward; a reordered plan's q, k,
+    v go in this way and its output comes back with (inv, perm)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _PermuteRows.apply(x, perm, inv)
+    return x.index_select(0, perm)
 
 
 def _dropout(p: float, seed: int | None) -> tuple[float, int]:
@@ -328,12 +363,32 @@ def _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype) -> Tensor | None
     if fwd_args is None or N != graph.num_rows or not kernel_available(q.device):
         return None
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    order = graph.order
+    if order is not None:
+        return _fast_path_reordered(q, k, v, graph, order, fwd_args, scale)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         bwd_args = graph._bwd_args.get((H, D))
         if bwd_args is None:
             return None
         return _FusedAttention.apply(q, k, v, None, fwd_args, bwd_args, (), None, scale, q.dtype, None)[0]
     return _op("fwd")(q, k, v, *fwd_args, scale, False)[0]
+
+
+def _fast_path_reordered(q, k, v, plan, order, fwd_args, scale) -> Tensor | None:
+    """:func:`_fast_path` on a reordered plan: q, k, v gathered into the
+    plan's node order, the output gathered back."""
+    if k.shape != q.shape or v.shape != q.shape:
+        return None           # the general path names the mismatch
+    perm, inv = order.perm, order.inv
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        bwd_args = plan._bwd_args.get((q.size(1), q.size(2)))
+        if bwd_args is None:
+            return None
+        q, k, v = (_permute_rows(t, perm, inv) for t in (q, k, v))
+        out = _FusedAttention.apply(q, k, v, None, fwd_args, bwd_args, (), None, scale, q.dtype, None)[0]
+        return _permute_rows(out, inv, perm)
+    q, k, v = (t.index_select(0, perm) for t in (q, k, v))
+    return _op("fwd")(q, k, v, *fwd_args, scale, False)[0].index_select(0, inv)
 
 
 _OPS: dict[str, object] = {}

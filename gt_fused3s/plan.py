@@ -13,6 +13,12 @@ Built in static mode (``static=True``, or automatically while a CUDA graph
 is captured or torch.compile traces), a plan's shapes depend only on the
 graph's node and edge counts and its build makes no host synchronisation,
 so a new batch's plan can itself be part of a captured graph.
+
+Built with ``reorder`` (issue 13: a locality order of the nodes,
+:mod:`~gt_fused3s.reorder`), the plan's formats are those of the relabelled
+graph and :func:`~gt_fused3s.ops.fused3s_attention` permutes q, k, v into
+that order and the output back (four gathers), so callers see their own
+node order and their own edge order throughout.
 """
 from __future__ import annotations
 
@@ -24,7 +30,13 @@ from torch import Tensor
 
 from .graph import (BSBGraph, _check_edge_index, _check_num_nodes, _check_range, _in_capture_or_compile,
                     edge_slots, node_csr)
+from .reorder import METHODS as REORDER_METHODS
+from .reorder import NodeOrder
+from .reorder import reorder as _compute_order
 from .schedule import work_schedule
+
+# orders computed without a host synchronisation (so a static build may ask for them by name)
+_SYNC_FREE_METHODS = ("identity",)
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -50,6 +62,12 @@ class GraphPlan:
             all): q and the output then have ``num_rows`` rows, k and v
             ``num_nodes`` (one rank's rows of a partitioned graph, whose
             columns add the halo). No edge may point past them.
+        order: a node order (:class:`~gt_fused3s.reorder.NodeOrder`) the
+            BSB was built in: ``bsb`` (and ``transposed``) are the formats of
+            ``order.relabel(edge_index)``, while ``edge_index`` stays the
+            caller's (caller's node ids, caller's edge order). The op
+            permutes q, k, v into the order and the output back. Not with
+            ``num_rows``.
 
     Build it with :meth:`from_edge_index` (or from a BSB: ``GraphPlan(bsb)``)
     and :meth:`prepare` it for the heads and head dims of the model::
@@ -59,7 +77,8 @@ class GraphPlan:
     """
 
     def __init__(self, bsb: BSBGraph, transposed: BSBGraph | None = None,
-                 edge_index: Tensor | None = None, *, num_rows: int | None = None):
+                 edge_index: Tensor | None = None, *, num_rows: int | None = None,
+                 order: NodeOrder | None = None):
         if not isinstance(bsb, BSBGraph):
             raise ValueError(f"bsb must be a BSBGraph (got {type(bsb).__name__})")
         num_rows = bsb.num_nodes if num_rows is None else _check_num_nodes(num_rows)
@@ -74,10 +93,23 @@ class GraphPlan:
                 raise ValueError(f"edge_index must be the {bsb.num_edges} edges the BSB was built "
                                  f"from, on {bsb.device} (got {tuple(edge_index.shape)} on "
                                  f"{edge_index.device})")
+        if order is not None:
+            _check_order(order, bsb.num_nodes, bsb.device)
+            if num_rows != bsb.num_nodes:
+                raise ValueError(_RECT_REORDER.format(num_rows=num_rows, num_nodes=bsb.num_nodes))
         self.bsb = bsb
         self.transposed = transposed
         self.num_rows = num_rows    #: rows of q and of the output (destinations: the first nodes)
-        self._edges = edge_index if edge_index is not None else bsb.edge_index
+        #: the node order the formats are built in (None: the caller's)
+        self.order: NodeOrder | None = order
+        if order is None:
+            self._edges = edge_index if edge_index is not None else bsb.edge_index
+            self._kernel_edges = self._edges
+        elif edge_index is not None:
+            self._edges, self._kernel_edges = edge_index, _relabel(order, edge_index)
+        else:   # the BSB's edges, in its order, back in the caller's node ids
+            self._edges, self._kernel_edges = order.perm[bsb.edge_index.long()].to(bsb.edge_index.dtype), \
+                bsb.edge_index
         # bias_args(): where each edge sits in the BSB and its transpose (per-edge terms)
         self._bias_args: tuple[Tensor, ...] | None = None
         # destination_csr(): the edges grouped by destination (edge-feature terms)
@@ -89,17 +121,71 @@ class GraphPlan:
     # ------------------------------------------------------------------ build
     @classmethod
     def from_edge_index(cls, edge_index: Tensor, num_nodes: int | None = None, *,
-                        static: bool | None = None, num_rows: int | None = None) -> "GraphPlan":
+                        static: bool | None = None, num_rows: int | None = None,
+                        reorder: str | NodeOrder | None = None) -> "GraphPlan":
         """The plan of ``edge_index`` [2, E] (row 0 sources, row 1
         destinations; duplicates count with their multiplicity), built on
         its device. ``static``: see :meth:`BSBGraph.from_edge_index`. An
         ``edge_bias`` follows the order of ``edge_index``. ``num_rows``:
         the destinations are the first ``num_rows`` nodes (checked here,
-        unless static)."""
-        bsb = BSBGraph.from_edge_index(edge_index, num_nodes, static=static)
-        if num_rows is not None and num_rows < bsb.num_nodes and not bsb.static and edge_index.numel():
-            _check_range("edge_index[1] (destinations)", edge_index[1], 0, num_rows)
-        return cls(bsb, edge_index=edge_index, num_rows=num_rows)
+        unless static).
+
+        ``reorder``: build the formats in a locality order of the nodes
+        (issue 13; fewer tensor-core blocks where neighbours get close ids):
+        ``"cuthill_mckee"`` or ``"label_propagation"`` (computed here, on
+        the graph's device, see :mod:`~gt_fused3s.reorder`), ``"identity"``
+        (the caller's order through the same path: the permutations' cost
+        alone), or a :class:`~gt_fused3s.reorder.NodeOrder` computed ahead.
+        Callers see their own order: :func:`~gt_fused3s.ops.fused3s_attention`
+        gathers q, k, v into the plan's order and the output (and the
+        gradients) back; edge-ordered tensors (``edge_bias``, returned
+        weights, dropout mask, edge features) stay in the order of
+        ``edge_index``. The orders by name make host synchronisations
+        (Cuthill-McKee per BFS level, both per connected-components round),
+        so a static build (``static=True``, or inside a CUDA graph capture or
+        torch.compile) refuses them: build eagerly, or pass a ``NodeOrder``
+        computed eagerly, which a static build applies with gathers only.
+        Not with ``num_rows`` (a rectangular plan keeps the caller's order).
+        """
+        if reorder is None:
+            bsb = BSBGraph.from_edge_index(edge_index, num_nodes, static=static)
+            if num_rows is not None and num_rows < bsb.num_nodes and not bsb.static and edge_index.numel():
+                _check_range("edge_index[1] (destinations)", edge_index[1], 0, num_rows)
+            return cls(bsb, edge_index=edge_index, num_rows=num_rows)
+        edge_index = _check_edge_index(edge_index)
+        if num_nodes is None:
+            num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
+        num_nodes = _check_num_nodes(num_nodes)
+        if num_rows is not None and _check_num_nodes(num_rows) != num_nodes:
+            raise ValueError(_RECT_REORDER.format(num_rows=num_rows, num_nodes=num_nodes))
+        is_static = _in_capture_or_compile() if static is None else bool(static)
+        if is_static:
+            # no host check: an index out of range fails on the device, as in the static builder
+            if edge_index.numel():
+                torch._assert_async(((edge_index >= 0) & (edge_index < num_nodes)).all(),
+                                    "gt_fused3s: edge_index has an index outside [0, num_nodes)")
+        else:
+            _check_range("edge_index", edge_index, 0, num_nodes)   # before an order reads it
+        if isinstance(reorder, str):
+            if reorder not in REORDER_METHODS:
+                raise ValueError(f"reorder must be None, one of {REORDER_METHODS} or a NodeOrder "
+                                 f"(got {reorder!r})")
+            if is_static and reorder not in _SYNC_FREE_METHODS:
+                raise ValueError(
+                    f"reorder={reorder!r} computes its order with host synchronisations, which a "
+                    f"static build (static=True, a CUDA graph capture, torch.compile) cannot make: "
+                    f"build the plan eagerly, or compute the order ahead (order = "
+                    f"gt_fused3s.reorder.reorder(edge_index, num_nodes, {reorder!r})) and pass "
+                    f"reorder=order")
+            order = _compute_order(edge_index, num_nodes, reorder)
+        elif isinstance(reorder, NodeOrder):
+            order = reorder
+            _check_order(order, num_nodes, edge_index.device, exact=not is_static)
+        else:
+            raise ValueError(f"reorder must be None, one of {REORDER_METHODS} or a NodeOrder "
+                             f"(got {type(reorder).__name__})")
+        bsb = BSBGraph.from_edge_index(_relabel(order, edge_index), num_nodes, static=static)
+        return cls(bsb, edge_index=edge_index, order=order)
 
     def prepare(self, heads: int, head_dim: int, *, backward: bool = True,
                 edge_bias: bool = False, edge_features: bool = False) -> "GraphPlan":
@@ -147,8 +233,10 @@ class GraphPlan:
         ``nnz_offset`` and ``slot_edge`` of the BSB, then those of the
         transposed BSB."""
         if self._bias_args is None:
-            self._bias_args = (*edge_slots(self.bsb, self._edges),
-                               *edge_slots(self._transposed(), self._edges.flip(0)))
+            # the edges in the formats' node ids, in the caller's edge order:
+            # slot_edge holds the caller's edge ids
+            e = self._kernel_edges
+            self._bias_args = (*edge_slots(self.bsb, e), *edge_slots(self._transposed(), e.flip(0)))
         return self._bias_args
 
     def destination_csr(self) -> tuple[Tensor, Tensor]:
@@ -187,6 +275,12 @@ class GraphPlan:
         return self._edges
 
     @property
+    def kernel_edge_index(self) -> Tensor:
+        """The edges as the kernels see them: :attr:`edge_index` in the
+        plan's node order (itself without a reorder), same edge order."""
+        return self._kernel_edges
+
+    @property
     def num_edges(self) -> int:
         return self.bsb.num_edges
 
@@ -195,15 +289,53 @@ class GraphPlan:
         device = torch.device(device)
         if device == self.device:
             return self
+        order = self.order
+        if order is not None:
+            order = NodeOrder(order.perm.to(device), order.inv.to(device), order.method)
         return GraphPlan(self.bsb.to(device),
                          self.transposed.to(device) if self.transposed is not None else None,
-                         self._edges.to(device), num_rows=self.num_rows)
+                         self._edges.to(device), num_rows=self.num_rows, order=order)
 
     def __repr__(self) -> str:
         prepared = sorted(self._fwd_args)
         rows = f", num_rows={self.num_rows}" if self.num_rows != self.num_nodes else ""
+        if self.order is not None:
+            rows += f", reorder={self.order.method!r}"
         return (f"GraphPlan({self.bsb!r}{rows}, backward={self.transposed is not None}, "
                 f"prepared (heads, head_dim)={prepared})")
+
+
+_RECT_REORDER = ("a reordered plan needs every node as a destination (num_rows={num_rows} of "
+                 "{num_nodes} nodes): a rectangular plan, such as a partitioned rank's, keeps the "
+                 "caller's order (build it without reorder)")
+
+
+def _relabel(order: NodeOrder, edge_index: Tensor) -> Tensor:
+    """``edge_index`` in ``order``'s node ids (edge order kept), clamped into
+    range first, so that a static build never gathers out of bounds (its
+    indices are checked on the device)."""
+    n = order.num_nodes
+    return order.inv[edge_index.long().clamp(0, max(n - 1, 0))].to(edge_index.dtype)
+
+
+def _check_order(order: NodeOrder, num_nodes: int, device: torch.device, *, exact: bool = False) -> None:
+    """``order`` is a NodeOrder of ``num_nodes`` nodes on ``device``; with
+    ``exact`` (a host synchronisation) also that perm and inv are inverse
+    permutations."""
+    if not isinstance(order, NodeOrder):
+        raise ValueError(f"order must be a gt_fused3s.reorder.NodeOrder (got {type(order).__name__})")
+    for name in ("perm", "inv"):
+        t = getattr(order, name)
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"order.{name} must be a 1-D int32/int64 tensor")
+        if t.numel() != num_nodes or t.device != device:
+            raise ValueError(f"order.{name} has {t.numel()} entries on {t.device} but the graph has "
+                             f"{num_nodes} nodes on {device}")
+    if exact and num_nodes:
+        perm, inv = order.perm.long(), order.inv.long()
+        in_range = bool(((perm >= 0) & (perm < num_nodes) & (inv >= 0) & (inv < num_nodes)).all())
+        if not (in_range and torch.equal(inv[perm], torch.arange(num_nodes, device=device))):
+            raise ValueError("order.perm must be a permutation of the nodes and order.inv its inverse")
 
 
 def as_plan(graph: Any, num_nodes: int | None = None) -> GraphPlan:
