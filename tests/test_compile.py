@@ -124,6 +124,13 @@ def test_runs_expand_per_device():
     assert expand_runs(["fused3s", "pyg"], gpu, eager=True, compiled_runs=False) == ["fused3s", "pyg"]
     with pytest.raises(ValueError, match="needs a CUDA device"):
         expand_runs(["pyg@compile"], cpu, eager=False, compiled_runs=False)
+    # train compiles on the CPU too; CUDA graphs (reduce-overhead's included) need a GPU
+    from gt_fused3s.bench.train import CPU_MODES
+    assert expand_runs(["fused3s@compile", "pyg"], cpu, eager=False, compiled_runs=True,
+                       cpu_modes=CPU_MODES) == ["fused3s@compile", "pyg"]
+    for mode in ("graph", "reduce-overhead", "compile-graph"):
+        with pytest.raises(ValueError, match=f"mode {mode} needs a CUDA device"):
+            expand_runs([f"pyg@{mode}"], cpu, eager=False, compiled_runs=False, cpu_modes=CPU_MODES)
 
 
 @pytest.mark.parametrize("kernel_path", [False, True])

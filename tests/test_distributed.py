@@ -241,24 +241,27 @@ def _train_cfg(tmp, **extra):
 
 def _train_rank(rank, world, port, cfg, results):
     """``gt-fused3s train``'s run on one rank of a process group described by
-    torchrun's environment; puts (rank, row statuses, (backend, loss) per step)."""
+    torchrun's environment; puts (rank, row statuses, (backend, loss) per
+    step, row notes)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         from gt_fused3s.bench import train
         rows, curve, _ = train.run(cfg, progress=False, log=lambda m: None)
-        results.put((rank, [r["status"] for r in rows], [(p["backend"], p["loss"]) for p in curve]))
+        results.put((rank, [r["status"] for r in rows], [(p["backend"], p["loss"]) for p in curve],
+                     [r.get("note", "") for r in rows]))
     except Exception as e:
-        results.put((rank, f"{type(e).__name__}: {e}", []))
+        results.put((rank, f"{type(e).__name__}: {e}", [], []))
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train_under_torchrun(cfg, world: int) -> dict:
-    """{rank: (statuses, curve)} of ``cfg`` trained by ``world`` spawned ranks;
-    fails unless every rank finished with every run ok."""
+def _train_under_torchrun(cfg, world: int, statuses=("ok", "ok"), timeout: float = 180) -> dict:
+    """{rank: (statuses, curve, notes)} of ``cfg`` trained by ``world``
+    spawned ranks (each given ``timeout`` seconds); fails unless every rank
+    finished with its runs' statuses as ``statuses``."""
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -269,13 +272,13 @@ def _train_under_torchrun(cfg, world: int) -> dict:
     for p in procs:
         p.start()
     for p in procs:
-        p.join(180)
+        p.join(timeout)
     got = {}
     while not results.empty():
-        rank, status, curve = results.get()
-        got[rank] = (status, curve)
+        rank, status, curve, notes = results.get()
+        got[rank] = (status, curve, notes)
     assert set(got) == set(range(world)) and all(p.exitcode == 0 for p in procs), got
-    assert all(status == ["ok", "ok"] for status, _ in got.values()), got
+    assert all(status == list(statuses) for status, *_ in got.values()), got
     return got
 
 
@@ -297,6 +300,22 @@ def test_data_parallel_training_equals_one_process_on_the_same_global_batches():
         model = GraphTransformer(8, 16, 1, num_layers=2, readout="graph", edge_vocab=(4,))
         info = load_checkpoint(ck, model)
         assert info["run"] == "fused3s" and info["steps"] == 5 and info["optimizer"] is not None
+
+
+def test_compiled_data_parallel_training_equals_one_process_on_the_same_global_batches():
+    """`gt-fused3s train` with fused3s@compile under a 2-rank process group
+    (Gloo): the model compiled alone, its gradients averaged by one
+    all-reduce after the compiled backward; the losses are those of one
+    process on the union of the ranks' batches (compiled on padded batches
+    against eager on the batches as they are), and every rank agrees."""
+    with tempfile.TemporaryDirectory() as tmp:
+        # one bucket: each rank compiles one shape (CPU compiles are slow)
+        cfg = _train_cfg(tmp, backends=["fused3s@compile"], max_buckets=1, steps=4)
+        got = _train_under_torchrun(cfg, 2, statuses=["ok"])
+    expect = global_batch_losses(cfg, 2, torch.device("cpu"))
+    for rank in (0, 1):
+        losses = [loss for b, loss in got[rank][1] if b == "fused3s@compile"]
+        assert losses == pytest.approx(expect, rel=1e-4), (rank, losses, expect)
 
 
 # ------------------------------------------------ the Graph Transformer, partitioned
@@ -356,6 +375,18 @@ def test_training_a_partitioned_graph_equals_one_process():
         want = [p["loss"] for p in one if p["backend"] == backend]
         losses = [loss for b, loss in got[0][1] if b == backend]
         assert losses == pytest.approx(want, rel=1e-4), (backend, losses, want)
+
+
+def test_partitioned_graph_skips_compiled_runs_with_the_reason():
+    """Under torchrun a partitioned graph trains eagerly: a compiled run
+    named in the config gets a skipped row on every rank, its note saying
+    why, and trains no step; the eager run beside it trains."""
+    got = _train_under_torchrun(_single_graph_cfg(backends=["fused3s", "fused3s@compile"], steps=2), 2,
+                                statuses=["ok", "skipped"])
+    for statuses, curve, notes in got.values():
+        assert notes[1].startswith("skipped: a partitioned graph trains eagerly under torchrun")
+        assert "halo exchange" in notes[1] and "torch.compile" in notes[1]
+        assert {b for b, _ in curve} == {"fused3s"}
 
 
 def test_scaling_runs_and_report(tmp_path):

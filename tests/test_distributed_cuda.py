@@ -93,3 +93,24 @@ def test_two_gpus_data_parallel_eager_and_captured_equal_one_process():
     for backend in ("fused3s@graph", "fused3s"):
         losses = [loss for b, loss in got[0][1] if b == backend]
         assert losses == pytest.approx(expect, rel=2e-3), (backend, losses, expect)
+
+
+@two_gpus
+def test_two_gpus_compiled_data_parallel_equals_one_process():
+    """`gt-fused3s train` data parallel on 2 GPUs, the compiled modes: the
+    bare model compiled (torch.compile, its gradients averaged by one
+    all-reduce after the compiled backward; reduce-overhead: its CUDA-graph
+    trees too) and the compiled model inside the captured step (the
+    all-reduce replayed inside the CUDA graph) give the losses of one
+    process on the same global batches."""
+    from test_distributed import _train_cfg, _train_under_torchrun
+    from gt_fused3s.bench.distributed import global_batch_losses
+    runs = ["fused3s@compile", "fused3s@compile-graph", "fused3s@reduce-overhead", "pyg@compile"]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _train_cfg(tmp, device="cuda", dtype="fp32", backends=runs, compiled_runs=False,
+                         max_buckets=1)
+        got = _train_under_torchrun(cfg, 2, statuses=["ok"] * len(runs), timeout=600)   # 4 compiles
+    expect = global_batch_losses(cfg, 2, torch.device("cuda"))
+    for backend in runs:
+        losses = [loss for b, loss in got[0][1] if b == backend]
+        assert losses == pytest.approx(expect, rel=2e-3), (backend, losses, expect)

@@ -325,7 +325,7 @@ def check_backends(names: list[str]) -> None:
 
 
 def expand_runs(names: list[str], device: torch.device, *, eager: bool,
-                compiled_runs: bool) -> list[str]:
+                compiled_runs: bool, cpu_modes: tuple[str, ...] = ("eager",)) -> list[str]:
     """The runs of a config's ``backends`` on ``device``. On a GPU, unless
     ``eager``: ``fused3s`` without a mode runs as CUDA-graph replays
     (``fused3s@graph``) and its eager run is added beside it; with
@@ -333,8 +333,9 @@ def expand_runs(names: list[str], device: torch.device, *, eager: bool,
     after ``pyg`` (the peers a careful PyG user would run), and
     ``fused3s@compile-graph`` after ``fused3s@graph`` (the same whole-step
     capture around the model compiled by torch.compile, which also fuses
-    the layers around the attention). On a CPU every run is eager (modes
-    other than eager are errors there)."""
+    the layers around the attention). On a CPU every run is as named, in
+    one of ``cpu_modes`` (other modes are errors there: CUDA graphs, and
+    ``reduce-overhead``, which is torch.compile's CUDA graphs)."""
     runs: list[str] = []
 
     def add(name):
@@ -343,7 +344,7 @@ def expand_runs(names: list[str], device: torch.device, *, eager: bool,
     for name in names:
         backend, mode = parse_run(name)
         if device.type != "cuda":
-            if mode != "eager":
+            if mode not in cpu_modes:
                 raise ValueError(f"{name}: mode {mode} needs a CUDA device")
             add(name)
             continue

@@ -40,7 +40,9 @@ batches padded to at most ``max_buckets`` static shapes
 capture or compile a few shapes only; the steps that capture or compile
 (the first of each shape) are left out of ms/step and reported as
 ``setup s``. Every run reports the GPU kernel time of a step (``kernel
-ms``, from the profiler, after training) beside its wall time.
+ms``, from the profiler, after training) beside its wall time. On a CPU a
+run may name ``@compile`` (torch.compile's C++ code, on the same padded
+batches); the CUDA-graph modes need a GPU.
 
 The task: with ``target: labels`` the dataset's own labels (OGB, LRGB, PyG);
 ``structure`` a generated one (:mod:`gt_fused3s.data.targets`: features from
@@ -63,10 +65,18 @@ task) is partitioned instead (``distributed.partitioner``): each rank trains
 on its nodes' rows, every attention layer exchanges the K and V halo, and the
 parameters' gradients are summed over the ranks, so a step is the whole
 graph's; the table adds the halo exchange's time per step and its share.
-Partitioned runs are eager; data-parallel ones eager (DDP) or, for
-``fused3s@graph``, one CUDA-graph replay per step with the gradients averaged
-by an all-reduce captured inside it. Under torchrun ms/step and peak MB are
-the largest rank's.
+Data-parallel runs take every mode: eager runs are wrapped in DDP; the
+compiled and captured ones run the bare model (rank 0's weights broadcast
+first) and average the gradients with one all-reduce of their own after
+the backward (:func:`gt_fused3s.distributed.data_parallel.sum_gradients`):
+``@compile`` and ``@reduce-overhead`` after the compiled backward,
+``@graph`` and ``@compile-graph`` inside the captured step, so a step is
+one CUDA-graph replay (``compiled_runs`` adds its runs as in one process).
+Partitioned runs are eager: a mode other than eager named in ``backends``
+gets a ``skipped`` row saying why (the halo exchange is neither traced by
+torch.compile nor captured), and ``compiled_runs`` and the captured
+``fused3s@graph`` add none. Under torchrun ms/step and peak MB are the
+largest rank's.
 ``checkpoint`` saves each run's weights and optimizer state; ``resume``
 starts every run from a checkpoint's weights.
 
@@ -80,8 +90,10 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     lr: 0.001             # Adam
     weight_decay: 0.0
     backends: [fused3s, pyg]   # each may end in @eager, @graph, @compile, @reduce-overhead,
-                               # @compile-graph (see gt_fused3s.bench.common.MODES)
+                               # @compile-graph (see gt_fused3s.bench.common.MODES); on a
+                               # CPU @eager or @compile
     compiled_runs: true   # on a GPU: add pyg@compile, pyg@reduce-overhead, fused3s@compile-graph
+                          # (under torchrun too, except for a partitioned graph)
     max_buckets: 4        # static shapes of the captured / compiled runs
     model: {hidden: 64, layers: 10, heads: 1, norm: layer, dropout: 0.0, self_loops: false,
             edge_features: false}   # edge_features: an attention bias per block from the
@@ -174,6 +186,13 @@ SUMMARY_COLUMNS = ["backend", "mode", "status", "note", "steps", "loss_first", "
                    "device_name", "torch", "git_sha", "config"]
 #: the pyg runs the "best compiled" ratio takes the fastest of
 _PYG_PEERS = ("pyg", "pyg@compile", "pyg@reduce-overhead")
+#: the modes a run may name on a CPU: torch.compile runs there (inductor's C++
+#: code); CUDA graphs (graph, compile-graph, reduce-overhead) do not
+CPU_MODES = ("eager", "compile")
+#: why a partitioned graph's runs other than eager are skipped under torchrun
+PARTITIONED_SKIP = ("a partitioned graph trains eagerly under torchrun: its per-layer halo exchange "
+                    "(asynchronous all_to_all_single with host-side split sizes, inside an "
+                    "autograd.Function) is neither traced by torch.compile nor captured in a CUDA graph")
 
 
 # ------------------------------------------------------------------ config
@@ -392,21 +411,22 @@ def run(cfg: dict, *, quick: bool = False, offline: bool = False, progress: bool
     shards = 1 if s.local_graph is not None else world
     order = data_parallel.shard(step_order(len(task.batches), cfg["steps"] * shards, cfg["seed"]),
                                 rank if shards > 1 else 0, shards)
-    # under torchrun: a partitioned graph trains eagerly; data parallel
-    # eagerly (DDP) and captured (fused3s@graph, gradients averaged inside
-    # the replayed step)
+    # under torchrun: data parallel runs every mode (see _Trainer); a
+    # partitioned graph trains eagerly, other modes named in the config get
+    # a skipped row (PARTITIONED_SKIP), none is added by compiled_runs
     runs = common.expand_runs(cfg["backends"], device, eager=eager or s.local_graph is not None,
-                              compiled_runs=cfg["compiled_runs"] and world == 1)
+                              compiled_runs=cfg["compiled_runs"] and s.local_graph is None,
+                              cpu_modes=CPU_MODES)
     env["ranks"] = world
-    if world > 1:
-        allowed = ("eager",) if s.local_graph is not None else ("eager", *common.CAPTURED_MODES)
-        bad = [r for r in runs if common.parse_run(r)[1] not in allowed]
-        if bad:
-            raise ValueError(f"under torchrun the {'partitioned' if s.local_graph is not None else 'data-parallel'}"
-                             f" runs are {' or '.join(allowed)} for now: drop the @mode of {bad}")
     rows, curve = [], []
     try:
         for name in runs:
+            mode = common.parse_run(name)[1]
+            if s.local_graph is not None and mode != "eager":   # the same on every rank
+                log(f"{task.name}: {name} skipped: {PARTITIONED_SKIP}")
+                rows.append({**env, "backend": name, "mode": mode, "steps": 0, "status": "skipped",
+                             "note": f"skipped: {PARTITIONED_SKIP}"})
+                continue
             row, points = train_backend(model, initial, name, task, order, s)
             common.free_cuda_memory(device)   # its optimizer state and graph formats are gone now
             rows.append(row)
@@ -551,11 +571,29 @@ class _Trainer:
         self._shapes: set = set()
         self.forward = model
         self.world, self.local_graph = s.world, s.local_graph
-        # data parallel: gradients averaged over the ranks, by DDP's hooks
-        # eagerly, by one all-reduce inside the captured step otherwise
+        # Data parallel: gradients averaged over the ranks. Eagerly by DDP's
+        # hooks (the all-reduce overlapped with the backward, bucket by
+        # bucket). Every other mode compiles or captures the bare model and
+        # averages the gradients with one all-reduce after the backward
+        # (data_parallel.sum_gradients): inside the captured step (graph,
+        # compile-graph: NCCL is recorded into the CUDA graph, DDP's hooks
+        # and its host-side bucket bookkeeping are not), and after the
+        # compiled backward (compile, reduce-overhead). The latter could be
+        # torch.compile of the DDP module (dynamo's DDPOptimizer splits the
+        # graph at DDP's 25 MB bucket boundaries to keep the overlap); the
+        # explicit all-reduce is simpler and the same in every static mode:
+        # the compiled graph is the one-process graph, whole, and the Graph
+        # Transformers here have a few MB of gradients (hidden 64, 10 blocks:
+        # 0.34M parameters, 1.3 MB; hidden 128: 5.3 MB), one bucket, which
+        # DDP too reduces only once the backward has finished: no overlap is
+        # lost (a model past 25 MB would lose it). Without DDP nothing
+        # broadcasts rank 0's weights: done here, as DDP does at construction.
         self.average = s.world > 1 and s.local_graph is None
+        self.reduce_after_backward = self.average and mode in ("compile", "reduce-overhead")
         if self.average and mode == "eager":
             self.forward = data_parallel.wrap(model, s.device)
+        elif self.average:
+            data_parallel.broadcast_parameters(model)
         self.exchange_ms: list[float] = []     # partitioned: the halo exchanges of each step
         if mode in common.COMPILED_MODES:
             self.forward = torch.compile(model, mode="reduce-overhead" if mode == "reduce-overhead"
@@ -605,6 +643,8 @@ class _Trainer:
         mask = getattr(data, "graph_mask" if graph_level else "node_mask", None)
         loss = self.task.loss_of(out, data.y, mask)
         self.scaler.scale(loss).backward()
+        if self.reduce_after_backward:      # data parallel, compiled: see __init__
+            data_parallel.sum_gradients(self.model, average=True)
         self.scaler.step(self.opt)
         self.scaler.update()
         return loss.detach()
@@ -693,7 +733,7 @@ class _Trainer:
 def _check_static_run(model: GraphTransformer, task: Task, mode: str, s: _Settings) -> None:
     """Raise (the run's row says why) where a captured or compiled run would
     not compute what the eager one does."""
-    if s.device.type != "cuda":
+    if s.device.type != "cuda" and mode not in CPU_MODES:
         raise ValueError(f"mode {mode} needs a CUDA device")
     if mode in common.CAPTURED_MODES and s.dtype == torch.float16:
         raise ValueError("fp16 trains with a GradScaler, whose step syncs the host: capture "

@@ -2,8 +2,11 @@
 ``gt-fused3s train`` under ``torchrun --nproc_per_node=P`` (the process group
 from torchrun's environment: NCCL on GPUs, Gloo on CPUs). Each rank takes
 every P-th batch of the global step order, the model is wrapped in
-``DistributedDataParallel`` (gradients averaged over the ranks), losses are
-reported as the mean over the ranks, and only rank 0 logs and writes files.
+``DistributedDataParallel`` (gradients averaged over the ranks) when it runs
+eagerly; a compiled or captured step runs the bare model and averages the
+gradients itself after the backward (:func:`sum_gradients`, after
+:func:`broadcast_parameters`). Losses are reported as the mean over the
+ranks, and only rank 0 logs and writes files.
 """
 from __future__ import annotations
 
@@ -88,6 +91,16 @@ def sum_gradients(model: nn.Module, *, average: bool = False) -> None:
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
+    """Every rank's parameters and buffers set to rank ``src``'s, in place
+    (what DDP does at construction), for the steps that average gradients
+    without DDP (:func:`sum_gradients`): equal replicas need equal
+    starting weights. Call it before a step is captured."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t, src)
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer=None, **extra) -> None:
