@@ -3,6 +3,17 @@
 
     python scripts/bench_kernel.py --out results/kernel.csv
     python scripts/bench_kernel.py --quick --graphs cora github --settings d128h1fp16
+    python scripts/bench_kernel.py --reorder cuthill_mckee --out results/reorder_cm.csv
+    python scripts/bench_kernel.py --reorder cuthill_mckee --dry-run --graphs cora   # CPU plumbing
+
+With --reorder METHOD: instead of the backends, each graph's plan in the
+caller's order and one built with GraphPlan.from_edge_index(..., reorder=METHOD)
+side by side (default settings d128h1fp16 and d64h8bf16): forward and
+forward + backward kernel time, the public call with its gathers, the gathers
+alone, the order's and the plan's build time on the device, and the BSB
+statistics (TCBs, MMA invocations, non-zeros per TCB) of both; see
+gt_fused3s.bench.kernel.run_reorder for the columns. --dry-run runs that on
+the CPU (reference path, wall-clock times): the plumbing, not a measurement.
 
 Graphs: cora citeseer pubmed github (whole), molhiv zinc peptides (first 1024
 graphs as one batch), powerlaw200k powerlaw1m (generated on the GPU).
@@ -32,8 +43,22 @@ def main(argv=None) -> int:
     p.add_argument("--no-backward", action="store_true",
                    help="forward only (default: also time the backward and forward + backward)")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed call")
+    p.add_argument("--reorder", choices=["cuthill_mckee", "label_propagation", "identity"],
+                   help="time plans with and without this node reordering side by side (issue 13)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --reorder: run on the CPU (no GPU needed; times are not kernel times)")
     a = p.parse_args(argv)
     import torch
+    if a.dry_run and not a.reorder:
+        p.error("--dry-run needs --reorder")
+    if a.reorder:
+        if not a.dry_run and not torch.cuda.is_available():
+            print("bench_kernel: --reorder needs a CUDA GPU (or --dry-run to check the plumbing on the CPU)",
+                  file=sys.stderr)
+            return 2
+        kernel.run_reorder(a.graphs, a.settings, a.reorder, quick=a.quick, out=a.out, flush=not a.no_flush,
+                           backward=not a.no_backward, device="cpu" if a.dry_run else "cuda")
+        return 0
     if not torch.cuda.is_available():
         print("bench_kernel: needs a CUDA GPU", file=sys.stderr)
         return 2

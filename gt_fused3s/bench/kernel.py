@@ -489,3 +489,268 @@ def sanitize_case() -> None:
         worst_grad = max(worst_grad, *((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads)))
     torch.cuda.synchronize()
     print(f"sanitize_case: ok, max abs err {worst:.3e}, gradients {worst_grad:.3e}")
+
+
+# ------------------------------------------------------------- reordering
+REORDER_SETTINGS = ("d128h1fp16", "d64h8bf16")     # the settings of issue 13's bars
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn, device: torch.device, reps: dict) -> float:
+    """Device time of ``fn()`` (CUDA events, :func:`time_cuda`) on a GPU; on
+    the CPU (dry run) the median wall time of a few calls."""
+    if device.type == "cuda":
+        return time_cuda(fn, **reps)["median"]
+    return _host_ms(fn, device, 3)
+
+
+def _host_ms(fn, device: torch.device, count: int) -> float:
+    """Median wall milliseconds of ``fn()``, synchronised before and after
+    (a build that itself synchronises)."""
+    fn()
+    ts = []
+    for _ in range(count):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(ts))
+
+
+def _kernel_ms(fn, device: torch.device, name: str = "") -> float | None:
+    """Profiler (CUPTI) device time of the call's kernels whose name holds
+    ``name`` (every kernel and memset with ``""``, L2 not flushed then); None on
+    the CPU."""
+    if device.type != "cuda":
+        return None
+    return kernel_time(fn, name=name, flush=bool(name))
+
+
+def run_reorder(graphs=None, settings=None, method: str = "cuthill_mckee", *, quick: bool = False,
+                out: str | None = None, flush: bool = True, backward: bool = True,
+                device: str | torch.device = "cuda", log=print) -> list[dict]:
+    """Kernel time with and without a locality reordering of the nodes
+    (issue 13, items 3 and 5), side by side per graph and setting in one
+    process: a plan in the caller's order and one built with
+    ``GraphPlan.from_edge_index(..., reorder=method)``, on the same q, k, v.
+
+    Columns (``_r``: the reordered plan; ``*_kernel_ms``: profiler device
+    time of the kernels, ``*_ms``: CUDA-event time of the call, L2 flushed):
+
+    * ``fwd_kernel_ms`` / ``_r``: the forward kernel alone
+      (``fused3s_fwd_kernel``), the reordered one on q, k, v already in its
+      order; ``fb_kernel_ms`` / ``_r``: every kernel of the forward op +
+      backward op on the same inputs (the fused kernels, no gather);
+    * ``api_fwd_kernel_ms`` / ``_r``, ``api_fb_kernel_ms`` / ``_r``: every
+      kernel of ``fused3s_attention`` on the prepared plan (and
+      ``torch.autograd.grad``): the reordered call includes its gathers
+      (3 + 1 forward, 4 more backward), so ``api_*_speedup`` is what a user
+      gains per call; ``api_fwd_wall_ms`` / ``_r``: a synchronised call
+      (host included);
+    * ``perm_fwd_kernel_ms`` / ``perm_fb_kernel_ms`` (and ``_ms``): the
+      gathers alone (q, k, v in, out back; with the backward also dO in and
+      dq, dk, dv back) at this N, H, D and dtype;
+    * ``order_ms``: computing the order on the device (host synchronisations
+      included: Cuthill-McKee syncs per BFS level), ``plan_build_ms`` /
+      ``_r``: ``GraphPlan.from_edge_index`` without / with the reordering
+      (the BSB build, plus the order and the relabelling);
+      ``break_even_fb_calls``: ``order_ms`` over the API forward + backward
+      kernel time saved per call (empty when nothing is saved);
+    * the BSB statistics of both plans at this head dim: ``tcbs``,
+      ``mma_fwd`` (m16n8k16 invocations of one forward per head, 16 x 8
+      format), ``mma_fwd_kernel`` (as the kernel runs them), ``nnz_per_tcb``,
+      ``kv_rows``, each with ``_r``;
+    * ``max_diff`` / ``max_grad_diff``: largest difference of the API's
+      output (and gradients) between the two plans.
+
+    ``device="cpu"`` is a dry run of the plumbing (no GPU): orders, plans,
+    statistics and the calls run, through the registered ops where a
+    kernel is available (the CPU stand-ins of the tests) and through the
+    reference path elsewhere; times are wall clock and not kernel times.
+    """
+    from .. import GraphPlan, fused3s_attention
+    from .. import ops as ops_mod
+    from .._build import load_extension
+    from ..plan import padded_head_dim
+    from ..reference import default_scale
+    from ..reorder import reorder
+
+    device = torch.device(device)
+    dry = device.type != "cuda"
+    env = env_info() if not dry else {"gpu": "none (dry run on the CPU: not kernel times)",
+                                      "torch": torch.__version__, "cuda": "", "git_sha": git_sha(),
+                                      "python": platform.python_version()}
+    use_ops = ops_mod.kernel_available(device)
+    ops = load_extension() if use_ops else None
+    graphs = list(graphs or (QUICK_GRAPHS if quick else ALL_GRAPHS))
+    settings = list(settings or REORDER_SETTINGS)
+    reps = dict(min_reps=5, budget_ms=100.0) if quick else dict(min_reps=10, budget_ms=400.0)
+    reps["flush"] = flush
+    log(f"# {env['gpu']} | torch {env['torch']} | CUDA {env['cuda']} | git {env['git_sha']} | "
+        f"reorder {method}" + ("" if use_ops else " | no kernel: reference path, op rows empty"))
+    rows = []
+    for gname in graphs:
+        try:
+            ei, n = load_graph(gname, device)
+        except FileNotFoundError as e:
+            log(f"[skip] {gname}: {e}")
+            continue
+        _sync(device)
+        order_ms = _host_ms(lambda: reorder(ei, n, method), device, 1 if quick else 3)
+        plan_ms = _host_ms(lambda: GraphPlan.from_edge_index(ei, n), device, 1 if quick else 3)
+        plan_r_ms = _host_ms(lambda: GraphPlan.from_edge_index(ei, n, reorder=method), device,
+                             1 if quick else 3)
+        order = reorder(ei, n, method)
+        plans = {"": GraphPlan.from_edge_index(ei, n),
+                 "_r": GraphPlan.from_edge_index(ei, n, reorder=order)}
+        perm, inv = order.perm, order.inv
+        log(f"[graph] {gname}: N={n} nnz={ei.size(1)} order {order_ms:.2f} ms, plan build "
+            f"{plan_ms:.2f} -> {plan_r_ms:.2f} ms")
+        for sname in settings:
+            D, H, dtype = SETTINGS[sname]
+            Dp = padded_head_dim(D)
+            gen = torch.Generator(device=device).manual_seed(0)
+            q, k, v, dout = (torch.randn(n, H, D, generator=gen, device=device).to(dtype) for _ in range(4))
+            scale = default_scale(D)
+            row = {**env, "graph": gname, "N": n, "nnz": ei.size(1), "setting": sname, "D": D, "H": H,
+                   "dtype": str(dtype).replace("torch.", ""), "method": method, "order_ms": order_ms,
+                   "plan_build_ms": plan_ms, "plan_build_ms_r": plan_r_ms}
+            outs, grads = {}, {}
+            for sfx, plan in plans.items():
+                plan.prepare(H, D, backward=backward)
+                st = plan.bsb.stats(head_dim=Dp, variants=False)
+                row[f"tcbs{sfx}"], row[f"mma_fwd{sfx}"] = st["num_tcbs"], st["mma_fwd"]
+                row[f"mma_fwd_kernel{sfx}"], row[f"kv_rows{sfx}"] = st["mma_fwd_kernel"], st["kv_rows"]
+                row[f"nnz_per_tcb{sfx}"] = st["nnz_per_tcb_mean"]
+                # the kernels alone, on q, k, v in the plan's order
+                qp, kp, vp, dp = ((t.index_select(0, perm) for t in (q, k, v, dout)) if sfx
+                                  else (q, k, v, dout))
+                try:
+                    if ops is not None and Dp == D:
+                        fwd = plan.forward_args(H, Dp)
+                        fn = lambda: ops.fwd(qp, kp, vp, *fwd, scale, False)   # noqa: E731
+                        row[f"fwd_ms{sfx}"] = _median_ms(fn, device, reps)
+                        row[f"fwd_kernel_ms{sfx}"] = _kernel_ms(fn, device, "fused3s_fwd_kernel")
+                        if backward:
+                            bwd = plan.backward_args(H, Dp)
+                            _, cols, bitmap, _, items, slots = fwd
+
+                            def fb():
+                                o, lse = ops.fwd(qp, kp, vp, *fwd, scale, False)
+                                return ops.bwd(dp, qp, kp, vp, o, lse, cols, bitmap, items, slots, *bwd,
+                                               scale, False)
+                            row[f"fb_ms{sfx}"] = _median_ms(fb, device, reps)
+                            row[f"fb_kernel_ms{sfx}"] = _kernel_ms(fb, device)
+                    # the public call on the prepared plan (with its gathers)
+                    api = lambda: fused3s_attention(q, k, v, plan, scale)   # noqa: E731
+                    outs[sfx] = api().float()
+                    row[f"api_fwd_ms{sfx}"] = _median_ms(api, device, reps)
+                    row[f"api_fwd_kernel_ms{sfx}"] = _kernel_ms(api, device)
+                    if not dry:
+                        row[f"api_fwd_wall_ms{sfx}"] = time_wall(api)["wall"]
+                    if backward:
+                        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                        api_fb = lambda: torch.autograd.grad(   # noqa: E731
+                            fused3s_attention(*leaves, plan, scale), leaves, dout)
+                        grads[sfx] = [g.float() for g in api_fb()]
+                        row[f"api_fb_ms{sfx}"] = _median_ms(api_fb, device, reps)
+                        row[f"api_fb_kernel_ms{sfx}"] = _kernel_ms(api_fb, device)
+                except torch.cuda.OutOfMemoryError:
+                    row["notes"] = (row.get("notes", "") + f"; plan{sfx}: out of memory").lstrip("; ")
+                except Exception as e:   # one failing graph must not stop the run
+                    row["notes"] = (row.get("notes", "") + f"; plan{sfx}: {short_error(e)}").lstrip("; ")
+                    if os.environ.get("GT_FUSED3S_BENCH_TRACEBACK") == "1":
+                        traceback.print_exc()
+                finally:
+                    fn = fb = api = api_fb = None
+                    free_cuda_memory(device)
+            # the gathers alone: what the reordering adds to a call
+            out0 = outs.get("", q)
+            perm_fwd = lambda: (q.index_select(0, perm), k.index_select(0, perm),   # noqa: E731
+                                v.index_select(0, perm), out0.index_select(0, inv))
+            row["perm_fwd_ms"] = _median_ms(perm_fwd, device, reps)
+            row["perm_fwd_kernel_ms"] = _kernel_ms(perm_fwd, device)
+            if backward:
+                perm_fb = lambda: (perm_fwd(), dout.index_select(0, perm),   # noqa: E731
+                                   *(t.index_select(0, inv) for t in (q, k, v)))
+                row["perm_fb_ms"] = _median_ms(perm_fb, device, reps)
+                row["perm_fb_kernel_ms"] = _kernel_ms(perm_fb, device)
+            if len(outs) == 2:
+                row["max_diff"] = (outs[""] - outs["_r"]).abs().max().item() if n else 0.0
+            if len(grads) == 2:
+                row["max_grad_diff"] = max(((a - b).abs().max().item() for a, b in zip(grads[""], grads["_r"])),
+                                           default=0.0) if n else 0.0
+            for key in ("fwd_kernel_ms", "fb_kernel_ms", "api_fwd_kernel_ms", "api_fb_kernel_ms"):
+                a, b = row.get(key), row.get(key + "_r")
+                if a and b:
+                    row[key.replace("_kernel_ms", "_speedup")] = a / b
+            a, b = row.get("api_fb_kernel_ms"), row.get("api_fb_kernel_ms_r")
+            if a and b and a > b:
+                row["break_even_fb_calls"] = order_ms / (a - b)
+            if row.get("mma_fwd"):
+                row["mma_fwd_ratio"] = row["mma_fwd_r"] / row["mma_fwd"]
+            rows.append(row)
+            log(format_reorder_row(row))
+            if out:
+                write_csv(rows, out)
+            q = k = v = dout = out0 = outs = grads = perm_fwd = perm_fb = None
+            free_cuda_memory(device)
+        plans = order = perm = inv = ei = None
+        free_cuda_memory(device)
+    if out:
+        write_csv(rows, out)
+    log("")
+    log(format_reorder_table(rows))
+    return rows
+
+
+def _f(r: dict, k: str, fmt: str = ".4f") -> str:
+    return format(r[k], fmt) if isinstance(r.get(k), (int, float)) else "-"
+
+
+def format_reorder_row(r: dict) -> str:
+    return (f"[{r['graph']} {r['setting']} {r['method']}] TCBs {r.get('tcbs')} -> {r.get('tcbs_r')}, "
+            f"MMA x{_f(r, 'mma_fwd_ratio', '.3f')}, nnz/TCB {_f(r, 'nnz_per_tcb', '.2f')} -> "
+            f"{_f(r, 'nnz_per_tcb_r', '.2f')} | fwd kernel {_f(r, 'fwd_kernel_ms')} -> "
+            f"{_f(r, 'fwd_kernel_ms_r')} ms, fwd+bwd {_f(r, 'fb_kernel_ms')} -> {_f(r, 'fb_kernel_ms_r')} | "
+            f"api fwd {_f(r, 'api_fwd_kernel_ms')} -> {_f(r, 'api_fwd_kernel_ms_r')}, api fwd+bwd "
+            f"{_f(r, 'api_fb_kernel_ms')} -> {_f(r, 'api_fb_kernel_ms_r')} | gathers fwd "
+            f"{_f(r, 'perm_fwd_kernel_ms')} fwd+bwd {_f(r, 'perm_fb_kernel_ms')} | order "
+            f"{_f(r, 'order_ms', '.2f')} ms | diff {_f(r, 'max_diff', '.1e')}"
+            + (f" | {r['notes']}" if r.get("notes") else ""))
+
+
+def format_reorder_table(rows: list[dict]) -> str:
+    """Per graph and setting: the block statistics and kernel times in the
+    caller's order and reordered, the gathers' cost and the order's build
+    time (kernel times from the profiler; '-' where not measured)."""
+    head = ("graph", "setting", "TCBs", "TCBs r", "nnz/TCB", "nnz/TCB r", "MMA r/orig",
+            "fwd kernel ms", "fwd r", "x", "fwd+bwd kernel ms", "fwd+bwd r", "x",
+            "api fwd+bwd ms (all kernels)", "api r (with gathers)", "x", "gathers fwd ms", "gathers fwd+bwd ms",
+            "order ms", "plan build ms", "plan r", "break-even fwd+bwd calls")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    geo = {}
+    for r in rows:
+        for key in ("fwd_speedup", "fb_speedup", "api_fb_speedup"):
+            if r.get(key):
+                geo.setdefault((r["setting"], key), []).append(r[key])
+        lines.append("| " + " | ".join([
+            r["graph"], r["setting"], str(r.get("tcbs", "-")), str(r.get("tcbs_r", "-")),
+            _f(r, "nnz_per_tcb", ".2f"), _f(r, "nnz_per_tcb_r", ".2f"), _f(r, "mma_fwd_ratio", ".3f"),
+            _f(r, "fwd_kernel_ms"), _f(r, "fwd_kernel_ms_r"), _f(r, "fwd_speedup", ".2f"),
+            _f(r, "fb_kernel_ms"), _f(r, "fb_kernel_ms_r"), _f(r, "fb_speedup", ".2f"),
+            _f(r, "api_fb_kernel_ms"), _f(r, "api_fb_kernel_ms_r"), _f(r, "api_fb_speedup", ".2f"),
+            _f(r, "perm_fwd_kernel_ms"), _f(r, "perm_fb_kernel_ms"), _f(r, "order_ms", ".2f"),
+            _f(r, "plan_build_ms", ".2f"), _f(r, "plan_build_ms_r", ".2f"),
+            _f(r, "break_even_fb_calls", ".0f")]) + " |")
+    for (s, key), v in sorted(geo.items()):
+        lines.append(f"geomean {key} (caller's order / reordered), {s}: "
+                     f"{math.exp(sum(map(math.log, v)) / len(v)):.3f}x over {len(v)} graphs")
+    if rows and rows[0].get("gpu", "").startswith("none"):
+        lines.append("dry run on the CPU: times are wall clock of the reference or stand-in path, not kernel times")
+    return "\n".join(lines)
