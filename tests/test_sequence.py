@@ -245,15 +245,3 @@ def test_plot_sequence_times(tmp_path):
     assert path.stat().st_size > 1000
     with pytest.raises(ValueError, match="two lengths"):
         plot_sequence_times(rows[2:], tmp_path / "none.png")
-
-
-@pytest.mark.parametrize("C", [100, 2048, 8192, 10001])
-def test_long_matmul_by_pieces(C):
-    """The global rows' weights times values over a long key axis, in pieces
-    of 1024 keys (and a tail), equal one matmul; strided operands as the
-    global rows pass them."""
-    from gt_fused3s.sequence.attention import _long_matmul
-    g = torch.Generator().manual_seed(C)
-    a = torch.randn(2, 3, 5, C, generator=g, dtype=torch.float64)
-    b = torch.randn(2, C, 3, 7, generator=g, dtype=torch.float64).permute(0, 2, 1, 3)
-    torch.testing.assert_close(_long_matmul(a, b, piece=1024), torch.matmul(a, b))

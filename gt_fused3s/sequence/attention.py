@@ -134,23 +134,6 @@ class _SeqAttention(torch.autograd.Function):
         return tuple(next(grads) if t.requires_grad else None for t in leaves) + (None,) * 6
 
 
-def _long_matmul(a: Tensor, b: Tensor, piece: int = 4096) -> Tensor:
-    """``a @ b`` for a [..., g, C] (a few rows) and b [..., C, D] with a long
-    C: as products of ``piece`` columns in one batched matmul, then summed.
-    One GEMM over all of C gets a handful of thread blocks that walk C (the
-    same shape made a per-head weight gradient take 0.73 ms over 24k rows on
-    an H100, edge_terms.head_project); the tail past the last whole piece
-    is one more product."""
-    C = a.size(-1)
-    S = C // piece
-    if S < 2:
-        return torch.matmul(a, b)
-    main = S * piece
-    parts = torch.matmul(a[..., :main].unflatten(-1, (S, piece)).movedim(-2, -3),
-                         b[..., :main, :].unflatten(-2, (S, piece))).sum(-3)
-    return parts + torch.matmul(a[..., main:], b[..., main:, :]) if main < C else parts
-
-
 def _dense_rows(qg: Tensor, k: Tensor, v: Tensor, scale: float, chunk: int = 1 << 20) -> Tensor:
     """Softmax attention of a few queries qg [B, g, H, D] over all of k, v
     [B, L, H, D]: fp32 scores, by chunks of keys merged as in the online
@@ -165,13 +148,13 @@ def _dense_rows(qg: Tensor, k: Tensor, v: Tensor, scale: float, chunk: int = 1 <
         if m is None:
             m = mc
             p = torch.exp(s - m)
-            l, o = p.sum(-1, keepdim=True), _long_matmul(p, vc)
+            l, o = p.sum(-1, keepdim=True), torch.matmul(p, vc)
         else:
             m_new = torch.maximum(m, mc)
             a = torch.exp(m - m_new)
             p = torch.exp(s - m_new)
             l = l * a + p.sum(-1, keepdim=True)
-            o = o * a + _long_matmul(p, vc)
+            o = o * a + torch.matmul(p, vc)
             m = m_new
     return (o / l).permute(0, 2, 1, 3)                                    # [B, g, H, D]
 
