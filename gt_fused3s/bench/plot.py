@@ -22,6 +22,15 @@ from .common import geomean
 _LABELS = {"oom": "OOM", "skipped": "skip", "error": "err"}
 
 
+def _save(fig, path: str | Path) -> Path:
+    """Lay ``fig`` out and write it to the PNG ``path`` (its folder made)."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
 def _num(value) -> float | None:
     """A float from a row value (rows read back from a CSV hold strings)."""
     if value in (None, ""):
@@ -102,11 +111,7 @@ def plot_speedups(rows: list[dict], path: str | Path, backend: str = "fused3s",
                  fontsize=9)
     ax.legend(loc="upper left", fontsize=7, ncol=len(others))
     ax.grid(axis="y", which="both", linewidth=0.3, alpha=0.5)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    return _save(fig, path)
 
 
 def plot_loss_curves(series: dict[str, tuple[list, list]], path: str | Path,
@@ -129,11 +134,7 @@ def plot_loss_curves(series: dict[str, tuple[list, list]], path: str | Path,
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(which="both", linewidth=0.3, alpha=0.5)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    return _save(fig, path)
 
 
 def plot_sequence_times(rows: list[dict], path: str | Path) -> Path:
@@ -166,11 +167,7 @@ def plot_sequence_times(rows: list[dict], path: str | Path) -> Path:
         ax.set_title(mask, fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(which="both", linewidth=0.3, alpha=0.5)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    return _save(fig, path)
 
 
 def read_csv(path: str | Path) -> list[dict]:
