@@ -72,6 +72,24 @@ def heavy_node() -> tuple[Tensor, int]:
     return _coalesce(src, dst, n), n
 
 
+def dense_pairs() -> tuple[Tensor, int]:
+    """N = 72: nodes 0..31 all connected (self loops too: TCB pairs of 256
+    edges), each of 32..47 receives from 3 of 0..15 (pairs of 48), the rest
+    sparse: every width of a pair's run of edges (edge_bias.cuh)."""
+    n = 72
+    full = torch.arange(32)
+    src = [full.repeat(32)]
+    dst = [full.repeat_interleave(32)]
+    rows = torch.arange(32, 48)
+    for shift in (0, 5, 11):
+        src.append((rows + shift) % 16)
+        dst.append(rows)
+    s, d = _random(n, 60, seed=6)
+    src.append(s)
+    dst.append(d.clamp(min=48))
+    return _coalesce(torch.cat(src), torch.cat(dst), n), n
+
+
 def single_node() -> tuple[Tensor, int]:
     """N = 1 with a self loop."""
     return torch.zeros(2, 1, dtype=torch.long), 1
@@ -89,6 +107,7 @@ GRAPH_CASES: dict[str, Callable[[], tuple[Tensor, int]]] = {
     "self_loops": self_loops,
     "duplicates": duplicates,
     "heavy_node": heavy_node,
+    "dense_pairs": dense_pairs,
     "single_node": single_node,
     "no_edges": no_edges,
 }

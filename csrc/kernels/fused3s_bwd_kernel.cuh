@@ -116,12 +116,13 @@ __device__ __forceinline__ float row_delta(const Fused3SBwdParams& p, int row, i
 }
 
 // kEdges: 0 none, 1 edge terms, 2 edge terms and attention dropout.
-// Instances with edge terms ask for half the resident blocks: their extra
-// registers spill at 3/4 (ptxas, sm_90a, D = 64).
+// Instances with edge terms keep the plain kernel's occupancy since the warp
+// loads them lane by lane (edge_bias.cuh); with dropout they ask for 3/4 of
+// it, the most without spills at D = 16 and 32 (ptxas, sm_90a).
 template <typename T, int kHeadDim, bool kDKV, int kEdges>
 __global__ void __launch_bounds__(BwdConfig<kHeadDim, kDKV>::kThreads,
-                                  kEdges ? (BwdConfig<kHeadDim, kDKV>::kMinBlocks + 1) / 2
-                                         : BwdConfig<kHeadDim, kDKV>::kMinBlocks)
+                                  kEdges == 2 ? (BwdConfig<kHeadDim, kDKV>::kMinBlocks * 3 + 3) / 4
+                                              : BwdConfig<kHeadDim, kDKV>::kMinBlocks)
 fused3s_bwd_kernel(const Fused3SBwdParams p) {
     constexpr bool kBias = kEdges > 0;
     using Cfg = BwdConfig<kHeadDim, kDKV>;
@@ -135,6 +136,8 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     // D = 256: partial S and dP of the team's warps, [double buffer][part][16][32].
     __shared__ float s_xchg[kSplit > 1 ? 2 * kSplit * 16 * 32 : 1];
     __shared__ int s_bcast;
+    // The bias gradient of a pair on its way to the edges' lanes (edge_bias.cuh: store_all).
+    __shared__ float s_edge_xfer[kBias && !kDKV ? kPairLaneNnz : 1];
 
     const int lane = threadIdx.x & 31;
     const int part = threadIdx.x >> 5;
@@ -309,6 +312,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             // P and dS in the mma C layout: i = 0, 1 row g, i = 2, 3 row g+8;
             // column 2t + (i & 1) of TCB x.
             float pv[2][4], ds[2][4];
+            bcur.expand(p.bias, head);
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
 #pragma unroll
@@ -323,12 +327,8 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             }
             if constexpr (kBias && !kDKV) {
                 // d loss / d bias_e = dS_ij: each edge is one score of one chunk, written once.
-                if (p.bias.grad != nullptr && part == 0) {
-#pragma unroll
-                    for (int x = 0; x < 2; ++x) {
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) bcur.store(p.bias.grad, p.bias.num_heads, head, x, i, ds[x][i]);
-                    }
+                if (p.bias.grad != nullptr && part == 0) {   // warp-uniform
+                    bcur.store_all(p.bias.grad, p.bias.num_heads, head, ds, s_edge_xfer, lane);
                 }
             }
             // As A operands [16, 16]: k 0..7 = TCB a's columns, k 8..15 = TCB b's.

@@ -48,17 +48,18 @@ struct FwdConfig {
 };
 
 // kEdges: 0 none, 1 edge terms (bias, non-zero offsets), 2 edge terms and
-// attention dropout. Instances with edge terms carry a few more registers per
-// pair: they ask for 3/4 of the resident blocks (1/2 with dropout), else they
-// spill (ptxas, sm_90a, D = 16).
-template <int kEdges, int kMinBlocks>
+// attention dropout. The edge terms carry a few registers per pair (6 since
+// the warp loads them lane by lane, edge_bias.cuh): at D = 16 they ask for
+// 3/4 of the resident blocks (1/2 with dropout), the most without spills
+// (ptxas, sm_90a); wider head dims keep the plain kernel's occupancy.
+template <int kEdges, int kMinBlocks, int kDW>
 constexpr int edge_min_blocks() {
-    return kEdges == 0 ? kMinBlocks : (kEdges == 1 ? (kMinBlocks * 3 + 3) / 4 : (kMinBlocks + 1) / 2);
+    return (kEdges == 0 || kDW >= 32) ? kMinBlocks : (kEdges == 1 ? (kMinBlocks * 3 + 3) / 4 : (kMinBlocks + 1) / 2);
 }
 
 template <typename T, int kHeadDim, int kEdges>
 __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads,
-                                  edge_min_blocks<kEdges, FwdConfig<kHeadDim>::kMinBlocks>())
+                                  edge_min_blocks<kEdges, FwdConfig<kHeadDim>::kMinBlocks, FwdConfig<kHeadDim>::kDW>())
 fused3s_fwd_kernel(const Fused3SParams p) {
     constexpr bool kBias = kEdges > 0;
     using Cfg = FwdConfig<kHeadDim>;
@@ -184,6 +185,7 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                     if (base + 4 < tcb_end) load_raw(base + 4);
                 }
                 uint32_t pa[4];
+                bcur.expand(p.bias, head);   // this pair's bias (and dropout mask) per score
                 online_softmax_pair<T, kNT>(s, cur.mask, p.scale_log2, bcur, p.bias, st, o, pa);
                 spmm_pair<T, kDW>(o, pa, vf);
                 if (!has_next) break;

@@ -8,7 +8,8 @@
 // warp per (chunk, head); chunks are independent here (nothing accumulates
 // across TCBs), so split windows need no merge. The warp computes S for a
 // TCB pair on tensor cores (sddmm_tile.cuh) over head-dim slices of at most
-// 128, and each thread writes its own scores' probabilities.
+// 128, and writes the pair's probabilities lane by lane (edge_bias.cuh:
+// store_all).
 #include <cmath>
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -29,6 +30,7 @@ __global__ void __launch_bounds__(32) fused3s_probs_kernel(const Fused3SParams p
     constexpr int kSlices = kHeadDim / kDW;
     constexpr float kLog2e = 1.4426950408889634f;
     const int lane = threadIdx.x;
+    __shared__ float xfer[kPairLaneNnz];   // the probabilities on their way to the edges' lanes
     const int g = lane >> 2, t = lane & 3;
 
     const int w = blockIdx.x;
@@ -85,14 +87,14 @@ __global__ void __launch_bounds__(32) fused3s_probs_kernel(const Fused3SParams p
                 for (int i = 0; i < 4; ++i) s[x][i] += part[x][i];
             }
         }
+        eb.expand(p.bias, head);
+        float pr[2][4];
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                eb.store(p.probs_ptr, p.bias.num_heads, head, x, i,
-                         fast_exp2(eb.add(s[x][i] * p.scale_log2, x, i) - lse2[i >> 1]));
-            }
+            for (int i = 0; i < 4; ++i) pr[x][i] = fast_exp2(eb.add(s[x][i] * p.scale_log2, x, i) - lse2[i >> 1]);
         }
+        eb.store_all(p.probs_ptr, p.bias.num_heads, head, pr, xfer, lane);
     }
 }
 
