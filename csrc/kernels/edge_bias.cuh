@@ -134,13 +134,21 @@ struct PairBias {
             for (int x = 0; x < 2; ++x) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
+                    // every lane shuffles (a shuffle under a lane-dependent
+                    // condition hangs the warp); `two` is warp-uniform
                     const int k = rank_of(x, i);
                     float b = __shfl_sync(0xffffffffu, lb[0], k & 31);
-                    if (two) b = k < 32 ? b : __shfl_sync(0xffffffffu, lb[1], k & 31);
+                    if (two) {
+                        const float b1 = __shfl_sync(0xffffffffu, lb[1], k & 31);
+                        b = k < 32 ? b : b1;
+                    }
                     b2[x][i] = has(x, i) ? b : 0.f;
                     if constexpr (kDpBias) {
                         float cv = __shfl_sync(0xffffffffu, lc[0], k & 31);
-                        if (two) cv = k < 32 ? cv : __shfl_sync(0xffffffffu, lc[1], k & 31);
+                        if (two) {
+                            const float c1 = __shfl_sync(0xffffffffu, lc[1], k & 31);
+                            cv = k < 32 ? cv : c1;
+                        }
                         c[x][i] = has(x, i) ? cv : 0.f;
                     }
                 }
