@@ -35,11 +35,27 @@
 
 namespace gt_fused3s {
 
-// The pair's first non-zero, loaded with its columns and bitmap (two pairs
-// ahead of use), so that the values of a pair need one dependent load only.
-__device__ __forceinline__ void load_pair_offsets(PairRaw& r, const EdgeBiasArgs& eb, int tcb, int tcb_end) {
-    r.off = tcb < tcb_end ? __ldg(eb.nnz_offset + tcb) : 0;
-}
+// A work item's non-zeros pair after pair: the next pair's first non-zero
+// (each pair's follows from the previous pair's count, so only the item's
+// two ends are read from nnz_offset) and the edge ids of its lanes, loaded a
+// pair ahead of its values (PairBias::load), which are loaded a pair ahead
+// of use: no load waits on another in the loop.
+struct EdgeCursor {
+    int32_t off, end;   // the next pair's first non-zero; the item's end
+    int32_t le[2];      // slot_edge[off + lane], [off + lane + 32] (-1 past end), in flight
+    __device__ __forceinline__ void fetch(const EdgeBiasArgs& eb, int lane) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int j = off + lane + 32 * h;
+            le[h] = j < end ? __ldg(eb.slot_edge + j) : -1;
+        }
+    }
+    __device__ __forceinline__ void start(const EdgeBiasArgs& eb, int tcb_begin, int tcb_end, int lane) {
+        off = __ldg(eb.nnz_offset + tcb_begin);
+        end = __ldg(eb.nnz_offset + tcb_end);
+        fetch(eb, lane);
+    }
+};
 
 // Ranks in the pair's run of this thread's 8 scores, in the mma C layout of
 // the tiles (x: TCB a, b; i = 0, 1 row g, cols 2t, 2t+1; i = 2, 3 row g+8),
@@ -110,14 +126,16 @@ struct PairBias {
     __device__ __forceinline__ bool has(int x, int i) const { return (on >> (4 * x + i)) & 1u; }
     __device__ __forceinline__ int rank_of(int x, int i) const { return (rank[x] >> (8 * i)) & 0xffu; }
 
-    __device__ __forceinline__ void load(const PairRaw& r, const EdgeBiasArgs& eb, int lane, int head) {
+    // The pair of `r`, the cursor's next; the cursor moves on to the pair
+    // after it and fetches that one's edge ids.
+    __device__ __forceinline__ void load(const PairRaw& r, EdgeCursor& ec, const EdgeBiasArgs& eb, int lane,
+                                         int head) {
         pair_ranks(rank, on, n, r, lane);
-        off = r.off;
+        off = ec.off;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {   // both loads of a lane in flight before either is used
-            const int j = lane + 32 * h;
-            le[h] = (j < n && n <= kPairLaneNnz) ? __ldg(eb.slot_edge + off + j) : -1;
-        }
+        for (int h = 0; h < 2; ++h) le[h] = (lane + 32 * h < n && n <= kPairLaneNnz) ? ec.le[h] : -1;
+        ec.off += n;
+        ec.fetch(eb, lane);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int64_t at = static_cast<int64_t>(le[h]) * eb.num_heads + head;
@@ -235,7 +253,7 @@ struct PairBias {
 // every trace of it).
 template <>
 struct PairBias<false, false> {
-    __device__ __forceinline__ void load(const PairRaw&, const EdgeBiasArgs&, int, int) {}
+    __device__ __forceinline__ void load(const PairRaw&, EdgeCursor&, const EdgeBiasArgs&, int, int) {}
     __device__ __forceinline__ void expand(const EdgeBiasArgs&, int) {}
     __device__ __forceinline__ float add(float v, int, int) const { return v; }
     __device__ __forceinline__ float add_dp(float v, int, int) const { return v; }

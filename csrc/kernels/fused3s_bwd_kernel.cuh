@@ -116,13 +116,19 @@ __device__ __forceinline__ float row_delta(const Fused3SBwdParams& p, int row, i
 }
 
 // kEdges: 0 none, 1 edge terms, 2 edge terms and attention dropout.
-// Instances with edge terms keep the plain kernel's occupancy since the warp
-// loads them lane by lane (edge_bias.cuh); with dropout they ask for 3/4 of
-// it, the most without spills at D = 16 and 32 (ptxas, sm_90a).
+// Instances with edge terms ask for 3/4 of the plain kernel's resident
+// blocks (all of them at D = 16 without dropout): the most without spills
+// (ptxas, sm_90a) since the warp loads the edge terms lane by lane
+// (edge_bias.cuh); they asked for 1/2 before, which cost more than the loads.
+template <int kEdges, int kMinBlocks, int kDW>
+constexpr int bwd_min_blocks() {
+    return (kEdges == 0 || (kEdges == 1 && kDW == 16)) ? kMinBlocks : (kMinBlocks * 3 + 3) / 4;
+}
+
 template <typename T, int kHeadDim, bool kDKV, int kEdges>
 __global__ void __launch_bounds__(BwdConfig<kHeadDim, kDKV>::kThreads,
-                                  kEdges == 2 ? (BwdConfig<kHeadDim, kDKV>::kMinBlocks * 3 + 3) / 4
-                                              : BwdConfig<kHeadDim, kDKV>::kMinBlocks)
+                                  bwd_min_blocks<kEdges, BwdConfig<kHeadDim, kDKV>::kMinBlocks,
+                                                 BwdConfig<kHeadDim, kDKV>::kDW>())
 fused3s_bwd_kernel(const Fused3SBwdParams p) {
     constexpr bool kBias = kEdges > 0;
     using Cfg = BwdConfig<kHeadDim, kDKV>;
@@ -221,14 +227,13 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
         cp_async_commit();
 
         PairRaw raw;
-        auto load_raw = [&](int tcb) {   // columns, bitmap (and non-zero offsets) of a pair
-            load_pair_raw(raw, p.cols_ptr, bitmap, tcb, tcb_end, lane);
-            if constexpr (kBias) load_pair_offsets(raw, p.bias, tcb, tcb_end);
-        };
+        auto load_raw = [&](int tcb) { load_pair_raw(raw, p.cols_ptr, bitmap, tcb, tcb_end, lane); };
+        EdgeCursor ec;   // the edge terms' walk over the item's non-zeros
+        if constexpr (kBias) ec.start(p.bias, tcb_begin, tcb_end, lane);
         load_raw(tcb_begin);
         PairMeta cur = decode_pair(raw, lane);
         PairBias<kBias, kBias, kEdges == 2> bcur, bnxt;
-        bcur.load(raw, p.bias, lane, head);
+        bcur.load(raw, ec, p.bias, lane, head);
         Tile::load_async(tile_g(0, 0), g1, p.g1.row_stride, tile_g(0, 1), g2, p.g2.row_stride, raw.c, lane);
         cp_async_commit();
         load_row_stats();
@@ -255,7 +260,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
                 Tile::load_async(tile_g(stage ^ 1, 0), g1, p.g1.row_stride, tile_g(stage ^ 1, 1), g2,
                                  p.g2.row_stride, raw.c, lane);
                 if constexpr (kDKV) load_col_stats(nxt, nxt_st);
-                bnxt.load(raw, p.bias, lane, head);
+                bnxt.load(raw, ec, p.bias, lane, head);
                 if (base + 4 < tcb_end) load_raw(base + 4);
             }
             cp_async_commit();

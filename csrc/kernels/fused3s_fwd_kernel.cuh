@@ -125,14 +125,13 @@ fused3s_fwd_kernel(const Fused3SParams p) {
 
         if (tcb_begin < tcb_end) {
             PairRaw raw;
-            auto load_raw = [&](int tcb) {   // columns, bitmap (and non-zero offsets) of a pair
-                load_pair_raw(raw, p.cols_ptr, bitmap, tcb, tcb_end, lane);
-                if constexpr (kBias) load_pair_offsets(raw, p.bias, tcb, tcb_end);
-            };
+            auto load_raw = [&](int tcb) { load_pair_raw(raw, p.cols_ptr, bitmap, tcb, tcb_end, lane); };
+            EdgeCursor ec;   // the edge terms' walk over the item's non-zeros
+            if constexpr (kBias) ec.start(p.bias, tcb_begin, tcb_end, lane);
             load_raw(tcb_begin);
             PairMeta cur = decode_pair(raw, lane);
             PairBias<kBias, false, kEdges == 2> bcur, bnxt;
-            bcur.load(raw, p.bias, lane, head);
+            bcur.load(raw, ec, p.bias, lane, head);
             if (tcb_begin + 2 < tcb_end) load_raw(tcb_begin + 2);
 
             KFragment<kDW> kf[2];
@@ -181,7 +180,7 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                 if (has_next) {
                     nxt = decode_pair(raw, lane);
                     load_k(nxt);   // K of the next pair flies during softmax + SpMM
-                    bnxt.load(raw, p.bias, lane, head);   // its bias too
+                    bnxt.load(raw, ec, p.bias, lane, head);   // its bias too
                     if (base + 4 < tcb_end) load_raw(base + 4);
                 }
                 uint32_t pa[4];

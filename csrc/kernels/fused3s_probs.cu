@@ -57,15 +57,14 @@ __global__ void __launch_bounds__(32) fused3s_probs_kernel(const Fused3SParams p
     if constexpr (kSlices == 1) load_q(0);
 
     PairRaw raw;
-    auto load_raw = [&](int tcb) {
-        load_pair_raw(raw, p.cols_ptr, bitmap, tcb, tcb_end, lane);
-        load_pair_offsets(raw, p.bias, tcb, tcb_end);
-    };
+    auto load_raw = [&](int tcb) { load_pair_raw(raw, p.cols_ptr, bitmap, tcb, tcb_end, lane); };
+    EdgeCursor ec;
+    ec.start(p.bias, tcb_begin, tcb_end, lane);
     load_raw(tcb_begin);
     for (int base = tcb_begin; base < tcb_end; base += 2) {
         const PairMeta m = decode_pair(raw, lane);
         PairBias<true> eb;
-        eb.load(raw, p.bias, lane, head);
+        eb.load(raw, ec, p.bias, lane, head);
         if (base + 2 < tcb_end) load_raw(base + 2);   // one ahead
 
         float s[2][4] = {};

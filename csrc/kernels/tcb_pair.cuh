@@ -12,7 +12,6 @@ namespace gt_fused3s {
 struct PairRaw {
     int32_t c;     // cols[pair * 8 + (lane & 15)] (columns 0..7 of TCB a, then of TCB b), -1 = none
     uint4 wa, wb;  // bitmap of TCB a and b as 4 x 32-bit words (w0.lo, w0.hi, w1.lo, w1.hi)
-    int32_t off;     // kernels with edge terms: the pair's first non-zero (edge_bias.cuh)
 };
 
 // Per-pair data in the shape the tiles use.
