@@ -60,23 +60,30 @@ __global__ void __launch_bounds__(32) fused3s_probs_kernel(const Fused3SParams p
     auto load_raw = [&](int tcb) { load_pair_raw(raw, p.cols_ptr, bitmap, tcb, tcb_end, lane); };
     EdgeCursor ec;
     ec.start(p.bias, tcb_begin, tcb_end, lane);
+    KFragment<kDW> kf[2];
+    auto load_k = [&](const PairMeta& m, int u) {
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+            const int c = m.colk[x];
+            load_k_fragment<kDW>(kf[x], k + static_cast<int64_t>(c < 0 ? 0 : c) * p.k_row_stride + u * kDW, c >= 0, t);
+        }
+    };
+    // As in the forward: the next pair's K rows (one slice covering D) and
+    // edge values are loaded while this pair computes, its columns and bitmap
+    // two pairs ahead.
     load_raw(tcb_begin);
-    for (int base = tcb_begin; base < tcb_end; base += 2) {
-        const PairMeta m = decode_pair(raw, lane);
-        PairBias<true> eb;
-        eb.load(raw, ec, p.bias, lane, head);
-        if (base + 2 < tcb_end) load_raw(base + 2);   // one ahead
-
+    PairMeta cur = decode_pair(raw, lane);
+    PairBias<true> bcur, bnxt;
+    bcur.load(raw, ec, p.bias, lane, head);
+    if (tcb_begin + 2 < tcb_end) load_raw(tcb_begin + 2);
+    if constexpr (kSlices == 1) load_k(cur, 0);
+    for (int base = tcb_begin;; base += 2) {
         float s[2][4] = {};
 #pragma unroll
         for (int u = 0; u < kSlices; ++u) {
-            if constexpr (kSlices > 1) load_q(u);
-            KFragment<kDW> kf[2];
-#pragma unroll
-            for (int x = 0; x < 2; ++x) {
-                const int c = m.colk[x];
-                load_k_fragment<kDW>(kf[x], k + static_cast<int64_t>(c < 0 ? 0 : c) * p.k_row_stride + u * kDW,
-                                     c >= 0, t);
+            if constexpr (kSlices > 1) {
+                load_q(u);
+                load_k(cur, u);
             }
             float part[2][4];
             sddmm_pair<T, kDW>(part, qf, kf);
@@ -86,14 +93,25 @@ __global__ void __launch_bounds__(32) fused3s_probs_kernel(const Fused3SParams p
                 for (int i = 0; i < 4; ++i) s[x][i] += part[x][i];
             }
         }
-        eb.expand(p.bias, head);
+        const bool has_next = base + 2 < tcb_end;
+        PairMeta nxt;
+        if (has_next) {
+            nxt = decode_pair(raw, lane);
+            if constexpr (kSlices == 1) load_k(nxt, 0);
+            bnxt.load(raw, ec, p.bias, lane, head);
+            if (base + 4 < tcb_end) load_raw(base + 4);
+        }
+        bcur.expand(p.bias, head);
         float pr[2][4];
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) pr[x][i] = fast_exp2(eb.add(s[x][i] * p.scale_log2, x, i) - lse2[i >> 1]);
+            for (int i = 0; i < 4; ++i) pr[x][i] = fast_exp2(bcur.add(s[x][i] * p.scale_log2, x, i) - lse2[i >> 1]);
         }
-        eb.store_all(p.probs_ptr, p.bias.num_heads, head, pr, xfer, lane);
+        bcur.store_all(p.probs_ptr, p.bias.num_heads, head, pr, xfer, lane);
+        if (!has_next) break;
+        cur = nxt;
+        bcur = bnxt;
     }
 }
 
