@@ -46,6 +46,31 @@ struct FastDiv {
 // grid-stride step added, still below 2^32).
 bool narrow(int64_t total) { return total < (int64_t(1) << 31); }
 
+// V consecutive floats of a row (V = 4: one 16-byte access; the caller
+// checks F % 4 == 0 and 16-byte aligned rows).
+template <int V>
+__device__ __forceinline__ void load_vec(float (&dst)[V], const float* src) {
+    if constexpr (V == 4) {
+        const float4 x = *reinterpret_cast<const float4*>(src);
+        dst[0] = x.x; dst[1] = x.y; dst[2] = x.z; dst[3] = x.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) dst[j] = src[j];
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void store_vec(float* dst, const float (&src)[V]) {
+    if constexpr (V == 4) {
+        *reinterpret_cast<float4*>(dst) = make_float4(src[0], src[1], src[2], src[3]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) dst[j] = src[j];
+    }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // out[e, h] = <X[idx[e], h, :], a[e, :]>. kVec: F is a multiple of 4 and
 // both rows are 16-byte aligned (float4 loads). I: the flat index type.
 template <bool kVec, typename I>
@@ -78,58 +103,70 @@ edge_dot_kernel(const float* __restrict__ x, const float* __restrict__ a,
     }
 }
 
-// out[e, f] = sum_h w[e, h] X[idx[e], h, f]: consecutive threads take
-// consecutive f of one edge (coalesced rows of X, w[e, h] broadcast).
-template <typename I>
+// out[e, f] = sum_h w[e, h] X[idx[e], h, f]: a thread takes V consecutive f
+// of one edge, consecutive threads the next ones (coalesced rows of X and of
+// out, w[e, h] broadcast).
+template <typename I, int V>
 __global__ void __launch_bounds__(kThreads)
 edge_rows_kernel(const float* __restrict__ w, const float* __restrict__ x,
-                 const int64_t* __restrict__ idx, float* __restrict__ out, EdgeTermsShape s, FastDiv by_features) {
-    const I total = static_cast<I>(s.num_edges * s.features);
-    const int F = s.features, H = s.heads;
+                 const int64_t* __restrict__ idx, float* __restrict__ out, EdgeTermsShape s, FastDiv by_chunks) {
+    const int F = s.features, H = s.heads, C = F / V;
+    const I total = static_cast<I>(s.num_edges * C);
     for (I t = blockIdx.x * I(kThreads) + threadIdx.x; t < total; t += I(gridDim.x) * kThreads) {
-        const I e = by_features.div(t);
-        const int f = static_cast<int>(t - e * static_cast<I>(F));
+        const I e = by_chunks.div(t);
+        const int f = static_cast<int>(t - e * static_cast<I>(C)) * V;
         const int64_t n = idx[e];
-        if (!node_ok(n, s.num_nodes)) { out[t] = NAN; continue; }
-        const float* xr = x + n * H * F + f;
-        const float* wr = w + static_cast<int64_t>(e) * H;
-        float acc = 0.f;
-        for (int h = 0; h < H; ++h) acc = fmaf(wr[h], xr[h * F], acc);
-        out[t] = acc;
+        float acc[V] = {};
+        if (!node_ok(n, s.num_nodes)) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[j] = NAN;
+        } else {
+            const float* xr = x + n * H * F + f;
+            const float* wr = w + static_cast<int64_t>(e) * H;
+            for (int h = 0; h < H; ++h) {
+                const float wv = wr[h];
+                float xv[V];
+                load_vec<V>(xv, xr + h * F);
+#pragma unroll
+                for (int j = 0; j < V; ++j) acc[j] = fmaf(wv, xv[j], acc[j]);
+            }
+        }
+        store_vec<V>(out + static_cast<int64_t>(e) * F + f, acc);
     }
 }
 
 // out[n, h, f] = sum over the edges e of node n of w[e, h] a[e, f].
 // kSplit threads (adjacent lanes) share one output group, (node, up to
-// kHeadsPerThread heads, f): lane s takes the node's edges s, s + kSplit,
-// ..., and the lanes' sums are added by shuffles in a fixed tree, so the
-// result is the same every run. One thread per output walked a high-degree
-// node's edges alone (4,204 edges on the 200k power-law graph: that tail set
-// the kernel's time). a[e, f] is read once for the heads of a thread.
+// kHeadsPerThread heads, V consecutive f): lane s takes the node's edges s,
+// s + kSplit, ..., and the lanes' sums are added by shuffles in a fixed
+// tree, so the result is the same every run. One thread per output walked a
+// high-degree node's edges alone (4,204 edges on the 200k power-law graph:
+// that tail set the kernel's time). a[e, f..f+V) is read once for the heads
+// of a thread, w[e, h] once for its V features.
 constexpr int kHeadsPerThread = 4;
 constexpr int kSplit = 8;
 constexpr int kUnroll = 4;
 
-template <typename I>
+template <typename I, int V>
 __global__ void __launch_bounds__(kThreads)
 edge_scatter_kernel(const float* __restrict__ w, const float* __restrict__ a,
                     const int64_t* __restrict__ rowptr, const int64_t* __restrict__ order,
-                    float* __restrict__ out, EdgeTermsShape s, FastDiv by_features, FastDiv by_groups) {
-    const int F = s.features, H = s.heads;
+                    float* __restrict__ out, EdgeTermsShape s, FastDiv by_chunks, FastDiv by_groups) {
+    const int F = s.features, H = s.heads, C = F / V;
     const int groups = static_cast<int>(by_groups.d);
-    const I total = static_cast<I>(s.num_nodes * groups * F * kSplit);   // a multiple of kSplit
+    const I total = static_cast<I>(s.num_nodes * groups * C * kSplit);   // a multiple of kSplit
     const int lane = threadIdx.x & 31;
     const unsigned mask = 0xFFu << (lane & ~(kSplit - 1));         // this output's kSplit lanes
     for (I t = blockIdx.x * I(kThreads) + threadIdx.x; t < total; t += I(gridDim.x) * kThreads) {
         const int split = static_cast<int>(t % kSplit);
-        const I ngf = t / kSplit;
-        const I ng = by_features.div(ngf);
-        const int f = static_cast<int>(ngf - ng * static_cast<I>(F));
+        const I ngc = t / kSplit;
+        const I ng = by_chunks.div(ngc);
+        const int f = static_cast<int>(ngc - ng * static_cast<I>(C)) * V;
         const int64_t n = by_groups.div(ng);
         const int h0 = static_cast<int>(ng - static_cast<I>(n) * static_cast<I>(groups)) * kHeadsPerThread;
         const int nh = H - h0 < kHeadsPerThread ? H - h0 : kHeadsPerThread;
         const int64_t end = rowptr[n + 1];
-        float acc[kHeadsPerThread] = {};
+        float acc[kHeadsPerThread][V] = {};
         bool bad = false;
         // kUnroll edges per step: their indices, then their values, loaded
         // independently (a step waits about two memory latencies, not 2 kUnroll)
@@ -142,37 +179,51 @@ edge_scatter_kernel(const float* __restrict__ w, const float* __restrict__ a,
                 bad |= !node_ok(e[u], s.num_edges);
             }
             if (bad) break;
-            float av[kUnroll], wv[kUnroll][kHeadsPerThread];
+            float av[kUnroll][V], wv[kUnroll][kHeadsPerThread];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
-                av[u] = a[e[u] * F + f];
+                load_vec<V>(av[u], a + e[u] * F + f);
 #pragma unroll
                 for (int j = 0; j < kHeadsPerThread; ++j) wv[u][j] = j < nh ? w[e[u] * H + h0 + j] : 0.f;
             }
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-                for (int j = 0; j < kHeadsPerThread; ++j) acc[j] = fmaf(wv[u][j], av[u], acc[j]);
+                for (int j = 0; j < kHeadsPerThread; ++j)
+#pragma unroll
+                    for (int c = 0; c < V; ++c) acc[j][c] = fmaf(wv[u][j], av[u][c], acc[j][c]);
         }
         for (; k < end && !bad; k += kSplit) {
             const int64_t e = order[k];
             if (!node_ok(e, s.num_edges)) { bad = true; break; }
-            const float av = a[e * F + f];
+            float av[V];
+            load_vec<V>(av, a + e * F + f);
 #pragma unroll
-            for (int j = 0; j < kHeadsPerThread; ++j)
-                if (j < nh) acc[j] = fmaf(w[e * H + h0 + j], av, acc[j]);
+            for (int j = 0; j < kHeadsPerThread; ++j) {
+                const float wv = j < nh ? w[e * H + h0 + j] : 0.f;
+#pragma unroll
+                for (int c = 0; c < V; ++c) acc[j][c] = fmaf(wv, av[c], acc[j][c]);
+            }
         }
 #pragma unroll
         for (int off = 1; off < kSplit; off <<= 1) {
             bad |= __shfl_xor_sync(mask, static_cast<int>(bad), off, kSplit) != 0;
 #pragma unroll
-            for (int j = 0; j < kHeadsPerThread; ++j) acc[j] += __shfl_xor_sync(mask, acc[j], off, kSplit);
+            for (int j = 0; j < kHeadsPerThread; ++j)
+#pragma unroll
+                for (int c = 0; c < V; ++c) acc[j][c] += __shfl_xor_sync(mask, acc[j][c], off, kSplit);
         }
         if (split == 0) {
             float* o = out + (n * H + h0) * F + f;
 #pragma unroll
-            for (int j = 0; j < kHeadsPerThread; ++j)
-                if (j < nh) o[j * F] = bad ? NAN : acc[j];
+            for (int j = 0; j < kHeadsPerThread; ++j) {
+                if (j >= nh) continue;
+                if (bad) {
+#pragma unroll
+                    for (int c = 0; c < V; ++c) acc[j][c] = NAN;
+                }
+                store_vec<V>(o + j * F, acc[j]);
+            }
         }
     }
 }
@@ -197,31 +248,43 @@ cudaError_t run_edge_dot(const float* x, const float* a, const int64_t* idx, flo
     return cudaGetLastError();
 }
 
+// Launches `kernel<I, V>` with 32-bit indices where `total` allows, V = 4
+// where the rows allow.
+#define GT_EDGE_LAUNCH(kernel, vec, total, ...)                                                      \
+    do {                                                                                             \
+        const dim3 grid(static_cast<unsigned>(blocks_for(total)));                                   \
+        if (narrow(total)) {                                                                         \
+            if (vec) kernel<uint32_t, 4><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                \
+            else kernel<uint32_t, 1><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                    \
+        } else {                                                                                     \
+            if (vec) kernel<int64_t, 4><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                 \
+            else kernel<int64_t, 1><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                     \
+        }                                                                                            \
+    } while (0)
+
 cudaError_t run_edge_rows(const float* w, const float* x, const int64_t* idx, float* out,
                           const EdgeTermsShape& s, cudaStream_t stream) {
-    const int64_t total = s.num_edges * s.features;
+    const bool vec = s.features % 4 == 0 && aligned16(x) && aligned16(out);
+    const int64_t total = s.num_edges * (vec ? s.features / 4 : s.features);
     if (total == 0) return cudaSuccess;
-    const dim3 grid(static_cast<unsigned>(blocks_for(total)));
-    const FastDiv by_features(s.features);
-    if (narrow(total)) edge_rows_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(w, x, idx, out, s, by_features);
-    else edge_rows_kernel<int64_t><<<grid, kThreads, 0, stream>>>(w, x, idx, out, s, by_features);
+    const FastDiv by_chunks(vec ? s.features / 4 : s.features);
+    GT_EDGE_LAUNCH(edge_rows_kernel, vec, total, w, x, idx, out, s, by_chunks);
     return cudaGetLastError();
 }
 
 cudaError_t run_edge_scatter(const float* w, const float* a, const int64_t* rowptr,
                              const int64_t* order, float* out, const EdgeTermsShape& s,
                              cudaStream_t stream) {
+    const bool vec = s.features % 4 == 0 && aligned16(a) && aligned16(out);
+    const int64_t chunks = vec ? s.features / 4 : s.features;
     const int64_t groups = (s.heads + kHeadsPerThread - 1) / kHeadsPerThread;
-    const int64_t total = s.num_nodes * groups * s.features * kSplit;
+    const int64_t total = s.num_nodes * groups * chunks * kSplit;
     if (total == 0) return cudaSuccess;
-    const dim3 grid(static_cast<unsigned>(blocks_for(total)));
-    const FastDiv by_features(s.features), by_groups(groups);
-    if (narrow(total)) {
-        edge_scatter_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(w, a, rowptr, order, out, s, by_features, by_groups);
-    } else {
-        edge_scatter_kernel<int64_t><<<grid, kThreads, 0, stream>>>(w, a, rowptr, order, out, s, by_features, by_groups);
-    }
+    const FastDiv by_chunks(chunks), by_groups(groups);
+    GT_EDGE_LAUNCH(edge_scatter_kernel, vec, total, w, a, rowptr, order, out, s, by_chunks, by_groups);
     return cudaGetLastError();
 }
+
+#undef GT_EDGE_LAUNCH
 
 }  // namespace gt_fused3s
