@@ -22,9 +22,8 @@ __device__ __forceinline__ bool node_ok(int64_t n, int64_t num_nodes) {
 // Division of a thread's flat index by a runtime divisor. The kernels are
 // instantiated for 32-bit indices (work below 2^31 elements: every graph
 // we have) where a multiply-high and a shift divide (CUTLASS's FastDivmod),
-// and for 64-bit ones. Measured on an H100 (200k power-law graph, E = 6.9M,
-// H = 4, F = 16): the 64-bit divisions these light kernels did per element
-// before cost more than their memory traffic (edge_rows 0.92 ms per call).
+// and for 64-bit ones: the 64-bit divisions these light kernels did per
+// element before cost more than their memory traffic (edge_rows_kernel).
 struct FastDiv {
     int64_t d;
     uint32_t mul = 0, shift = 0;
@@ -105,7 +104,10 @@ edge_dot_kernel(const float* __restrict__ x, const float* __restrict__ a,
 
 // out[e, f] = sum_h w[e, h] X[idx[e], h, f]: a thread takes V consecutive f
 // of one edge, consecutive threads the next ones (coalesced rows of X and of
-// out, w[e, h] broadcast).
+// out, w[e, h] broadcast). Measured on an H100 (200k power-law graph, E =
+// 6.9M, H = 4, F = 16, two calls per layer step): 1.84 ms with 64-bit
+// divisions and one f per thread, 1.27 ms with 32-bit ones, 0.63 ms with
+// V = 4; edge_scatter (V = 4 too) 1.44 -> 0.85 ms.
 template <typename I, int V>
 __global__ void __launch_bounds__(kThreads)
 edge_rows_kernel(const float* __restrict__ w, const float* __restrict__ x,
