@@ -7,15 +7,21 @@ Two tables:
   with an ``edge_bias`` [E, H], with ``return_weights``, and with edge
   features (``edge_feature_attention``, ``EDGE_DIM`` raw features per edge,
   TransformerConv's ``edge_dim``); forward and
-  forward + backward, GPU time of the call (CUDA events, L2 flushed,
-  median) and the ratio to the plain attention; the profiler's device time
+  forward + backward (the leaves' gradients set to None before each call),
+  GPU time of the call (CUDA events, L2 flushed, median) and the ratio to
+  the plain attention; the profiler's device time
   of the fused kernels alone and of every kernel of the call (the
   permutations to and from the format's edge order included).
 * ``layer``: ``Fused3SConv`` against ``TransformerConv`` with the same
-  weights (``heads``, ``out_channels``, ``edge_dim``), fp32 features, forward
-  + backward of the layer: what a user waits (``wall_ms``, synchronised),
-  the GPU time of the step (``gpu_ms``, CUDA events), the peak memory the
-  step allocates above what it starts with, and the ratios.
+  weights (``heads``, ``out_channels``, ``edge_dim``), eager and compiled
+  (``torch.compile``, inductor, static shapes: ``pyg_compiled``), fp32
+  features, forward + backward of the layer: what a user waits (``wall_ms``,
+  synchronised), the GPU time of the step (``gpu_ms``, CUDA events), the peak
+  memory the step allocates above what it starts with (the inputs'
+  gradients set to None before each step), and the ratios
+  (``*_x`` against eager TransformerConv, ``*_x_compiled`` against the
+  compiled one). A peer that fails (out of memory, a compile error) leaves a
+  ``<peer>_error`` note and the others run.
 """
 from __future__ import annotations
 
@@ -62,7 +68,12 @@ def attention_rows(graphs=GRAPHS, settings=ATTENTION_SETTINGS, seed: int = 0) ->
                 with torch.no_grad():
                     return fused3s_attention(q, k, v, plan, edge_bias=b, return_weights=w)
 
+            def fresh_grads():   # as after zero_grad(set_to_none=True): no accumulation in the time
+                for t in leaves:
+                    t.grad = None
+
             def fb(b=None, w=False):
+                fresh_grads()
                 out = fused3s_attention(*leaves[:3], plan, edge_bias=b, return_weights=w)
                 if w:
                     out, wt = out
@@ -75,6 +86,7 @@ def attention_rows(graphs=GRAPHS, settings=ATTENTION_SETTINGS, seed: int = 0) ->
                     return edge_feature_attention(q, k, v, plan, attr, w_e, 1 / math.sqrt(D))
 
             def fb_edges():
+                fresh_grads()
                 out, _ = edge_feature_attention(*leaves[:3], plan, *leaves[4:], 1 / math.sqrt(D))
                 out.backward(do)
 
@@ -112,13 +124,18 @@ def format_attention_row(r: dict) -> str:
 
 def _layer_step(conv, x, ei, edge_attr, grad):
     def step():
+        # fresh input gradients each step, as after zero_grad(set_to_none=True):
+        # no accumulation kernels ([E, edge_dim] for the features) in the time
+        x.grad = None
+        if edge_attr is not None:
+            edge_attr.grad = None
         out = conv(x, ei, edge_attr)
         out.backward(grad)
     return step
 
 
 def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, heads: int = 4,
-               edge_dim: int | None = 16, seed: int = 0) -> list[dict]:
+               edge_dim: int | None = 16, seed: int = 0, compiled: bool = True) -> list[dict]:
     from torch_geometric.nn import TransformerConv
 
     from ..nn.pyg import Fused3SConv
@@ -140,7 +157,10 @@ def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, hea
         with torch.no_grad():
             err = (fused(x, ei, edge_attr) - ref(x, ei, edge_attr)).abs().max().item()
         row["max_abs_diff"] = err
-        for label, conv in (("fused3s", fused), ("pyg", ref)):
+        peers = [("fused3s", fused), ("pyg", ref)]
+        if compiled:   # the same module (weights shared), compiled on its first step
+            peers.append(("pyg_compiled", torch.compile(ref, dynamic=False)))
+        for label, conv in peers:
             step = _layer_step(conv, x, ei, edge_attr, grad)
             try:
                 step()
@@ -156,14 +176,20 @@ def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, hea
             except torch.cuda.OutOfMemoryError as e:
                 row[f"{label}_error"] = short_error(e)
                 free_cuda_memory()
+            except Exception as e:  # noqa: BLE001 - a compile error becomes the peer's note
+                if label != "pyg_compiled":
+                    raise
+                row[f"{label}_error"] = short_error(e)
+                free_cuda_memory()
             x.grad = None
             conv.zero_grad(set_to_none=True)
         for key, ratio in (("gpu_ms", "gpu_x"), ("wall_ms", "wall_x"), ("peak_mb", "memory_x")):
-            if f"pyg_{key}" in row and f"fused3s_{key}" in row:    # pyg / fused3s: > 1 is a gain
-                row[ratio] = row[f"pyg_{key}"] / row[f"fused3s_{key}"]
+            for peer, suffix in (("pyg", ""), ("pyg_compiled", "_compiled")):
+                if f"{peer}_{key}" in row and f"fused3s_{key}" in row:    # peer / fused3s: > 1 is a gain
+                    row[ratio + suffix] = row[f"{peer}_{key}"] / row[f"fused3s_{key}"]
         rows.append(row)
         print(format_layer_row(row), flush=True)
-        del fused, ref
+        del fused, ref, peers
         free_cuda_memory()
     return rows
 
@@ -174,8 +200,11 @@ def format_layer_row(r: dict) -> str:
             return f"{label}: {r[f'{label}_error']}"
         return (f"{label} wall {r[f'{label}_wall_ms']:.3f} gpu {r[f'{label}_gpu_ms']:.3f} ms "
                 f"peak {r[f'{label}_peak_mb']:.0f} MB")
-    ratios = " ".join(f"{k} {r[k]:.2f}x" for k in ("wall_x", "gpu_x", "memory_x") if k in r)
-    return f"{r['graph']:>13} E={r['E']} | {cell('fused3s')} | {cell('pyg')} | {ratios} | diff {r['max_abs_diff']:.2e}"
+    ratios = " ".join(f"{k} {r[k]:.2f}x" for k in ("wall_x", "gpu_x", "memory_x", "wall_x_compiled",
+                                                      "gpu_x_compiled") if k in r)
+    peers = " | ".join(cell(p) for p in ("fused3s", "pyg", "pyg_compiled")
+                       if f"{p}_error" in r or f"{p}_wall_ms" in r)
+    return f"{r['graph']:>13} E={r['E']} | {peers} | {ratios} | diff {r['max_abs_diff']:.2e}"
 
 
 def geometric_mean(values) -> float:
