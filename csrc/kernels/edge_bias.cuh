@@ -12,14 +12,15 @@
 // after a kernel (those were four gathers per attention call with a bias).
 //
 // The non-zeros of a TCB pair are one run [off, off + n) of that order (n:
-// the pair's set bits, 16 on average on our graphs, at most 64 on every one
-// of them). So the warp loads a pair's edge ids and values together, lane l
+// the pair's set bits: 14-17 on average, at most 64, on cora, citeseer,
+// pubmed, zinc, molhiv, peptides, github and the 200k power-law graph, where
+// a TCB's 8 columns hold about one edge each). So the warp loads a pair's edge ids and values together, lane l
 // taking non-zeros l and l + 32 (two coalesced loads where each thread had
 // eight dependent gathers, and 6 registers carried to the next pair instead
 // of 24), and each thread takes its scores' values by shuffles from the lane
 // of their rank in the pair (PairBias::expand). Per-edge outputs go the other
 // way through a warp's 64 floats of shared memory (store_all). A pair with
-// more than 64 non-zeros (denser than any graph we have) reads and writes
+// more than 64 non-zeros (denser than those graphs; tests: dense_pairs) reads and writes
 // per element instead. A null bias (weights or dropout alone) reads as 0.
 // Measured on an H100 (attention with an edge bias over attention without,
 // forward + backward, 200k power-law graph, H = 4 / 1 / 8, D = 16 / 64 / 32;
