@@ -11,24 +11,24 @@
 // head h at e * H + h), through slot_edge: no permutation of them before or
 // after a kernel (those were four gathers per attention call with a bias).
 //
-// The non-zeros of a TCB pair are one run [off, off + n) of that order (n:
-// the pair's set bits: 14-17 on average, at most 64, on cora, citeseer,
-// pubmed, zinc, molhiv, peptides, github and the 200k power-law graph, where
-// a TCB's 8 columns hold about one edge each). So the warp loads a pair's edge ids and values together, lane l
-// taking non-zeros l and l + 32 (two coalesced loads where each thread had
-// eight dependent gathers, and 6 registers carried to the next pair instead
-// of 24), and each thread takes its scores' values by shuffles from the lane
-// of their rank in the pair (PairBias::expand). Per-edge outputs go the other
-// way through a warp's 64 floats of shared memory (store_all). A pair with
-// more than 64 non-zeros (denser than those graphs; tests: dense_pairs) reads and writes
-// per element instead. A null bias (weights or dropout alone) reads as 0.
-// Measured on an H100 (attention with an edge bias over attention without,
-// forward + backward, 200k power-law graph, H = 4 / 1 / 8, D = 16 / 64 / 32;
-// docs/edge_attention_h100_*.csv): 2.84 / 2.38 / 2.49x before, 1.81 / 1.44 /
-// 1.66x with this and the backward's occupancy; forward alone 2.1 -> 1.8x.
-// The eight gathers per thread, and the half occupancy they needed, were the
-// cost, not their order: the caller's edges permuted into the format's order
-// changed nothing (same run).
+// The non-zeros of a TCB pair are one run [off, off + n) of that order (n: the
+// pair's set bits: 14-17 on average, at most 64, on cora, citeseer, pubmed,
+// zinc, molhiv, peptides, github and the 200k power-law graph, where a TCB's 8
+// columns hold about one edge each). So the warp loads a pair's edge ids and
+// values together, lane l taking non-zeros l and l + 32 (two coalesced loads
+// where each thread had eight dependent gathers, and 6 registers carried to
+// the next pair instead of 24), and each thread takes its scores' values by
+// shuffles from the lane of their rank in the pair (PairBias::expand).
+// Per-edge outputs go the other way through a warp's 64 floats of shared memory
+// (store_all). A pair with more than 64 non-zeros (denser than those graphs;
+// tests: dense_pairs) reads and writes per element instead. A null bias
+// (weights or dropout alone) reads as 0. Measured on an H100 (attention with
+// an edge bias over attention without, forward + backward, 200k power-law
+// graph, H = 4 / 1 / 8, D = 16 / 64 / 32; docs/edge_attention_h100_*.csv):
+// 2.84 / 2.38 / 2.49x before, 1.81 / 1.44 / 1.66x with this and the backward's
+// occupancy; forward alone 2.1 -> 1.8x. The eight gathers per thread, and the
+// half occupancy they needed, were the cost, not their order: the caller's
+// edges permuted into the format's order changed nothing (same run).
 #pragma once
 
 #include <cstdint>
