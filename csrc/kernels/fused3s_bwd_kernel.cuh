@@ -118,8 +118,10 @@ __device__ __forceinline__ float row_delta(const Fused3SBwdParams& p, int row, i
 // kEdges: 0 none, 1 edge terms, 2 edge terms and attention dropout.
 // Instances with edge terms ask for 3/4 of the plain kernel's resident
 // blocks (all of them at D = 16 without dropout): the most without spills
-// (ptxas, sm_90a) since the warp loads the edge terms lane by lane
-// (edge_bias.cuh); they asked for 1/2 before, which cost more than the loads.
+// (ptxas, sm_90a; but 4 bytes of stack in the D = 64 dK/dV instances) since
+// the warp loads the edge terms lane by lane (edge_bias.cuh); they asked for
+// 1/2 before, which cost more than the loads (200k power-law graph, H100:
+// dK/dV pass with a bias 2.76 -> 1.55 ms at H = 4, D = 16).
 template <int kEdges, int kMinBlocks, int kDW>
 constexpr int bwd_min_blocks() {
     return (kEdges == 0 || (kEdges == 1 && kDW == 16)) ? kMinBlocks : (kMinBlocks * 3 + 3) / 4;
