@@ -469,30 +469,10 @@ def format_stats(edge_index: Tensor, num_nodes: int, fmt: str = "16x8",
     edge_index = _check_edge_index(edge_index)
     N = _check_num_nodes(num_nodes)
     rows, width = FORMATS[fmt]
-    device = edge_index.device
-    R = (N + rows - 1) // rows
-    src, dst = edge_index[0].long(), edge_index[1].long()
     _check_range("edge_index", edge_index, 0, N)
-    E = src.numel()
-    win = torch.div(dst, rows, rounding_mode="floor")
-    key, order = torch.sort((win * N + src) * rows + (dst - win * rows), stable=True)
-    pair = torch.div(key, rows, rounding_mode="floor")          # window * N + source
-    win = win[order]
-    idx = torch.arange(E, device=device)
-    first = torch.ones(E, dtype=torch.bool, device=device)
-    first[1:] = key[1:] != key[:-1]
-    copy = idx - torch.cummax(torch.where(first, idx, 0), 0).values   # copy number of the edge
-    new_pair = torch.ones(E, dtype=torch.bool, device=device)
-    new_pair[1:] = pair[1:] != pair[:-1]
-    pair_id = torch.cumsum(new_pair.long(), 0) - 1
-    pair_cols = torch.zeros(E, dtype=torch.long, device=device)
-    pair_cols.scatter_reduce_(0, pair_id, copy + 1, reduce="amax")
-    cols_per_win = torch.zeros(R, dtype=torch.long, device=device)
-    cols_per_win.index_add_(0, win[new_pair], pair_cols[pair_id[new_pair]])
-    col = torch.cumsum(pair_cols, 0) - pair_cols                  # first column of each pair
-    col = col[pair_id] + copy                                     # global column of the edge
-    first_col = torch.cumsum(cols_per_win, 0) - cols_per_win
-    rank = col - first_col[win]                                   # column within its window
+    E = edge_index.size(1)
+    R = (N + rows - 1) // rows
+    _, win, _, _, rank, cols_per_win = window_ranks(edge_index[0].long(), edge_index[1].long(), N, rows)
     blocks_per_win = (cols_per_win + width - 1) // width
     block_off = torch.cumsum(blocks_per_win, 0) - blocks_per_win
     B = int(blocks_per_win.sum())
@@ -518,6 +498,40 @@ def format_stats(edge_index: Tensor, num_nodes: int, fmt: str = "16x8",
         "head_dim": D,
         "mma_fwd": mma,
     }
+
+
+def window_ranks(src: Tensor, dst: Tensor, num_nodes: int, rows: int) -> tuple[Tensor, ...]:
+    """The columns of a window format with ``rows`` rows per window, as the
+    builders form them: per window, the pairs (source, copy) some row of the
+    window has, ascending (a duplicate edge takes a column of its own).
+
+    Returns, per edge sorted by (window, source, row in window), ``order``
+    (its index in ``src`` / ``dst``), ``win``, ``src``, ``row_in`` and
+    ``rank`` (its column within the window), and per window ``cols_per_win``.
+    Vectorised: one sort of the edges (stable: copies keep their order)."""
+    device = src.device
+    E, N = src.numel(), num_nodes
+    R = (N + rows - 1) // rows
+    win = torch.div(dst, rows, rounding_mode="floor")
+    key, order = torch.sort((win * N + src) * rows + (dst - win * rows), stable=True)
+    pair = torch.div(key, rows, rounding_mode="floor")          # window * N + source
+    win = win[order]
+    idx = torch.arange(E, device=device)
+    first = torch.ones(E, dtype=torch.bool, device=device)
+    first[1:] = key[1:] != key[:-1]
+    copy = idx - torch.cummax(torch.where(first, idx, 0), 0).values   # copy number of the edge
+    new_pair = torch.ones(E, dtype=torch.bool, device=device)
+    new_pair[1:] = pair[1:] != pair[:-1]
+    pair_id = torch.cumsum(new_pair.long(), 0) - 1
+    pair_cols = torch.zeros(E, dtype=torch.long, device=device)
+    pair_cols.scatter_reduce_(0, pair_id, copy + 1, reduce="amax")
+    cols_per_win = torch.zeros(R, dtype=torch.long, device=device)
+    cols_per_win.index_add_(0, win[new_pair], pair_cols[pair_id[new_pair]])
+    col = torch.cumsum(pair_cols, 0) - pair_cols                  # first column of each pair
+    col = col[pair_id] + copy                                     # global column of the edge
+    first_col = torch.cumsum(cols_per_win, 0) - cols_per_win
+    rank = col - first_col[win]                                   # column within its window
+    return order, win, pair - win * N, key - pair * rows, rank, cols_per_win
 
 
 def _op_build_available(device: torch.device) -> bool:

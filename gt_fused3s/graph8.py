@@ -1,0 +1,144 @@
+"""The 8-row window format (FlashSparse's swap-and-transpose, issue 13): the
+builder half of the 8-row kernel variant; no kernel reads it yet.
+
+The BSB format (:mod:`gt_fused3s.graph`) puts a window's 16 rows on the mma's
+m = 16 side, so a window whose rows have few common sources fills its 16 x 8
+blocks sparsely. Computing the transposed products instead, S^T = K Q^T and
+O^T = V^T P^T, puts the rows on the n = 8 side: windows of 8 rows, blocks of
+8 rows x 16 columns, 40-48% fewer mma invocations on molecule batches
+(``docs/reorder_stats_cpu_53d19b0.csv``, :func:`~gt_fused3s.graph.format_stats`).
+
+Layout, for a graph of ``N`` nodes (the BSB's, with 8 rows and 16 columns)::
+
+    R = ceil(N / 8) row windows; window r holds rows 8r .. 8r+7; its columns
+    are the pairs (source j, copy c) some row has more than c edges from,
+    ascending, cut into blocks (TCB) of 16 columns. T = number of TCBs.
+
+    rw_offset     int32 [R + 1]   window r owns TCBs rw_offset[r] .. rw_offset[r+1]-1;
+                                  TCB rw_offset[r] + i holds columns 16i .. 16i+15
+    cols          int32 [T * 16]  global source id of each column, -1 = padding
+    bitmap        int64 [T, 2]    for column c (0..15) and row rr = row - 8r (0..7)
+                                  the edge bit is bit (c % 8) * 8 + rr of word c // 8
+    window_order  int32 [R]       windows by decreasing TCB count (stable)
+    edge_index    int64 [2, E]    every edge, duplicates included, sorted by
+                                  (window, source, row)
+
+The bitmap is the transpose of a BSB block's: the swapped mma's accumulator
+S^T [16 columns, 8 rows] gives lane ``L`` columns ``L // 4`` and ``L // 4 + 8``
+and rows ``2 (L % 4)``, ``+1``: bits ``2L``, ``2L + 1`` of words 0 and 1, as
+in the BSB, so the kernels' bitmap decoding serves both formats.
+Built on the input's device with vectorised ops (one sort and scatters), in
+exact mode (T read back once); no CUDA builder and no static mode yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .graph import _check_edge_index, _check_num_nodes, _check_range, _popcount64, window_ranks
+
+ROWS_PER_WINDOW = 8
+COLS_PER_TCB = 16
+
+
+@dataclass(eq=False)
+class BSBGraph8:
+    """A graph in the 8-row layout of this module's docstring
+    (:meth:`from_edge_index`)."""
+
+    num_nodes: int
+    rw_offset: Tensor
+    cols: Tensor
+    bitmap: Tensor
+    window_order: Tensor
+    edge_index: Tensor
+
+    @classmethod
+    def from_edge_index(cls, edge_index: Tensor, num_nodes: int | None = None) -> "BSBGraph8":
+        """Build from ``edge_index`` [2, E] (row 0 sources, row 1
+        destinations); ``num_nodes`` defaults to ``edge_index.max() + 1``."""
+        edge_index = _check_edge_index(edge_index)
+        if num_nodes is None:
+            num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
+        N = _check_num_nodes(num_nodes)
+        _check_range("edge_index", edge_index, 0, N)
+        device = edge_index.device
+        _, win, src, row_in, rank, cols_per_win = window_ranks(
+            edge_index[0].long(), edge_index[1].long(), N, ROWS_PER_WINDOW)
+        tcb_per_win = (cols_per_win + COLS_PER_TCB - 1) // COLS_PER_TCB
+        R = tcb_per_win.numel()
+        rw_offset = torch.zeros(R + 1, dtype=torch.long, device=device)
+        torch.cumsum(tcb_per_win, 0, out=rw_offset[1:])
+        T = int(rw_offset[-1]) if R else 0
+        tcb = rw_offset[win] + torch.div(rank, COLS_PER_TCB, rounding_mode="floor")
+        col_in = rank % COLS_PER_TCB
+        cols = torch.full((T * COLS_PER_TCB,), -1, dtype=torch.int32, device=device)
+        cols[tcb * COLS_PER_TCB + col_in] = src.to(torch.int32)     # same value per column
+        # one bit per (column, row): a column holds one copy of an edge
+        bits = torch.ones_like(src) << (((col_in & 7) << 3) | row_in)
+        bitmap = torch.zeros(T * 2, dtype=torch.long, device=device)
+        bitmap.index_add_(0, tcb * 2 + (col_in >> 3), bits)
+        return cls(
+            num_nodes=N,
+            rw_offset=rw_offset.to(torch.int32),
+            cols=cols,
+            bitmap=bitmap.view(T, 2),
+            window_order=torch.sort(tcb_per_win, descending=True, stable=True).indices.to(torch.int32),
+            edge_index=torch.stack([src, win * ROWS_PER_WINDOW + row_in]),
+        )
+
+    @property
+    def num_windows(self) -> int:
+        return self.rw_offset.numel() - 1
+
+    @property
+    def num_tcbs(self) -> int:
+        return self.bitmap.size(0)
+
+    @property
+    def num_edges(self) -> int:
+        return self.edge_index.size(1)
+
+    def tcb_nnz(self) -> Tensor:
+        """int64 [T]: number of edges in each TCB."""
+        return _popcount64(self.bitmap).sum(1)
+
+    def stats(self, head_dim: int = 128) -> dict:
+        """Blocks and the work of one forward per head of dimension D, read
+        from the built arrays (the counts :func:`~gt_fused3s.graph.format_stats`
+        predicts for ``"8x16"`` from the edges): ``num_windows``,
+        ``num_tcbs``, ``nnz_per_tcb_mean``, ``kv_rows`` (K and V rows
+        gathered) and ``mma_fwd`` = T * D / 8 (SDDMM S^T = K Q^T and SpMM
+        O^T = V^T P^T, D / 16 m16n8k16 each per block)."""
+        T = self.num_tcbs
+        return {
+            "num_windows": self.num_windows,
+            "num_tcbs": T,
+            "nnz_per_tcb_mean": self.num_edges / T if T else 0.0,
+            "kv_rows": int((self.cols >= 0).sum()),
+            "mma_fwd": T * (head_dim // 8),
+        }
+
+    def decode_edges(self) -> Tensor:
+        """Edges [2, E] (source, destination), duplicates included, read back
+        from ``cols`` and ``bitmap`` alone, sorted by (destination, source):
+        the inverse of the builder, for tests."""
+        device = self.bitmap.device
+        T = self.num_tcbs
+        tcb_win = torch.repeat_interleave(
+            torch.arange(self.num_windows, device=device),
+            (self.rw_offset[1:] - self.rw_offset[:-1]).long(), output_size=T)
+        bit = torch.arange(64, device=device)
+        on = ((self.bitmap.unsqueeze(-1) >> bit) & 1).bool()         # [T, 2, 64]
+        t, word, b = on.nonzero(as_tuple=True)
+        col_in = word * 8 + (b >> 3)
+        rows = tcb_win[t] * ROWS_PER_WINDOW + (b & 7)
+        srcs = self.cols.long()[t * COLS_PER_TCB + col_in]
+        order = torch.argsort(rows * max(self.num_nodes, 1) + srcs, stable=True)
+        return torch.stack([srcs[order], rows[order]])
+
+    def __repr__(self) -> str:
+        return (f"BSBGraph8(num_nodes={self.num_nodes}, num_edges={self.num_edges}, "
+                f"num_windows={self.num_windows}, num_tcbs={self.num_tcbs}, device={self.bitmap.device})")
