@@ -143,10 +143,10 @@ def tcb_capacity(num_edges: int, num_nodes: int) -> int:
 
 
 @dataclass(eq=False)
-class BSBGraph:
-    """A graph in the BSB layout of this module's docstring. Build it with
-    :meth:`from_edge_index`, :meth:`from_csr` or :meth:`from_graph`. The
-    kernels read it through a :class:`~gt_fused3s.plan.GraphPlan`."""
+class WindowFormat:
+    """The arrays every window format has (this BSB,
+    :class:`~gt_fused3s.graph8.BSBGraph8`; their layouts in their modules'
+    docstrings) and what they answer alike (with the format's ``num_tcbs``)."""
 
     num_nodes: int
     rw_offset: Tensor
@@ -154,6 +154,28 @@ class BSBGraph:
     bitmap: Tensor
     window_order: Tensor
     edge_index: Tensor
+
+    @property
+    def num_windows(self) -> int:
+        return self.rw_offset.numel() - 1
+
+    @property
+    def num_edges(self) -> int:
+        """Number of edges, duplicates included (each is a term of the attention)."""
+        return self.edge_index.size(1)
+
+    def tcb_nnz(self) -> Tensor:
+        """int64 [T]: number of edges in each TCB (the capacity's padding
+        TCBs of static mode are left out)."""
+        return _popcount64(self.bitmap[:self.num_tcbs]).sum(1)
+
+
+@dataclass(eq=False)
+class BSBGraph(WindowFormat):
+    """A graph in the BSB layout of this module's docstring. Build it with
+    :meth:`from_edge_index`, :meth:`from_csr` or :meth:`from_graph`. The
+    kernels read it through a :class:`~gt_fused3s.plan.GraphPlan`."""
+
     #: int64 [5]: T, distinct edges, smallest and largest input index, largest
     #: window TCB count. On the host, except in static mode (on the device).
     counters: Tensor
@@ -250,43 +272,29 @@ class BSBGraph:
     @classmethod
     def _build(cls, src: Tensor, dst: Tensor, num_nodes: int) -> "BSBGraph":
         """The specification of the format, in PyTorch (exact mode)."""
-        device = src.device
         E = src.numel()
         N = num_nodes
         R = (N + ROWS_PER_WINDOW - 1) // ROWS_PER_WINDOW
         key = torch.sort(_edge_keys(src, dst, N)).values
         first, win, src, row_in, rank, cols_per_win = _window_columns(key, N)
-        tcb_per_win = (cols_per_win + COLS_PER_TCB - 1) // COLS_PER_TCB
-        rw_offset = torch.zeros(R + 1, dtype=torch.long, device=device)
-        torch.cumsum(tcb_per_win, 0, out=rw_offset[1:])
-        T = int(rw_offset[-1]) if R else 0
-        tcb = rw_offset[win] + (rank >> 3)
-        col_in = rank & 7
-        cols = torch.full((T * COLS_PER_TCB,), -1, dtype=torch.int32, device=device)
-        cols[tcb * COLS_PER_TCB + col_in] = src.to(torch.int32)   # same value per column
-        # Distinct bits per TCB word (one edge copy per (row, column)), so a sum is an or.
-        bits = torch.ones_like(key) << (((row_in & 7) << 3) | col_in)
-        bitmap = torch.zeros(T * 2, dtype=torch.long, device=device)
-        bitmap.index_add_(0, tcb * 2 + (row_in >> 3), bits)
-        window_order = torch.sort(tcb_per_win, descending=True, stable=True).indices
+        # row rr, column c of a TCB: bit (rr % 8) * 8 + c of word rr // 8
+        rw_offset, cols, bitmap, window_order, tcb_per_win = pack_blocks(
+            win, src, rank, cols_per_win, COLS_PER_TCB, lambda c: (row_in >> 3, ((row_in & 7) << 3) | c))
+        T = bitmap.size(0)
         lo, hi = (int(x) for x in torch.aminmax(torch.stack([src, dst]))) if E else (0, 0)
         counters = torch.tensor([T, int(first.sum()), lo, hi, int(tcb_per_win.max()) if R else 0],
                                 dtype=torch.long)
         return cls(
             num_nodes=N,
-            rw_offset=rw_offset.to(torch.int32),
+            rw_offset=rw_offset,
             cols=cols,
-            bitmap=bitmap.view(T, 2),
-            window_order=window_order.to(torch.int32),
+            bitmap=bitmap,
+            window_order=window_order,
             edge_index=torch.stack([src, win * ROWS_PER_WINDOW + row_in]),
             counters=counters,
         )
 
     # ------------------------------------------------------------ properties
-    @property
-    def num_windows(self) -> int:
-        return self.rw_offset.numel() - 1
-
     @property
     def tcb_capacity(self) -> int:
         """Rows of ``bitmap``: T in exact mode, the capacity in static mode."""
@@ -296,11 +304,6 @@ class BSBGraph:
     def num_tcbs(self) -> int:
         """T (in static mode read from the device: a host synchronisation)."""
         return int(self.counters[0]) if self.static else self.bitmap.size(0)
-
-    @property
-    def num_edges(self) -> int:
-        """Number of edges, duplicates included (each is a term of the attention)."""
-        return self.edge_index.size(1)
 
     @property
     def num_duplicates(self) -> int:
@@ -327,11 +330,6 @@ class BSBGraph:
                         self.counters.to(device) if self.static else self.counters, self.static)
 
     # ------------------------------------------------------------ statistics
-    def tcb_nnz(self) -> Tensor:
-        """int64 [T]: number of edges in each TCB (the capacity's padding
-        TCBs of static mode are left out)."""
-        return _popcount64(self.bitmap[:self.num_tcbs]).sum(1)
-
     def stats(self, head_dim: int = 128, *, variants: bool = True) -> dict:
         """The paper's fit-for-tensor-cores statistics, and the work of one
         forward per head (issue 13: counts, not timings).
@@ -394,15 +392,8 @@ class BSBGraph:
         """Edges [2, E] (source, destination), duplicates included, read back
         from ``cols`` and ``bitmap`` alone, sorted by (destination, source).
         For tests and debugging: it is the inverse of the builder."""
-        device = self.device
-        T = self.num_tcbs
-        tcb_win = torch.repeat_interleave(
-            torch.arange(self.num_windows, device=device),
-            (self.rw_offset[1:] - self.rw_offset[:-1]).long(), output_size=T)
-        bit = torch.arange(64, device=device)
-        on = ((self.bitmap[:T].unsqueeze(-1) >> bit) & 1).bool()        # [T, 2, 64]
-        t, word, b = on.nonzero(as_tuple=True)
-        rows = tcb_win[t] * ROWS_PER_WINDOW + word * 8 + (b >> 3)
+        win, t, word, b = block_bits(self.rw_offset, self.bitmap[:self.num_tcbs])
+        rows = win * ROWS_PER_WINDOW + word * 8 + (b >> 3)
         srcs = self.cols.long()[t * COLS_PER_TCB + (b & 7)]
         order = torch.argsort(rows * max(self.num_nodes, 1) + srcs, stable=True)
         return torch.stack([srcs[order], rows[order]])
@@ -498,6 +489,44 @@ def format_stats(edge_index: Tensor, num_nodes: int, fmt: str = "16x8",
         "head_dim": D,
         "mma_fwd": mma,
     }
+
+
+def pack_blocks(win: Tensor, src: Tensor, rank: Tensor, cols_per_win: Tensor, width: int,
+                bit_of) -> tuple[Tensor, ...]:
+    """A window format's arrays from its edges' columns (:func:`window_ranks`
+    or the BSB builder's): blocks of ``width`` columns per window, ``cols``
+    (source of each column, -1 padding) and the bitmap, where
+    ``bit_of(column in block)`` gives each edge's (word, bit). Returns
+    ``rw_offset`` int32 [R + 1], ``cols`` int32 [T * width], ``bitmap``
+    int64 [T, 2], ``window_order`` int32 [R] (decreasing block count,
+    stable) and the block count per window (int64)."""
+    device = src.device
+    tcb_per_win = (cols_per_win + width - 1) // width
+    R = tcb_per_win.numel()
+    rw_offset = torch.zeros(R + 1, dtype=torch.long, device=device)
+    torch.cumsum(tcb_per_win, 0, out=rw_offset[1:])
+    T = int(rw_offset[-1]) if R else 0
+    tcb = rw_offset[win] + torch.div(rank, width, rounding_mode="floor")
+    col_in = rank % width
+    cols = torch.full((T * width,), -1, dtype=torch.int32, device=device)
+    cols[tcb * width + col_in] = src.to(torch.int32)   # same value per column
+    # Distinct bits per block word (one edge copy per (row, column)), so a sum is an or.
+    word, bit = bit_of(col_in)
+    bitmap = torch.zeros(T * 2, dtype=torch.long, device=device)
+    bitmap.index_add_(0, tcb * 2 + word, torch.ones_like(src) << bit)
+    window_order = torch.sort(tcb_per_win, descending=True, stable=True).indices
+    return rw_offset.to(torch.int32), cols, bitmap.view(T, 2), window_order.to(torch.int32), tcb_per_win
+
+
+def block_bits(rw_offset: Tensor, bitmap: Tensor) -> tuple[Tensor, ...]:
+    """Every set bit of a window format's ``bitmap`` [T, 2]: its window,
+    block, word and bit (for the decoders)."""
+    T = bitmap.size(0)
+    win = torch.repeat_interleave(torch.arange(rw_offset.numel() - 1, device=bitmap.device),
+                                  (rw_offset[1:] - rw_offset[:-1]).long(), output_size=T)
+    on = ((bitmap.unsqueeze(-1) >> torch.arange(64, device=bitmap.device)) & 1).bool()   # [T, 2, 64]
+    t, word, b = on.nonzero(as_tuple=True)
+    return win[t], t, word, b
 
 
 def window_ranks(src: Tensor, dst: Tensor, num_nodes: int, rows: int) -> tuple[Tensor, ...]:

@@ -37,23 +37,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .graph import _check_edge_index, _check_num_nodes, _check_range, _popcount64, window_ranks
+from .graph import (WindowFormat, _check_edge_index, _check_num_nodes, _check_range, block_bits, pack_blocks,
+                    window_ranks)
 
 ROWS_PER_WINDOW = 8
 COLS_PER_TCB = 16
 
 
 @dataclass(eq=False)
-class BSBGraph8:
+class BSBGraph8(WindowFormat):
     """A graph in the 8-row layout of this module's docstring
     (:meth:`from_edge_index`)."""
-
-    num_nodes: int
-    rw_offset: Tensor
-    cols: Tensor
-    bitmap: Tensor
-    window_order: Tensor
-    edge_index: Tensor
 
     @classmethod
     def from_edge_index(cls, edge_index: Tensor, num_nodes: int | None = None) -> "BSBGraph8":
@@ -64,46 +58,17 @@ class BSBGraph8:
             num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
         N = _check_num_nodes(num_nodes)
         _check_range("edge_index", edge_index, 0, N)
-        device = edge_index.device
         _, win, src, row_in, rank, cols_per_win = window_ranks(
             edge_index[0].long(), edge_index[1].long(), N, ROWS_PER_WINDOW)
-        tcb_per_win = (cols_per_win + COLS_PER_TCB - 1) // COLS_PER_TCB
-        R = tcb_per_win.numel()
-        rw_offset = torch.zeros(R + 1, dtype=torch.long, device=device)
-        torch.cumsum(tcb_per_win, 0, out=rw_offset[1:])
-        T = int(rw_offset[-1]) if R else 0
-        tcb = rw_offset[win] + torch.div(rank, COLS_PER_TCB, rounding_mode="floor")
-        col_in = rank % COLS_PER_TCB
-        cols = torch.full((T * COLS_PER_TCB,), -1, dtype=torch.int32, device=device)
-        cols[tcb * COLS_PER_TCB + col_in] = src.to(torch.int32)     # same value per column
-        # one bit per (column, row): a column holds one copy of an edge
-        bits = torch.ones_like(src) << (((col_in & 7) << 3) | row_in)
-        bitmap = torch.zeros(T * 2, dtype=torch.long, device=device)
-        bitmap.index_add_(0, tcb * 2 + (col_in >> 3), bits)
-        return cls(
-            num_nodes=N,
-            rw_offset=rw_offset.to(torch.int32),
-            cols=cols,
-            bitmap=bitmap.view(T, 2),
-            window_order=torch.sort(tcb_per_win, descending=True, stable=True).indices.to(torch.int32),
-            edge_index=torch.stack([src, win * ROWS_PER_WINDOW + row_in]),
-        )
-
-    @property
-    def num_windows(self) -> int:
-        return self.rw_offset.numel() - 1
+        # column c, row rr of a block: bit (c % 8) * 8 + rr of word c // 8
+        rw_offset, cols, bitmap, window_order, _ = pack_blocks(
+            win, src, rank, cols_per_win, COLS_PER_TCB, lambda c: (c >> 3, ((c & 7) << 3) | row_in))
+        return cls(num_nodes=N, rw_offset=rw_offset, cols=cols, bitmap=bitmap, window_order=window_order,
+                   edge_index=torch.stack([src, win * ROWS_PER_WINDOW + row_in]))
 
     @property
     def num_tcbs(self) -> int:
         return self.bitmap.size(0)
-
-    @property
-    def num_edges(self) -> int:
-        return self.edge_index.size(1)
-
-    def tcb_nnz(self) -> Tensor:
-        """int64 [T]: number of edges in each TCB."""
-        return _popcount64(self.bitmap).sum(1)
 
     def stats(self, head_dim: int = 128) -> dict:
         """Blocks and the work of one forward per head of dimension D, read
@@ -125,16 +90,9 @@ class BSBGraph8:
         """Edges [2, E] (source, destination), duplicates included, read back
         from ``cols`` and ``bitmap`` alone, sorted by (destination, source):
         the inverse of the builder, for tests."""
-        device = self.bitmap.device
-        T = self.num_tcbs
-        tcb_win = torch.repeat_interleave(
-            torch.arange(self.num_windows, device=device),
-            (self.rw_offset[1:] - self.rw_offset[:-1]).long(), output_size=T)
-        bit = torch.arange(64, device=device)
-        on = ((self.bitmap.unsqueeze(-1) >> bit) & 1).bool()         # [T, 2, 64]
-        t, word, b = on.nonzero(as_tuple=True)
+        win, t, word, b = block_bits(self.rw_offset, self.bitmap)
         col_in = word * 8 + (b >> 3)
-        rows = tcb_win[t] * ROWS_PER_WINDOW + (b & 7)
+        rows = win * ROWS_PER_WINDOW + (b & 7)
         srcs = self.cols.long()[t * COLS_PER_TCB + col_in]
         order = torch.argsort(rows * max(self.num_nodes, 1) + srcs, stable=True)
         return torch.stack([srcs[order], rows[order]])
