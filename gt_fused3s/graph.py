@@ -681,10 +681,18 @@ def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor]:
     tcb = bsb.rw_offset.long()[win] + (rank >> 3)
     word = row_in >> 3
     bit = ((row_in & 7) << 3) | (rank & 7)
-    counts = _popcount64(bsb.bitmap)                              # [T, 2]
-    nnz_offset = torch.zeros(bsb.tcb_capacity + 1, dtype=torch.long, device=bsb.device)
+    return nnz_slots(bsb.bitmap, tcb, word, bit, order)
+
+
+def nnz_slots(bitmap: Tensor, tcb: Tensor, word: Tensor, bit: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
+    """``(nnz_offset, slot_edge)`` of a window format (:func:`edge_slots`)
+    from each edge's block, word and bit and its index ``order`` in the
+    caller's edge list. The non-zero order: blocks in order, inside a block
+    word 0 then word 1, bits ascending."""
+    counts = _popcount64(bitmap)                                  # [T, 2]
+    nnz_offset = torch.zeros(bitmap.size(0) + 1, dtype=torch.long, device=bitmap.device)
     torch.cumsum(counts.sum(1), 0, out=nnz_offset[1:])
-    below = _popcount64(bsb.bitmap[tcb, word] & ((torch.ones_like(bit) << bit) - 1))
+    below = _popcount64(bitmap[tcb, word] & ((torch.ones_like(bit) << bit) - 1))
     nnz = nnz_offset[tcb] + below + torch.where(word == 1, counts[tcb, 0], 0)
     slot_edge = torch.empty_like(order, dtype=torch.int32).scatter_(0, nnz, order.int())
     return nnz_offset.int(), slot_edge

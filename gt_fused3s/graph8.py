@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .graph import (WindowFormat, _check_edge_index, _check_num_nodes, _check_range, block_bits, pack_blocks,
-                    window_ranks)
+from .graph import (WindowFormat, _check_edge_index, _check_num_nodes, _check_range, block_bits, nnz_slots,
+                    pack_blocks, window_ranks)
 
 ROWS_PER_WINDOW = 8
 COLS_PER_TCB = 16
@@ -85,6 +85,24 @@ class BSBGraph8(WindowFormat):
             "kv_rows": int((self.cols >= 0).sum()),
             "mma_fwd": T * (head_dim // 8),
         }
+
+    def edge_slots(self, edge_index: Tensor) -> tuple[Tensor, Tensor]:
+        """Where the edges of ``edge_index`` (the graph this format was built
+        from, in any order) sit in its non-zero order (blocks in order, word
+        0 then word 1, bits ascending): ``nnz_offset`` int32 [T + 1] and
+        ``slot_edge`` int32 [E], the caller's edge id of each non-zero, as
+        :func:`~gt_fused3s.graph.edge_slots` gives them for the BSB (what the
+        kernels' per-edge terms read). Copies of one edge take its columns in
+        the order they are listed."""
+        edge_index = _check_edge_index(edge_index)
+        if edge_index.size(1) != self.num_edges:
+            raise ValueError(f"edge_index has {edge_index.size(1)} edges but the format was built "
+                             f"from {self.num_edges}")
+        order, win, _, row_in, rank, _ = window_ranks(
+            edge_index[0].long(), edge_index[1].long(), self.num_nodes, ROWS_PER_WINDOW)
+        tcb = self.rw_offset.long()[win] + torch.div(rank, COLS_PER_TCB, rounding_mode="floor")
+        col_in = rank % COLS_PER_TCB
+        return nnz_slots(self.bitmap, tcb, col_in >> 3, ((col_in & 7) << 3) | row_in, order)
 
     def decode_edges(self) -> Tensor:
         """Edges [2, E] (source, destination), duplicates included, read back

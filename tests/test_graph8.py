@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graph_cases import GRAPH_CASES
-from gt_fused3s.graph import BSBGraph, format_stats
+from gt_fused3s.graph import BSBGraph, block_bits, format_stats
 from gt_fused3s.graph8 import BSBGraph8
 
 
@@ -33,6 +33,22 @@ def test_counts_equal_format_stats(case):
     want = format_stats(ei, n, "8x16", 64)
     assert (got["num_windows"], got["num_tcbs"], got["kv_rows"], got["mma_fwd"]) == \
         (want["num_windows"], want["num_blocks"], want["kv_rows"], want["mma_fwd"])
+
+
+@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
+def test_edge_slots_name_each_non_zero_s_edge(case):
+    ei, n = GRAPH_CASES[case]()
+    perm = torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(0))
+    ei = ei[:, perm]                                # any caller order
+    g = BSBGraph8.from_edge_index(ei, n)
+    nnz_offset, slot_edge = g.edge_slots(ei)
+    assert torch.equal(torch.sort(slot_edge.long()).values, torch.arange(ei.size(1)))
+    assert torch.equal(nnz_offset[1:] - nnz_offset[:-1], g.tcb_nnz().int())
+    # the non-zeros in the format's order (block, word, bit ascending), decoded
+    win, t, word, b = block_bits(g.rw_offset, g.bitmap)
+    rows = win * 8 + (b & 7)
+    srcs = g.cols.long()[t * 16 + word * 8 + (b >> 3)]
+    assert torch.equal(ei[:, slot_edge.long()], torch.stack([srcs, rows]))
 
 
 def test_layout_by_hand():
