@@ -335,7 +335,11 @@ class BSBGraph(WindowFormat):
         forward per head (issue 13: counts, not timings).
 
         ``tcb_per_rw_*`` are over all R windows (empty ones count as 0);
-        ``nnz_per_tcb_*`` over all T TCBs; ``density`` = E / (T * 128).
+        ``nnz_per_tcb_*`` over all T TCBs; ``nnz_per_pair_mean`` / ``_max``
+        over the pairs of TCBs the kernels walk (a window's TCBs 2p, 2p + 1:
+        the per-edge terms move a pair's edges through a warp's lanes, at
+        most 64 at a time, ``csrc/kernels/edge_bias.cuh``);
+        ``density`` = E / (T * 128).
 
         Work per head of dimension ``head_dim`` = D (a multiple of 16), in
         ``mma.m16n8k16`` invocations and bytes (see :func:`format_stats`):
@@ -363,7 +367,15 @@ class BSBGraph(WindowFormat):
         nnz = self.tcb_nnz()
         T = nnz.numel()
         kv_rows = int((self.cols[:T * COLS_PER_TCB] >= 0).sum())
-        pairs = int(((tcb_per_rw + 1) // 2).sum())
+        pairs_per_rw = (tcb_per_rw + 1) // 2
+        pairs = int(pairs_per_rw.sum())
+        # the kernels walk a window's TCBs in pairs (2p, 2p + 1): the edges of
+        # a pair are the run the edge terms move through a warp's lanes
+        win = torch.repeat_interleave(torch.arange(self.num_windows, device=nnz.device), tcb_per_rw,
+                                      output_size=T)
+        pair = (torch.cumsum(pairs_per_rw, 0) - pairs_per_rw)[win] + \
+            torch.div(torch.arange(T, device=nnz.device) - self.rw_offset.long()[win], 2, rounding_mode="floor")
+        pair_nnz = torch.zeros(pairs, dtype=torch.long, device=nnz.device).index_add_(0, pair, nnz)
         out = {
             "num_nodes": self.num_nodes,
             "num_edges": self.num_edges,
@@ -374,6 +386,8 @@ class BSBGraph(WindowFormat):
             "tcb_per_rw_max": self.max_window_tcbs,
             "nnz_per_tcb_mean": float(nnz.double().mean()) if T else 0.0,
             "nnz_per_tcb_cv": _cv(nnz),
+            "nnz_per_pair_mean": self.num_edges / pairs if pairs else 0.0,
+            "nnz_per_pair_max": int(pair_nnz.max()) if pairs else 0,
             "density": self.num_edges / (T * 128) if T else 0.0,
             "head_dim": D,
             "mma_fwd": T * (D // 16) + pairs * (D // 8),

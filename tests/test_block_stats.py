@@ -106,3 +106,18 @@ def test_block_stats_rows():
     assert rows[1]["w16_mma_vs_identity"] == rows[1]["w16_mma_fwd"] / base["mma_fwd"]
     assert set(rows[1]) <= set(COLUMNS)
     assert format_row(rows[1]).count("|") == 14
+
+
+@pytest.mark.parametrize("case", ["dense_pairs", "random_1003", "duplicates", "no_edges"])
+def test_pair_runs(case):
+    """nnz_per_pair_*: the edges of the TCB pairs (2p, 2p + 1) of each window,
+    counted here window by window."""
+    ei, n = GRAPH_CASES[case]()
+    g = BSBGraph.from_edge_index(ei, n)
+    s = g.stats(variants=False)
+    nnz, rw = g.tcb_nnz().tolist(), g.rw_offset.tolist()
+    runs = [sum(nnz[t:min(t + 2, rw[w + 1])]) for w in range(len(rw) - 1) for t in range(rw[w], rw[w + 1], 2)]
+    assert s["nnz_per_pair_max"] == max(runs, default=0)
+    assert s["nnz_per_pair_mean"] == pytest.approx(sum(runs) / len(runs) if runs else 0.0)
+    if case == "dense_pairs":
+        assert s["nnz_per_pair_max"] == 256
