@@ -14,7 +14,7 @@
 // The non-zeros of a TCB pair are one run [off, off + n) of that order (n: the
 // pair's set bits: 14-17 on average, at most 64, on cora, citeseer, pubmed,
 // zinc, molhiv, peptides, github and the 200k power-law graph, where a TCB's 8
-// columns hold about one edge each). So the warp loads a pair's edge ids and
+// columns hold about one edge each; BSBGraph.stats: nnz_per_pair_*). So the warp loads a pair's edge ids and
 // values together, lane l taking non-zeros l and l + 32 (two coalesced loads
 // where each thread had eight dependent gathers, and 6 registers carried to
 // the next pair instead of 24), and each thread takes its scores' values by
