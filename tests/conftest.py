@@ -2,6 +2,16 @@
 import pytest
 
 
+@pytest.fixture(scope="session")
+def ops():
+    """``torch.ops.gt_fused3s`` of the built extension, built once per run.
+    The cuda test files use it for every test (``pytest.mark.usefixtures``
+    in their ``pytestmark``), so a failed build is each test's error, not a
+    skip; the ones that call an op directly take it as an argument."""
+    from gt_fused3s._build import load_extension
+    return load_extension()
+
+
 @pytest.fixture
 def count_calls(monkeypatch):
     """``count_calls(owner, name)`` wraps ``owner.name`` (a function, or a

@@ -27,16 +27,11 @@ from graph_cases import GRAPH_CASES
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("ops"),   # conftest.py: the extension, built once
 ]
 
 DEV = "cuda"
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ops():
-    from gt_fused3s._build import load_extension
-    return load_extension()
 
 
 def _shuffled(ei, seed):

@@ -19,13 +19,8 @@ from graph_cases import GRAPH_CASES
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("ops"),   # conftest.py: the extension, built once
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ops():
-    from gt_fused3s._build import load_extension
-    return load_extension()
 
 
 def _operands(E, N, H, F, seed):

@@ -14,15 +14,10 @@ from graph_cases import GRAPH_CASES
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("ops"),   # conftest.py: the extension, built once
 ]
 
 FIELDS = ("rw_offset", "cols", "bitmap", "window_order", "edge_index", "counters")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ops():
-    from gt_fused3s._build import load_extension
-    return load_extension()
 
 
 def _assert_same(gpu: BSBGraph, cpu: BSBGraph):

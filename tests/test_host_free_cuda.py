@@ -23,14 +23,9 @@ from graph_cases import molecule_batches
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("ops"),   # conftest.py: the extension, built once
 ]
 DEV = "cuda"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ops():
-    from gt_fused3s._build import load_extension
-    return load_extension()
 
 
 @contextlib.contextmanager
