@@ -129,11 +129,7 @@ def plot_loss_curves(series: dict[str, tuple[list, list]], path: str | Path,
         ax.plot(steps, losses, style, label=backend, linewidth=1.2)
     if all(v > 0 for _, losses in series.values() for v in losses):
         ax.set_yscale("log")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(which="both", linewidth=0.3, alpha=0.5)
+    _label(ax, "optimizer step", "loss", title)
     return _save(fig, path)
 
 
@@ -162,12 +158,17 @@ def plot_sequence_times(rows: list[dict], path: str | Path) -> Path:
             ax.plot([L for L, _ in pts], [t for _, t in pts], style, label=label, linewidth=1.2, markersize=3)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("sequence length (tokens)")
-        ax.set_ylabel("forward ms")
-        ax.set_title(mask, fontsize=9)
-        ax.legend(fontsize=7)
-        ax.grid(which="both", linewidth=0.3, alpha=0.5)
+        _label(ax, "sequence length (tokens)", "forward ms", mask)
     return _save(fig, path)
+
+
+def _label(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Axis labels, a small title and legend, a light grid: the line plots' look."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(which="both", linewidth=0.3, alpha=0.5)
 
 
 def read_csv(path: str | Path) -> list[dict]:
