@@ -13,15 +13,21 @@ Two tables:
   of the fused kernels alone and of every kernel of the call (the
   permutations to and from the format's edge order included).
 * ``layer``: ``Fused3SConv`` against ``TransformerConv`` with the same
-  weights (``heads``, ``out_channels``, ``edge_dim``), eager and compiled
-  (``torch.compile``, inductor, static shapes: ``pyg_compiled``), fp32
-  features, forward + backward of the layer: what a user waits (``wall_ms``,
-  synchronised), the GPU time of the step (``gpu_ms``, CUDA events), the peak
-  memory the step allocates above what it starts with (the inputs'
-  gradients set to None before each step), and the ratios
-  (``*_x`` against eager TransformerConv, ``*_x_compiled`` against the
-  compiled one). A peer that fails (out of memory, a compile error) leaves a
-  ``<peer>_error`` note and the others run.
+  weights (``heads``, ``out_channels``, ``edge_dim``), fp32 features,
+  forward + backward of the layer, each side eager and without launch
+  overhead: ``fused3s_graph`` is the fused step captured once in a CUDA
+  graph and replayed (:class:`~gt_fused3s.capture.CudaGraphRunner`, on the
+  graph's plan), ``pyg_compiled`` TransformerConv under ``torch.compile``
+  (inductor, static shapes), ``pyg_reduce_overhead`` the same in
+  ``mode="reduce-overhead"`` (inductor's kernels replayed as CUDA graphs).
+  Per peer: what a user waits (``wall_ms``, synchronised), the GPU time of
+  the step (``gpu_ms``, CUDA events), the largest gradient difference from
+  eager TransformerConv (``grad_diff``: inputs and parameters), and for
+  the eager peers the peak memory the step allocates above what it starts
+  with (fresh gradients each step);
+  ratios (peer / ours, > 1 a gain) in :data:`RATIOS`. A peer that fails
+  (out of memory, a compile or capture error) leaves a ``<peer>_error``
+  note and the others run.
 """
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ from .timing import kernel_time, time_cuda, time_wall
 GRAPHS = ("zinc", "github", "powerlaw200k")
 ATTENTION_SETTINGS = ((4, 16), (1, 64), (8, 32))     # (heads, head dim)
 EDGE_DIM = 16
+PEERS = ("fused3s", "fused3s_graph", "pyg", "pyg_compiled", "pyg_reduce_overhead")
+CAPTURED = ("fused3s_graph", "pyg_reduce_overhead")     # steps replayed as CUDA graphs
 
 
 def _env() -> dict:
@@ -122,16 +130,40 @@ def format_attention_row(r: dict) -> str:
             f"edge_dim {r['fb_edges_ms']:.4f} ({r['fb_edges_x']:.2f}x)")
 
 
-def _layer_step(conv, x, ei, edge_attr, grad):
+#: The layer table's ratios: (suffix, our peer, their peer).
+RATIOS = (("", "fused3s", "pyg"),                                   # eager vs eager
+          ("_compiled", "fused3s", "pyg_compiled"),
+          ("_graph", "fused3s_graph", "pyg_reduce_overhead"),     # both without launch overhead
+          ("_graph_vs_eager", "fused3s_graph", "pyg"))
+
+
+def _layer_step(conv, x, ei, edge_attr, grad, mark_step: bool = False):
+    params = [p for p in conv.parameters() if p.requires_grad]
+
     def step():
-        # fresh input gradients each step, as after zero_grad(set_to_none=True):
+        # fresh gradients each step, as after zero_grad(set_to_none=True):
         # no accumulation kernels ([E, edge_dim] for the features) in the time
-        x.grad = None
-        if edge_attr is not None:
-            edge_attr.grad = None
+        if mark_step:      # reduce-overhead: a new step of its CUDA-graph trees
+            torch.compiler.cudagraph_mark_step_begin()
+        leaves = [x] + ([edge_attr] if edge_attr is not None else [])
         out = conv(x, ei, edge_attr)
-        out.backward(grad)
+        return torch.autograd.grad(out, leaves + params, grad)
     return step
+
+
+def _peer_steps(fused, ref, plan, x, ei, edge_attr, grad, compiled: bool):
+    """(label, step) of every peer of the layer table."""
+    from ..capture import CudaGraphRunner
+    steps = [("fused3s", _layer_step(fused, x, ei, edge_attr, grad))]
+    # the captured step reads the plan (the format built outside it, once per
+    # graph) and the inputs where they are: a replay copies nothing in
+    steps.append(("fused3s_graph", CudaGraphRunner(_layer_step(fused, x, plan, edge_attr, grad))))
+    steps.append(("pyg", _layer_step(ref, x, ei, edge_attr, grad)))
+    if compiled:       # the same module (weights shared), compiled on its first step
+        steps.append(("pyg_compiled", _layer_step(torch.compile(ref, dynamic=False), x, ei, edge_attr, grad)))
+        steps.append(("pyg_reduce_overhead", _layer_step(
+            torch.compile(ref, dynamic=False, mode="reduce-overhead"), x, ei, edge_attr, grad, mark_step=True)))
+    return steps
 
 
 def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, heads: int = 4,
@@ -150,6 +182,7 @@ def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, hea
         ref = TransformerConv(in_channels, out_channels, heads=heads, edge_dim=edge_dim).cuda()
         fused = Fused3SConv(in_channels, out_channels, heads=heads, edge_dim=edge_dim, cached=True).cuda()
         fused.load_state_dict(ref.state_dict(), strict=True)
+        plan = Fused3SConv.to_graph_format(ei, n).prepare(heads, out_channels, edge_features=bool(edge_dim))
         grad = torch.randn(n, heads * out_channels, device="cuda", generator=g)
         row = {"graph": name, "N": n, "E": E, "heads": heads, "out_channels": out_channels,
                "edge_dim": edge_dim, **_env()}
@@ -157,39 +190,37 @@ def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, hea
         with torch.no_grad():
             err = (fused(x, ei, edge_attr) - ref(x, ei, edge_attr)).abs().max().item()
         row["max_abs_diff"] = err
-        peers = [("fused3s", fused), ("pyg", ref)]
-        if compiled:   # the same module (weights shared), compiled on its first step
-            peers.append(("pyg_compiled", torch.compile(ref, dynamic=False)))
-        for label, conv in peers:
-            step = _layer_step(conv, x, ei, edge_attr, grad)
+        grads = {}
+        for label, step in _peer_steps(fused, ref, plan, x, ei, edge_attr, grad, compiled):
             try:
-                step()
+                grads[label] = [t.clone() for t in step()]      # a compile or a capture happens here
                 torch.cuda.synchronize()
                 free_cuda_memory()
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
                 step()
                 torch.cuda.synchronize()
-                row[f"{label}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                if label not in CAPTURED:   # a replay allocates nothing: its memory is the capture's pool
+                    row[f"{label}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
                 row[f"{label}_gpu_ms"] = time_cuda(step, flush=False, max_reps=50)["median"]
                 row[f"{label}_wall_ms"] = time_wall(step, reps=30)["wall"]
             except torch.cuda.OutOfMemoryError as e:
                 row[f"{label}_error"] = short_error(e)
-                free_cuda_memory()
-            except Exception as e:  # noqa: BLE001 - a compile error becomes the peer's note
-                if label != "pyg_compiled":
+            except Exception as e:  # noqa: BLE001 - a compile / capture error becomes the peer's note
+                if label in ("fused3s", "pyg"):
                     raise
                 row[f"{label}_error"] = short_error(e)
-                free_cuda_memory()
-            x.grad = None
-            conv.zero_grad(set_to_none=True)
-        for key, ratio in (("gpu_ms", "gpu_x"), ("wall_ms", "wall_x"), ("peak_mb", "memory_x")):
-            for peer, suffix in (("pyg", ""), ("pyg_compiled", "_compiled")):
-                if f"{peer}_{key}" in row and f"fused3s_{key}" in row:    # peer / fused3s: > 1 is a gain
-                    row[ratio + suffix] = row[f"{peer}_{key}"] / row[f"fused3s_{key}"]
+            free_cuda_memory()
+        # every peer computes the same gradients (inputs and parameters)
+        for label, got in grads.items():
+            row[f"{label}_grad_diff"] = max((a - b).abs().max().item() for a, b in zip(got, grads["pyg"]))
+        for suffix, ours, peer in RATIOS:
+            for key, ratio in (("gpu_ms", "gpu_x"), ("wall_ms", "wall_x"), ("peak_mb", "memory_x")):
+                if f"{peer}_{key}" in row and f"{ours}_{key}" in row:
+                    row[ratio + suffix] = row[f"{peer}_{key}"] / row[f"{ours}_{key}"]
         rows.append(row)
         print(format_layer_row(row), flush=True)
-        del fused, ref, peers
+        del fused, ref, plan, grads
         free_cuda_memory()
     return rows
 
@@ -198,13 +229,13 @@ def format_layer_row(r: dict) -> str:
     def cell(label):
         if f"{label}_error" in r:
             return f"{label}: {r[f'{label}_error']}"
+        peak = f"peak {r[f'{label}_peak_mb']:.0f} MB " if f"{label}_peak_mb" in r else ""
         return (f"{label} wall {r[f'{label}_wall_ms']:.3f} gpu {r[f'{label}_gpu_ms']:.3f} ms "
-                f"peak {r[f'{label}_peak_mb']:.0f} MB")
-    ratios = " ".join(f"{k} {r[k]:.2f}x" for k in ("wall_x", "gpu_x", "memory_x", "wall_x_compiled",
-                                                      "gpu_x_compiled") if k in r)
-    peers = " | ".join(cell(p) for p in ("fused3s", "pyg", "pyg_compiled")
-                       if f"{p}_error" in r or f"{p}_wall_ms" in r)
-    return f"{r['graph']:>13} E={r['E']} | {peers} | {ratios} | diff {r['max_abs_diff']:.2e}"
+                f"{peak}grad diff {r[f'{label}_grad_diff']:.1e}")
+    ratios = " ".join(f"{k}{s} {r[k + s]:.2f}x" for s, _, _ in RATIOS for k in ("wall_x", "gpu_x", "memory_x")
+                      if k + s in r)
+    peers = "\n    ".join(cell(p) for p in PEERS if f"{p}_error" in r or f"{p}_wall_ms" in r)
+    return f"{r['graph']:>13} E={r['E']} diff {r['max_abs_diff']:.2e}\n    {peers}\n    {ratios}"
 
 
 def geometric_mean(values) -> float:
