@@ -26,8 +26,14 @@ pytestmark = [
 def _operands(E, N, H, F, seed):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, N, (E,), generator=g)
-    if E >= 4000:
-        idx[:3000] = N // 2                     # a high-degree node
+    if E >= 4500:           # high-degree nodes: edge_scatter's hub blocks take those of over 256 edges
+        fixed = (N // 2, 3, N - 1, 5)
+        for node in fixed:                      # the random edges avoid them
+            idx[idx == node] = 6
+        idx[:3000] = N // 2
+        idx[3000:3600] = 3
+        idx[3600:3857] = N - 1                  # 257 edges: the smallest hub
+        idx[3857:4113] = 5                      # 256 (kHubDegree): not a hub
     return (idx, torch.randn(N, H, F, generator=g, dtype=torch.float64),
             torch.randn(E, F, generator=g, dtype=torch.float64),
             torch.randn(E, H, generator=g, dtype=torch.float64))
@@ -53,7 +59,7 @@ def _close(got, want, what, dtype):
 
 
 @pytest.mark.parametrize("E,N,H,F", [(5000, 400, 4, 16), (1000, 97, 1, 16), (3000, 211, 8, 5),
-                                     (700, 50, 3, 1), (0, 10, 2, 4)])
+                                     (700, 50, 3, 1), (0, 10, 2, 4), (6000, 700, 8, 5), (4500, 900, 3, 12)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_products_and_gradients(E, N, H, F, dtype):
     idx, X, a, w = _operands(E, N, H, F, seed=E + F)
@@ -79,6 +85,21 @@ def test_index_out_of_range_gives_nan():
     assert out[7].isnan().all() and not out[:7].isnan().any()
     rows = torch.ops.gt_fused3s.edge_rows(w.float(), X.float(), idx)
     assert rows[7].isnan().all() and not rows[8:].isnan().any()
+
+
+@pytest.mark.parametrize("F", [16, 5])
+def test_edge_scatter_bad_edge_id_gives_nan_rows(F):
+    """An edge id outside [0, E) in the grouping gives NaN in its node's
+    rows only, for a hub (a block per node) and for a plain node."""
+    idx, X, a, w = (t.cuda() for t in _operands(5000, 400, 3, F, seed=2))
+    rowptr, order = node_csr(idx, 400)
+    order = order.clone()
+    for node in (200, 5):                             # 3000 edges (a hub); 256 (not one)
+        assert rowptr[node + 1] > rowptr[node]
+        order[rowptr[node + 1] - 1] = 5000
+    out = torch.ops.gt_fused3s.edge_scatter(w.float(), a.float(), rowptr, order)
+    nan = out.isnan().flatten(1)
+    assert nan[200].all() and nan[5].all() and nan.any(1).sum() == 2
 
 
 @pytest.mark.parametrize("case", ["duplicates", "random_1003", "empty_rows"])

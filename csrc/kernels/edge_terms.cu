@@ -145,21 +145,158 @@ edge_rows_kernel(const float* __restrict__ w, const float* __restrict__ x,
 // high-degree node's edges alone (4,204 edges on the 200k power-law graph:
 // that tail set the kernel's time). a[e, f..f+V) is read once for the heads
 // of a thread, w[e, h] once for its V features.
+//
+// Nodes of more than kHubDegree edges are left to the first hub_blocks
+// blocks of the same grid, a whole block per node (scatter_hub): eight lanes
+// still walked a hub alone (github: 9,458 edges into one node, 1,182 steps
+// per lane, 0.65 of the 1.49 ms of a layer step's kernels on an H100). The
+// hub blocks come first in the grid, so they start first and run beside
+// the rest.
 constexpr int kHeadsPerThread = 4;
 constexpr int kSplit = 8;
 constexpr int kUnroll = 4;
+constexpr int64_t kHubDegree = 256;
+constexpr int64_t kMaxHubBlocks = 128;
+
+// The output group (heads h0.., features f..f+V) of a thread: its running sum
+// over edges order[k], k = first, first + step, ... < end, kUnroll edges per
+// step (their indices, then their values, loaded independently: a step waits
+// about two memory latencies, not 2 kUnroll). False at an edge id outside
+// [0, E).
+template <int V>
+__device__ __forceinline__ bool sum_edges(float (&acc)[kHeadsPerThread][V], const float* __restrict__ w,
+                                          const float* __restrict__ a, const int64_t* __restrict__ order,
+                                          int64_t first, int64_t end, int64_t step, int f, int h0, int nh,
+                                          const EdgeTermsShape& s) {
+    const int F = s.features, H = s.heads;
+    int64_t k = first;
+    for (; k + (kUnroll - 1) * step < end; k += kUnroll * step) {
+        int64_t e[kUnroll];
+        bool ok = true;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            e[u] = order[k + u * step];
+            ok &= node_ok(e[u], s.num_edges);
+        }
+        if (!ok) return false;
+        float av[kUnroll][V], wv[kUnroll][kHeadsPerThread];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            load_vec<V>(av[u], a + e[u] * F + f);
+#pragma unroll
+            for (int j = 0; j < kHeadsPerThread; ++j) wv[u][j] = j < nh ? w[e[u] * H + h0 + j] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int j = 0; j < kHeadsPerThread; ++j)
+#pragma unroll
+                for (int c = 0; c < V; ++c) acc[j][c] = fmaf(wv[u][j], av[u][c], acc[j][c]);
+    }
+    for (; k < end; k += step) {
+        const int64_t e = order[k];
+        if (!node_ok(e, s.num_edges)) return false;
+        float av[V];
+        load_vec<V>(av, a + e * F + f);
+#pragma unroll
+        for (int j = 0; j < kHeadsPerThread; ++j) {
+            const float wv = j < nh ? w[e * H + h0 + j] : 0.f;
+#pragma unroll
+            for (int c = 0; c < V; ++c) acc[j][c] = fmaf(wv, av[c], acc[j][c]);
+        }
+    }
+    return true;
+}
+
+template <int V>
+__device__ __forceinline__ void store_group(float* o, float (&acc)[kHeadsPerThread][V], int nh, int F, bool bad) {
+#pragma unroll
+    for (int j = 0; j < kHeadsPerThread; ++j) {
+        if (j >= nh) continue;
+        if (bad) {
+#pragma unroll
+            for (int c = 0; c < V; ++c) acc[j][c] = NAN;
+        }
+        store_vec<V>(o + j * F, acc[j]);
+    }
+}
+
+// A block's share of the hubs: nodes b, b + hub_blocks, ... of more than
+// kHubDegree edges, one at a time, all threads on it. Thread t takes
+// feature chunk t % C of the edges t / C, t / C + slots, ... (C threads read
+// one edge's row of a, coalesced); the slots' sums are added in shared memory
+// by a fixed tree.
+template <int V>
+__device__ void scatter_hubs(const float* __restrict__ w, const float* __restrict__ a,
+                             const int64_t* __restrict__ rowptr, const int64_t* __restrict__ order,
+                             float* __restrict__ out, const EdgeTermsShape& s, int hub_blocks) {
+    __shared__ float red[kThreads][kHeadsPerThread][V];
+    __shared__ int64_t hubs[kThreads];
+    __shared__ int count;
+    const int F = s.features, H = s.heads, C = F / V;     // C <= kThreads (run_edge_scatter)
+    const int slots = kThreads / C, slot = threadIdx.x / C, f = (threadIdx.x % C) * V;
+    const int64_t stride = static_cast<int64_t>(hub_blocks);
+    for (int64_t first = blockIdx.x; first < s.num_nodes; first += stride * kThreads) {
+        if (threadIdx.x == 0) count = 0;
+        __syncthreads();
+        const int64_t n = first + stride * threadIdx.x;
+        if (n < s.num_nodes && rowptr[n + 1] - rowptr[n] > kHubDegree) hubs[atomicAdd(&count, 1)] = n;
+        __syncthreads();
+        const int found = count;     // the list's order varies; each hub's sum does not
+        for (int i = 0; i < found; ++i) {
+            const int64_t hub = hubs[i], begin = rowptr[hub], end = rowptr[hub + 1];
+            for (int h0 = 0; h0 < H; h0 += kHeadsPerThread) {
+                const int nh = H - h0 < kHeadsPerThread ? H - h0 : kHeadsPerThread;
+                float acc[kHeadsPerThread][V] = {};
+                bool ok = slot >= slots || sum_edges<V>(acc, w, a, order, begin + slot, end, slots, f, h0, nh, s);
+#pragma unroll
+                for (int j = 0; j < kHeadsPerThread; ++j)
+#pragma unroll
+                    for (int c = 0; c < V; ++c) red[threadIdx.x][j][c] = acc[j][c];
+                const bool bad = __syncthreads_or(!ok);
+                int span = 1;
+                while (span < slots) span <<= 1;
+                for (span >>= 1; span > 0; span >>= 1) {      // slot += slot + span, in a fixed order
+                    if (slot < span && slot + span < slots) {
+#pragma unroll
+                        for (int j = 0; j < kHeadsPerThread; ++j)
+#pragma unroll
+                            for (int c = 0; c < V; ++c) red[threadIdx.x][j][c] += red[threadIdx.x + span * C][j][c];
+                    }
+                    __syncthreads();
+                }
+                if (slot == 0) {
+#pragma unroll
+                    for (int j = 0; j < kHeadsPerThread; ++j)
+#pragma unroll
+                        for (int c = 0; c < V; ++c) acc[j][c] = red[threadIdx.x][j][c];
+                    store_group<V>(out + (hub * H + h0) * F + f, acc, nh, F, bad);
+                }
+                __syncthreads();          // red is refilled next
+            }
+        }
+        __syncthreads();                  // count and hubs are refilled next
+    }
+}
 
 template <typename I, int V>
 __global__ void __launch_bounds__(kThreads)
 edge_scatter_kernel(const float* __restrict__ w, const float* __restrict__ a,
                     const int64_t* __restrict__ rowptr, const int64_t* __restrict__ order,
-                    float* __restrict__ out, EdgeTermsShape s, FastDiv by_chunks, FastDiv by_groups) {
+                    float* __restrict__ out, EdgeTermsShape s, FastDiv by_chunks, FastDiv by_groups,
+                    int hub_blocks) {
+    if (static_cast<int>(blockIdx.x) < hub_blocks) {
+        scatter_hubs<V>(w, a, rowptr, order, out, s, hub_blocks);
+        return;
+    }
+    const int64_t hub_degree = hub_blocks > 0 ? kHubDegree : INT64_MAX;
     const int F = s.features, H = s.heads, C = F / V;
     const int groups = static_cast<int>(by_groups.d);
     const I total = static_cast<I>(s.num_nodes * groups * C * kSplit);   // a multiple of kSplit
     const int lane = threadIdx.x & 31;
     const unsigned mask = 0xFFu << (lane & ~(kSplit - 1));         // this output's kSplit lanes
-    for (I t = blockIdx.x * I(kThreads) + threadIdx.x; t < total; t += I(gridDim.x) * kThreads) {
+    const I blocks = static_cast<I>(gridDim.x - hub_blocks);
+    for (I t = (blockIdx.x - hub_blocks) * I(kThreads) + threadIdx.x; t < total; t += blocks * kThreads) {
         const int split = static_cast<int>(t % kSplit);
         const I ngc = t / kSplit;
         const I ng = by_chunks.div(ngc);
@@ -167,46 +304,10 @@ edge_scatter_kernel(const float* __restrict__ w, const float* __restrict__ a,
         const int64_t n = by_groups.div(ng);
         const int h0 = static_cast<int>(ng - static_cast<I>(n) * static_cast<I>(groups)) * kHeadsPerThread;
         const int nh = H - h0 < kHeadsPerThread ? H - h0 : kHeadsPerThread;
-        const int64_t end = rowptr[n + 1];
+        const int64_t begin = rowptr[n], end = rowptr[n + 1];
+        if (end - begin > hub_degree) continue;       // a hub block's node (the kSplit lanes agree)
         float acc[kHeadsPerThread][V] = {};
-        bool bad = false;
-        // kUnroll edges per step: their indices, then their values, loaded
-        // independently (a step waits about two memory latencies, not 2 kUnroll)
-        int64_t k = rowptr[n] + split;
-        for (; k + (kUnroll - 1) * kSplit < end && !bad; k += kUnroll * kSplit) {
-            int64_t e[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                e[u] = order[k + u * kSplit];
-                bad |= !node_ok(e[u], s.num_edges);
-            }
-            if (bad) break;
-            float av[kUnroll][V], wv[kUnroll][kHeadsPerThread];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                load_vec<V>(av[u], a + e[u] * F + f);
-#pragma unroll
-                for (int j = 0; j < kHeadsPerThread; ++j) wv[u][j] = j < nh ? w[e[u] * H + h0 + j] : 0.f;
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int j = 0; j < kHeadsPerThread; ++j)
-#pragma unroll
-                    for (int c = 0; c < V; ++c) acc[j][c] = fmaf(wv[u][j], av[u][c], acc[j][c]);
-        }
-        for (; k < end && !bad; k += kSplit) {
-            const int64_t e = order[k];
-            if (!node_ok(e, s.num_edges)) { bad = true; break; }
-            float av[V];
-            load_vec<V>(av, a + e * F + f);
-#pragma unroll
-            for (int j = 0; j < kHeadsPerThread; ++j) {
-                const float wv = j < nh ? w[e * H + h0 + j] : 0.f;
-#pragma unroll
-                for (int c = 0; c < V; ++c) acc[j][c] = fmaf(wv, av[c], acc[j][c]);
-            }
-        }
+        bool bad = !sum_edges<V>(acc, w, a, order, begin + split, end, kSplit, f, h0, nh, s);
 #pragma unroll
         for (int off = 1; off < kSplit; off <<= 1) {
             bad |= __shfl_xor_sync(mask, static_cast<int>(bad), off, kSplit) != 0;
@@ -215,18 +316,7 @@ edge_scatter_kernel(const float* __restrict__ w, const float* __restrict__ a,
 #pragma unroll
                 for (int c = 0; c < V; ++c) acc[j][c] += __shfl_xor_sync(mask, acc[j][c], off, kSplit);
         }
-        if (split == 0) {
-            float* o = out + (n * H + h0) * F + f;
-#pragma unroll
-            for (int j = 0; j < kHeadsPerThread; ++j) {
-                if (j >= nh) continue;
-                if (bad) {
-#pragma unroll
-                    for (int c = 0; c < V; ++c) acc[j][c] = NAN;
-                }
-                store_vec<V>(o + j * F, acc[j]);
-            }
-        }
+        if (split == 0) store_group<V>(out + (n * H + h0) * F + f, acc, nh, F, bad);
     }
 }
 
@@ -252,9 +342,9 @@ cudaError_t run_edge_dot(const float* x, const float* a, const int64_t* idx, flo
 
 // Launches `kernel<I, V>` with 32-bit indices where `total` allows, V = 4
 // where the rows allow.
-#define GT_EDGE_LAUNCH(kernel, vec, total, ...)                                                      \
+#define GT_EDGE_LAUNCH(kernel, vec, total, extra_blocks, ...)                                        \
     do {                                                                                             \
-        const dim3 grid(static_cast<unsigned>(blocks_for(total)));                                   \
+        const dim3 grid(static_cast<unsigned>(blocks_for(total) + (extra_blocks)));                  \
         if (narrow(total)) {                                                                         \
             if (vec) kernel<uint32_t, 4><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                \
             else kernel<uint32_t, 1><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                    \
@@ -270,7 +360,7 @@ cudaError_t run_edge_rows(const float* w, const float* x, const int64_t* idx, fl
     const int64_t total = s.num_edges * (vec ? s.features / 4 : s.features);
     if (total == 0) return cudaSuccess;
     const FastDiv by_chunks(vec ? s.features / 4 : s.features);
-    GT_EDGE_LAUNCH(edge_rows_kernel, vec, total, w, x, idx, out, s, by_chunks);
+    GT_EDGE_LAUNCH(edge_rows_kernel, vec, total, 0, w, x, idx, out, s, by_chunks);
     return cudaGetLastError();
 }
 
@@ -283,7 +373,11 @@ cudaError_t run_edge_scatter(const float* w, const float* a, const int64_t* rowp
     const int64_t total = s.num_nodes * groups * chunks * kSplit;
     if (total == 0) return cudaSuccess;
     const FastDiv by_chunks(chunks), by_groups(groups);
-    GT_EDGE_LAUNCH(edge_scatter_kernel, vec, total, w, a, rowptr, order, out, s, by_chunks, by_groups);
+    // hub blocks (scatter_hubs) where a block's threads cover a row's chunks
+    const int64_t want = (s.num_nodes + kThreads - 1) / kThreads;
+    const int hub_blocks = chunks <= kThreads ? static_cast<int>(want < kMaxHubBlocks ? want : kMaxHubBlocks) : 0;
+    GT_EDGE_LAUNCH(edge_scatter_kernel, vec, total, hub_blocks, w, a, rowptr, order, out, s, by_chunks,
+                   by_groups, hub_blocks);
     return cudaGetLastError();
 }
 

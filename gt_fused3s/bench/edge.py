@@ -21,8 +21,9 @@ Two tables:
   (inductor, static shapes), ``pyg_reduce_overhead`` the same in
   ``mode="reduce-overhead"`` (inductor's kernels replayed as CUDA graphs).
   Per peer: what a user waits (``wall_ms``, synchronised), the GPU time of
-  the step (``gpu_ms``, CUDA events), the largest gradient difference from
-  eager TransformerConv (``grad_diff``: inputs and parameters), and for
+  the step (``gpu_ms``, CUDA events), the largest gradient error against
+  eager TransformerConv (``grad_diff``: inputs and parameters, each
+  relative to the gradient's largest entry), and for
   the eager peers the peak memory the step allocates above what it starts
   with (fresh gradients each step);
   ratios (peer / ours, > 1 a gain) in :data:`RATIOS`. A peer that fails
@@ -211,9 +212,11 @@ def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, hea
                     raise
                 row[f"{label}_error"] = short_error(e)
             free_cuda_memory()
-        # every peer computes the same gradients (inputs and parameters)
+        # every peer computes the same gradients (inputs and parameters): the
+        # largest error of a gradient relative to its largest entry
         for label, got in grads.items():
-            row[f"{label}_grad_diff"] = max((a - b).abs().max().item() for a, b in zip(got, grads["pyg"]))
+            row[f"{label}_grad_diff"] = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+                                            for a, b in zip(got, grads["pyg"]))
         for suffix, ours, peer in RATIOS:
             for key, ratio in (("gpu_ms", "gpu_x"), ("wall_ms", "wall_x"), ("peak_mb", "memory_x")):
                 if f"{peer}_{key}" in row and f"{ours}_{key}" in row:
