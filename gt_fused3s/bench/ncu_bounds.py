@@ -34,7 +34,8 @@ EXTRA_METRICS = ("dram__bytes.sum", "lts__t_bytes.sum")
 #: unit -> the metric of its achieved share of peak (percent, over elapsed
 #: cycles where there is one); the tensor pipe's name varies by GPU and ncu
 UNITS = {
-    "dram": ("dram__throughput.avg.pct_of_peak_sustained_elapsed",),
+    "dram": ("dram__throughput.avg.pct_of_peak_sustained_elapsed",
+             "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
     "l2": ("lts__throughput.avg.pct_of_peak_sustained_elapsed",),
     "l1": ("l1tex__throughput.avg.pct_of_peak_sustained_elapsed",
            "l1tex__throughput.avg.pct_of_peak_sustained_active"),
@@ -45,6 +46,10 @@ UNITS = {
                "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
                "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
 }
+#: DRAM peak (bytes/s) by device name, for a DRAM share computed from the
+#: bytes moved where ncu's raw page has no DRAM throughput (ncu 2025.3.1 on
+#: an H100 had none under the names above; its dram__bytes.sum was there)
+DRAM_PEAK = {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H200": 4.8e12}
 DEFAULT_GRAPHS = ("github", "peptides", "powerlaw200k")
 DEFAULT_SETTINGS = ("d128h1fp16", "d64h8bf16")
 COLUMNS = ["graph", "N", "E", "setting", "kernel", "time_ms", "dram_pct", "l2_pct", "l1_pct", "sm_pct",
@@ -56,9 +61,9 @@ def kernel_label(name: str) -> str:
     (``fused3s_bwd_kernel<T, D, kDKV, kEdges>``: kDKV true is the dK/dV pass)."""
     if "fused3s_fwd_kernel" in name:
         return "fwd"
-    if "fused3s_bwd_kernel" in name:
+    if "fused3s_bwd_kernel" in name:     # ncu may print the bool as true or (bool)1
         args = name.split("<", 1)[1].split(",") if "<" in name else []
-        return "bwd_dkdv" if len(args) > 2 and args[2].strip() == "true" else "bwd_dq"
+        return "bwd_dkdv" if len(args) > 2 and args[2].strip().endswith(("true", "1")) else "bwd_dq"
     return name.split("(")[0].split("<")[0].rsplit("::", 1)[-1]
 
 
@@ -88,21 +93,30 @@ def _pct(row: dict, unit: str) -> float:
     return math.nan
 
 
-def bound_row(raw: dict) -> dict:
-    """A kernel's reading as the table's columns: time, shares of peak, the
+def with_bound(row: dict, dram_peak: float | None = None) -> dict:
+    """``row`` (time_ms, <unit>_pct, dram_gb) with the DRAM share filled in
+    from the bytes moved where ncu gave none (``dram_peak`` bytes/s), and the
     dominant unit, the bound and the distance from it."""
-    t_ms = _number(raw.get("gpu__time_duration.sum", "nan")) / 1e6    # ncu reports ns (base units)
-    pct = {u: _pct(raw, u) for u in UNITS}
-    known = {u: p for u, p in pct.items() if not math.isnan(p)}
+    row = dict(row)
+    if math.isnan(row.get("dram_pct", math.nan)) and dram_peak and row.get("time_ms", 0) > 0:
+        row["dram_pct"] = 100 * row.get("dram_gb", math.nan) * 1e9 / (row["time_ms"] * 1e-3) / dram_peak
+    known = {u: row[f"{u}_pct"] for u in UNITS if not math.isnan(row.get(f"{u}_pct", math.nan))}
     unit = max(known, key=known.get) if known else ""
     top = known.get(unit, math.nan)
-    row = {"kernel": kernel_label(raw.get("Kernel Name", "")), "time_ms": t_ms,
-           **{f"{u}_pct": p for u, p in pct.items()}, "bound_unit": unit,
-           "bound_ms": t_ms * top / 100 if top == top else math.nan,
-           "distance": 100 / top if top and top == top else math.nan}
+    row.update(bound_unit=unit, bound_ms=row["time_ms"] * top / 100 if top == top else math.nan,
+               distance=100 / top if top and top == top else math.nan)
+    return row
+
+
+def bound_row(raw: dict, dram_peak: float | None = None) -> dict:
+    """A kernel's reading as the table's columns: time, shares of peak, the
+    dominant unit, the bound and the distance from it."""
+    row = {"kernel": kernel_label(raw.get("Kernel Name", "")),
+           "time_ms": _number(raw.get("gpu__time_duration.sum", "nan")) / 1e6,   # ncu's base unit: ns
+           **{f"{u}_pct": _pct(raw, u) for u in UNITS}}
     for metric, col in (("dram__bytes.sum", "dram_gb"), ("lts__t_bytes.sum", "l2_gb")):
         row[col] = _number(raw.get(metric, "nan")) / 1e9
-    return row
+    return with_bound(row, dram_peak)
 
 
 def ncu_command(ncu: str, log_file: str, extra_metrics: bool) -> list[str]:
@@ -130,8 +144,9 @@ def read_case(graph: str, setting: str, ncu: str, tmp: str, log=print) -> list[d
         log(f"{graph} {setting}: ncu {'with' if extra else 'without'} {','.join(EXTRA_METRICS)} gave "
             f"exit {run.returncode}, {len(kernels)} kernel rows: {(run.stderr or text)[-600:]}")
     info = dict(line.split("=", 1) for line in run.stdout.splitlines() if line.startswith(("N=", "E=", "gpu=", "git=")))
+    peak = DRAM_PEAK.get(info.get("gpu", ""))
     return [{"graph": graph, "setting": setting, "N": info.get("N"), "E": info.get("E"), "gpu": info.get("gpu"),
-             "git": info.get("git"), **bound_row(k)} for k in kernels]
+             "git": info.get("git"), **bound_row(k, peak)} for k in kernels]
 
 
 def target(graph: str, setting: str) -> None:
