@@ -147,7 +147,7 @@ edge_rows_kernel(const float* __restrict__ w, const float* __restrict__ x,
 // of a thread, w[e, h] once for its V features.
 //
 // Nodes of more than kHubDegree edges are left to the first hub_blocks
-// blocks of the same grid, a whole block per node (scatter_hub): eight lanes
+// blocks of the same grid, a whole block per node (scatter_hubs): eight lanes
 // still walked a hub alone (github: 9,458 edges into one node, 1,182 steps
 // per lane, 0.65 of the 1.49 ms of a layer step's kernels on an H100). The
 // hub blocks come first in the grid, so they start first and run beside
@@ -260,7 +260,7 @@ __device__ void scatter_hubs(const float* __restrict__ w, const float* __restric
                 const bool bad = __syncthreads_or(!ok);
                 int span = 1;
                 while (span < slots) span <<= 1;
-                for (span >>= 1; span > 0; span >>= 1) {      // slot += slot + span, in a fixed order
+                for (span >>= 1; span > 0; span >>= 1) {      // red[slot] += red[slot + span], a fixed tree
                     if (slot < span && slot + span < slots) {
 #pragma unroll
                         for (int j = 0; j < kHeadsPerThread; ++j)
