@@ -399,7 +399,9 @@ def _op(name: str):
     itself: calling it skips the packet's overload resolution)."""
     op = _OPS.get(name)
     if op is None:
-        op = _OPS[name] = getattr(torch.ops.gt_fused3s, name).default
+        op = getattr(torch.ops.gt_fused3s, name).default
+        if not torch.compiler.is_compiling():   # traced code may not mutate module state
+            _OPS[name] = op
     return op
 
 

@@ -43,6 +43,26 @@ def _check_layer():
         torch.testing.assert_close(xc.grad, xe.grad, atol=1e-4, rtol=1e-4)
 
 
+def _check_layer_edge_features():
+    """edge_dim (the bias and value terms' products), the weights returned."""
+    ei, x = _graph(3)
+    attr = torch.randn(ei.size(1), 4, generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    conv = Fused3SConv(16, 16, heads=2, edge_dim=4, beta=True)
+    compiled = torch.compile(conv, fullgraph=True)
+    for graph in (ei, GraphPlan.from_edge_index(ei, N).prepare(2, 16, edge_features=True)):
+        leaves = [(x.clone().requires_grad_(), attr.clone().requires_grad_()) for _ in range(2)]
+        (out_c, (_, w_c)), (out_e, (_, w_e)) = (
+            fn(xx, g, aa, return_attention_weights=True) for fn, g, (xx, aa) in
+            ((compiled, graph, leaves[0]), (conv, ei, leaves[1])))
+        torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(w_c, w_e, atol=1e-6, rtol=1e-5)
+        for out, w in ((out_c, w_c), (out_e, w_e)):
+            (out.square().sum() + w.sum()).backward()
+        for (a_c, a_e) in zip(*leaves):
+            torch.testing.assert_close(a_c.grad, a_e.grad, atol=1e-4, rtol=1e-4)
+
+
 def _check_graph_transformer():
     ei, x = _graph(1)
     batch = torch.arange(N) // 25
@@ -63,6 +83,15 @@ def _check_graph_transformer():
 
 def test_layer_fullgraph_reference_path():
     _check_layer()
+
+
+def test_layer_edge_features_fullgraph_reference_path():
+    _check_layer_edge_features()
+
+
+def test_layer_edge_features_fullgraph_kernel_path(stand_in_kernels):
+    _check_layer_edge_features()
+    assert {"fwd", "bwd", "edge_dot", "edge_scatter", "edge_rows"} <= set(stand_in_kernels.calls)
 
 
 def test_graph_transformer_fullgraph_reference_path():
