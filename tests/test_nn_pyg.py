@@ -18,7 +18,7 @@ from torch_geometric.utils import coalesce
 import gt_fused3s.edge_terms as edge_terms
 import gt_fused3s.nn.pyg as pyg_mod
 from gt_fused3s import BSBGraph, GraphPlan, cached_plan
-from gt_fused3s.nn import Fused3SConv
+from gt_fused3s.nn import Fused3SConv, UnfusedPathWarning
 
 try:
     from graph_cases import GRAPH_CASES
@@ -358,14 +358,16 @@ def test_fallback_edge_attr_without_edge_dim_and_sparse_weights(fused_calls):
     ref, ours = make_pair(heads=2)
     x = random_x(n)
     raw = torch.randn(edge_index.size(1), 2, D, generator=torch.Generator().manual_seed(2))
-    assert_close(ours(x, edge_index, raw), ref(x, edge_index, raw))
+    with pytest.warns(UnfusedPathWarning, match="edge_attr without edge_dim"):
+        assert_close(ours(x, edge_index, raw), ref(x, edge_index, raw))
     assert len(fused_calls) == 0
     if SparseTensor is not None and hasattr(SparseTensor, "from_edge_index"):
         try:
             adj = SparseTensor.from_edge_index(edge_index, sparse_sizes=(n, n)).t()
         except Exception:   # torch_sparse not installed: nothing to check
             return
-        out, adj_w = ours(x, adj, return_attention_weights=True)
+        with pytest.warns(UnfusedPathWarning, match="attention weights of a sparse adjacency"):
+            out, adj_w = ours(x, adj, return_attention_weights=True)
         out_ref, adj_ref = ref(x, adj, return_attention_weights=True)
         assert_close(out, out_ref)
         assert len(fused_calls) == 0
@@ -469,7 +471,8 @@ def test_fallback_other_aggregation(fused_calls):
     edge_index, n = GRAPH_CASES["self_loops"]()
     ref, ours = make_pair(heads=2, aggr="mean")
     x = random_x(n)
-    assert_close(ours(x, edge_index), ref(x, edge_index))
+    with pytest.warns(UnfusedPathWarning, match="aggr='mean'"):
+        assert_close(ours(x, edge_index), ref(x, edge_index))
     assert len(fused_calls) == 0
 
 
@@ -548,8 +551,30 @@ def test_bad_input_on_unfused_path():
     edge_index, n = GRAPH_CASES["self_loops"]()
     _, ours = make_pair(heads=2, aggr="mean")     # TransformerConv's path
     bad = torch.cat([edge_index, torch.tensor([[40], [3]])], 1)
-    with pytest.raises(ValueError, match=r"edge_index\[0\] has index 40 out of range"):
+    with pytest.warns(UnfusedPathWarning), \
+            pytest.raises(ValueError, match=r"edge_index\[0\] has index 40 out of range"):
         ours(random_x(n), bad)
+
+
+def test_fallback_hooks_and_explain_mode_warn_and_equal_transformer_conv(fused_calls):
+    """Message-passing hooks and PyG's explain mode need propagate(): the
+    unfused path runs them, and the warning names the reason."""
+    edge_index, n = GRAPH_CASES["duplicates"]()
+    ref, ours = make_pair(heads=2)
+    x = random_x(n)
+    seen = []
+    for conv in (ref, ours):
+        conv.register_message_forward_hook(lambda module, inputs, out: seen.append(out.shape))
+    with pytest.warns(UnfusedPathWarning, match="message-passing hooks are registered"):
+        assert_close(ours(x, edge_index), ref(x, edge_index))
+    assert len(seen) == 2 and seen[0] == seen[1] and len(fused_calls) == 0
+    ref, ours = make_pair(heads=2)
+    mask = torch.rand(edge_index.size(1), generator=torch.Generator().manual_seed(5))
+    for conv in (ref, ours):
+        conv.explain, conv._edge_mask, conv._apply_sigmoid = True, mask, True
+    with pytest.warns(UnfusedPathWarning, match="explain mode"):
+        assert_close(ours(x, edge_index), ref(x, edge_index))
+    assert len(fused_calls) == 0
 
 
 # ------------------------------------------------------------ packaging
@@ -573,7 +598,9 @@ def test_dropout_under_compile_takes_transformer_conv_path(fused_calls):
     _, ours = make_pair(heads=2, dropout=0.5)
     ours.train()
     compiled = torch.compile(ours, backend="eager", fullgraph=False)
-    out = compiled(random_x(n), edge_index)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnfusedPathWarning)    # none while tracing
+        out = compiled(random_x(n), edge_index)
     assert out.shape == (n, 2 * D) and len(fused_calls) == 0
 
 

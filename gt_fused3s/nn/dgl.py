@@ -27,6 +27,7 @@ except ImportError as e:  # ModuleNotFoundError, or DGL's own import failures
 
 from ..graph import check_int
 from ..ops import fused3s_attention, kernel_accepts
+from .fallback import warn_unfused
 from ..plan import GraphPlan
 from ..reference import attention_reference
 
@@ -79,7 +80,9 @@ class Fused3SConv(nn.Module):
     DGL's DotGatConv refuses it: pass one relation, ``g[etype]``.
 
     Duplicate edges (a multigraph) count as often as they appear, as in
-    DGL's edge softmax.
+    DGL's edge softmax. On CUDA, a head size the kernel does not take (not
+    a multiple of 8, or above 256) or fp64 features run the unfused fp32
+    reference instead, with an :class:`~gt_fused3s.nn.UnfusedPathWarning`.
 
     Parameters
     ----------
@@ -223,6 +226,8 @@ class Fused3SConv(nn.Module):
         q, k, v = (_pad_rows(t, n) for t in (q, k, v))
         plan = _graph_plan(graph, q.device)
         if q.is_cuda and not kernel_accepts(D, q.dtype):
+            warn_unfused("Fused3SConv", f"out_feats={D} in {q.dtype} (the kernel takes head sizes that are "
+                         f"multiples of 8 up to 256 in fp16, bf16 or fp32)", "the unfused fp32 reference")
             out = attention_reference(q, k, v, plan.edge_index, scale, return_weights=get_attention)
         else:
             out = fused3s_attention(q, k, v, plan, scale, return_weights=get_attention)

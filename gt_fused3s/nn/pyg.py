@@ -9,15 +9,17 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 from torch_geometric.nn import TransformerConv
+from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.typing import SparseTensor
 
 from ..graph import BSBGraph, _check_index_tensor, _check_range, _in_capture_or_compile, check_int
 from .. import ops
 from ..edge_terms import edge_feature_attention
+from .fallback import UnfusedPathWarning, warn_unfused
 from ..ops import fused3s_attention, kernel_accepts
 from ..plan import GraphPlan, as_plan, cached_plan
 
-__all__ = ["Fused3SConv"]
+__all__ = ["Fused3SConv", "UnfusedPathWarning"]
 
 # Hook tables of MessagePassing that only its own propagate() calls: when one
 # is in use, the layer takes the unfused path so that the hooks still run.
@@ -88,7 +90,9 @@ class Fused3SConv(TransformerConv):
     distribution as TransformerConv's ``F.dropout``, not its random stream.
 
     What the fused path does not do takes :class:`TransformerConv`'s own
-    unfused path (``super().forward``), with its exact results:
+    unfused path (``super().forward``), with its exact results, and says so
+    with an :class:`UnfusedPathWarning` naming the reason (not inside
+    ``torch.compile``, which cannot trace a warning):
 
     - ``edge_attr`` without ``edge_dim`` (TransformerConv adds it to the
       values as is), a sparse adjacency whose values are feature vectors,
@@ -173,6 +177,14 @@ class Fused3SConv(TransformerConv):
                          beta=beta, dropout=dropout, edge_dim=edge_dim, bias=bias,
                          root_weight=root_weight, **kwargs)
         self.cached = bool(cached)
+        # PyG compiles propagate() per class on first construction and keeps
+        # the class's previous one as _orig_propagate, which explain mode and
+        # decomposed layers call. For this subclass, built after a
+        # TransformerConv, that previous one is TransformerConv's compiled
+        # propagate, which skips explain masks: point it at the original.
+        cls = type(self)
+        if "_orig_propagate" in cls.__dict__ and cls.__dict__["_orig_propagate"] is not MessagePassing.propagate:
+            cls._orig_propagate = MessagePassing.propagate
 
     def __prepare_scriptable__(self):
         # torch.jit.script calls this first: fail at once, in one line
@@ -254,8 +266,9 @@ class Fused3SConv(TransformerConv):
                                  "pass the edge_index tensor or a GraphPlan built from it")
         self._check_edge_index(edge_index, n_src, n_dst, x_dst.device)
 
-        if not self._fused_path_applies(x_dst, n_src, n_dst, edge_index, edge_attr,
-                                        return_attention_weights):
+        reason = self._unfused_reason(x_dst, edge_index, edge_attr, return_attention_weights)
+        if reason is not None:
+            warn_unfused("Fused3SConv", reason, "TransformerConv's unfused message passing")
             if is_plan:
                 edge_index = edge_index.edge_index
             elif isinstance(edge_index, Tensor) and not _is_sparse(edge_index):
@@ -321,26 +334,30 @@ class Fused3SConv(TransformerConv):
                 out = out + x_r
         return out
 
-    def _fused_path_applies(self, x_dst: Tensor, n_src: int, n_dst: int, edge_index,
-                            edge_attr, return_attention_weights) -> bool:
+    def _unfused_reason(self, x_dst: Tensor, edge_index, edge_attr, return_attention_weights) -> Optional[str]:
+        """Why this call takes TransformerConv's unfused path, or None (fused)."""
         if edge_attr is not None and self.lin_edge is None:
-            return False   # TransformerConv adds raw edge_attr to the values
+            return "edge_attr without edge_dim (TransformerConv adds it to the values as is)"
         if self.training and self.dropout > 0 and _in_capture_or_compile():
-            return False   # a captured or compiled kernel dropout would replay one mask
-        if _is_sparse(edge_index) and (self.lin_edge is not None
-                                       or isinstance(return_attention_weights, bool)):
-            return False
-        if self.aggr != "add" or self.flow != "source_to_target" or self.explain:
-            return False
+            return "attention dropout while training inside a capture or compile (the seed would be frozen)"
+        if _is_sparse(edge_index) and self.lin_edge is not None:
+            return "edge features with a sparse adjacency"
+        if _is_sparse(edge_index) and isinstance(return_attention_weights, bool):
+            return "attention weights of a sparse adjacency"
+        if self.aggr != "add" or self.flow != "source_to_target":
+            return f"aggr={self.aggr!r}, flow={self.flow!r} (the kernel sums, source to target)"
+        if self.explain:
+            return "explain mode"
         if any(getattr(self, name, None) for name in _HOOK_TABLES):
-            return False
+            return "message-passing hooks are registered"
         if _is_sparse(edge_index) and _sparse_has_features(edge_index):
-            return False   # TransformerConv reads such values as edge_attr
+            return "a sparse adjacency with feature vectors as values (TransformerConv reads them as edge_attr)"
         if x_dst.is_cuda:   # what the kernel takes; fp64 (without autocast) it does not
             dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x_dst.dtype
             if not kernel_accepts(self.out_channels, dtype):
-                return False
-        return True
+                return (f"out_channels={self.out_channels} in {dtype} (the kernel takes head sizes that are "
+                        f"multiples of 8 up to 256 in fp16, bf16 or fp32)")
+        return None
 
     def _check_x(self, x) -> Tuple[Tensor, Tensor]:
         if isinstance(x, Tensor):

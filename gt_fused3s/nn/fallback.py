@@ -1,0 +1,25 @@
+"""What the layers say when a call cannot take the fused kernel: an
+:class:`UnfusedPathWarning` naming the reason (no torch_geometric or dgl
+import here: both layers use it)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+__all__ = ["UnfusedPathWarning", "warn_unfused"]
+
+
+class UnfusedPathWarning(UserWarning):
+    """A layer call took an unfused path (the reason is in the message):
+    exact, but without the fused kernel's speed or memory. Python shows it
+    once per call site; silence it with
+    ``warnings.simplefilter("ignore", UnfusedPathWarning)``."""
+
+
+def warn_unfused(layer: str, reason: str, path: str, stacklevel: int = 3) -> None:
+    """Warn that ``layer`` runs ``path`` because of ``reason``; nothing
+    inside ``torch.compile``, which cannot trace a warning."""
+    if not torch.compiler.is_compiling():
+        warnings.warn(f"{layer}: {reason}: this call runs {path} (exact, not fast)", UnfusedPathWarning,
+                      stacklevel=stacklevel)
