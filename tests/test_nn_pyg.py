@@ -148,6 +148,50 @@ def test_other_adjacency_formats(fmt, fused_calls):
     assert len(fused_calls) == 1
 
 
+@pytest.mark.parametrize("fmt", ["coo", "csr"])
+@pytest.mark.parametrize("bipartite", [False, True])
+@pytest.mark.parametrize("kernel_path", [False, True])
+def test_sparse_adjacency_with_edge_features_and_weights_is_fused(fmt, bipartite, kernel_path, fused_calls,
+                                                                  request):
+    """A torch.sparse adjacency (entry [dst, src]) with edge features in the
+    order of its non-zeros, the weights returned in that order with the
+    adjacency itself, as TransformerConv does; gradients equal too; on the
+    reference path and on the kernel path (CPU stand-ins of the ops)."""
+    if kernel_path:
+        stand_ins = request.getfixturevalue("stand_in_kernels")
+    n_src, n_dst = (13, 9) if bipartite else (40, 40)
+    g = torch.Generator().manual_seed(8)
+    edge_index = torch.stack([torch.randint(0, n_src, (120,), generator=g),
+                              torch.randint(0, n_dst, (120,), generator=g)]).unique(dim=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # torch's sparse invariant-check notice
+        adj = torch.sparse_coo_tensor(edge_index.flip(0), torch.ones(edge_index.size(1)),
+                                      (n_dst, n_src)).coalesce()
+        if fmt == "csr":
+            adj = adj.to_sparse_csr()
+    in_ch = (F_IN, 7) if bipartite else F_IN
+    ref, ours = make_pair(in_channels=in_ch, heads=2, beta=True, edge_dim=3)
+    x = ((torch.randn(n_src, F_IN, generator=g), torch.randn(n_dst, 7, generator=g)) if bipartite
+         else torch.randn(n_src, F_IN, generator=g))
+    ea = torch.randn(edge_index.size(1), 3, generator=g)
+    got = []
+    for conv in (ref, ours):
+        xs = tuple(t.clone().requires_grad_() for t in (x if bipartite else (x,)))
+        a = ea.clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UnfusedPathWarning)
+            out, (adj_out, alpha) = conv(xs if bipartite else xs[0], adj, a, return_attention_weights=True)
+        assert adj_out is adj
+        (out.square().sum() + alpha.sum()).backward()
+        got.append((out, alpha, a.grad, *(t.grad for t in xs)))
+    for i, (mine, theirs) in enumerate(zip(got[1], got[0])):
+        tol = (1e-5 if not kernel_path else 3e-3 if i < 2 else 3e-2)     # fp16 operands on the kernel path
+        torch.testing.assert_close(mine, theirs, atol=tol, rtol=max(tol, 1e-4))
+    assert len(fused_calls) == 1
+    if kernel_path:
+        assert {"fwd", "probs", "bwd", "edge_dot", "edge_scatter"} <= set(stand_ins.calls)
+
+
 def test_lazy_in_channels():
     edge_index, n = GRAPH_CASES["self_loops"]()
     x = random_x(n)
@@ -366,7 +410,7 @@ def test_fallback_edge_attr_without_edge_dim_and_sparse_weights(fused_calls):
             adj = SparseTensor.from_edge_index(edge_index, sparse_sizes=(n, n)).t()
         except Exception:   # torch_sparse not installed: nothing to check
             return
-        with pytest.warns(UnfusedPathWarning, match="attention weights of a sparse adjacency"):
+        with pytest.warns(UnfusedPathWarning, match="attention weights of a SparseTensor adjacency"):
             out, adj_w = ours(x, adj, return_attention_weights=True)
         out_ref, adj_ref = ref(x, adj, return_attention_weights=True)
         assert_close(out, out_ref)

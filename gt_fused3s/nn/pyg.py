@@ -96,7 +96,10 @@ class Fused3SConv(TransformerConv):
 
     - ``edge_attr`` without ``edge_dim`` (TransformerConv adds it to the
       values as is), a sparse adjacency whose values are feature vectors,
-      and edge features or attention weights with a sparse adjacency,
+      and edge features or attention weights with a ``SparseTensor``
+      adjacency (with a ``torch.sparse`` COO or CSR adjacency both are
+      fused, in the order of its non-zeros, as TransformerConv takes and
+      returns them),
     - attention dropout while training inside ``torch.compile`` or a CUDA
       graph capture (the kernel's seed would be frozen into the graph),
     - ``aggr`` other than ``"add"``, ``flow="target_to_source"``, explain
@@ -295,7 +298,9 @@ class Fused3SConv(TransformerConv):
         value = _pad_rows(self.lin_value(x_src), n).view(-1, H, C)
         scale = 1.0 / math.sqrt(C)
         # the edges in the order of edge_attr and of the returned weights
-        edges = as_plan(edge_index).edge_index if is_plan else edge_index
+        # (a torch.sparse adjacency's: the order of its non-zeros, as in PyG)
+        edges = (as_plan(edge_index).edge_index if is_plan
+                 else graph.edge_index if _is_sparse(edge_index) else edge_index)
         want_weights = isinstance(return_attention_weights, bool)
         drop_p, seed = 0.0, None
         if self.training and self.dropout > 0:       # one seed for the kernel and the edge term
@@ -314,7 +319,8 @@ class Fused3SConv(TransformerConv):
             out, alpha = out if want_weights else (out, None)
         out = self._combine(out[:n_dst], x_dst)
         if isinstance(return_attention_weights, bool):
-            return out, (edges, alpha.to(query.dtype))
+            # TransformerConv returns a torch.sparse adjacency itself, weights in its order
+            return out, (edge_index if _is_sparse(edge_index) else edges, alpha.to(query.dtype))
         return out
 
     # ------------------------------------------------------------- internals
@@ -340,10 +346,10 @@ class Fused3SConv(TransformerConv):
             return "edge_attr without edge_dim (TransformerConv adds it to the values as is)"
         if self.training and self.dropout > 0 and _in_capture_or_compile():
             return "attention dropout while training inside a capture or compile (the seed would be frozen)"
-        if _is_sparse(edge_index) and self.lin_edge is not None:
-            return "edge features with a sparse adjacency"
-        if _is_sparse(edge_index) and isinstance(return_attention_weights, bool):
-            return "attention weights of a sparse adjacency"
+        if isinstance(edge_index, SparseTensor) and self.lin_edge is not None:
+            return "edge features with a SparseTensor adjacency"
+        if isinstance(edge_index, SparseTensor) and isinstance(return_attention_weights, bool):
+            return "attention weights of a SparseTensor adjacency"
         if self.aggr != "add" or self.flow != "source_to_target":
             return f"aggr={self.aggr!r}, flow={self.flow!r} (the kernel sums, source to target)"
         if self.explain:
@@ -472,25 +478,29 @@ def _sparse_plan(adj, cached: bool) -> GraphPlan:
     n = max(n_dst, n_src)        # bipartite: the square graph of n nodes
     if isinstance(adj, SparseTensor):
         rowptr, col, _ = adj.csr()
-        bsb = _csr_bsb(rowptr, col, n_dst, n)
+        bsb, edges = _csr_bsb(rowptr, col, n_dst, n)
     elif adj.layout == torch.sparse_csr:
-        bsb = _csr_bsb(adj.crow_indices(), adj.col_indices(), n_dst, n)
+        bsb, edges = _csr_bsb(adj.crow_indices(), adj.col_indices(), n_dst, n)
     elif adj.layout == torch.sparse_coo:
         dst, src = adj._indices()
-        bsb = BSBGraph.from_edge_index(torch.stack([src, dst]), n)
+        edges = torch.stack([src, dst])
+        bsb = BSBGraph.from_edge_index(edges, n)
     else:
         raise ValueError(f"a sparse edge_index must have the COO or CSR layout "
                          f"(got {adj.layout})")
-    plan = GraphPlan(bsb)
+    # edge features and weights follow the adjacency's non-zeros (the BSB's
+    # own edge list is sorted by window)
+    plan = GraphPlan(bsb, edge_index=edges)
     if cached:
         _SPARSE_CACHE[key] = (weakref.ref(adj, lambda _, k=key: _SPARSE_CACHE.pop(k, None)), sig, plan)
     return plan
 
 
-def _csr_bsb(rowptr: Tensor, col: Tensor, n_dst: int, n: int) -> BSBGraph:
-    """The BSB of a destination-major CSR of ``n_dst`` rows, as a graph of ``n`` nodes."""
-    if n_dst == n:
-        return BSBGraph.from_csr(rowptr, col, n)
+def _csr_bsb(rowptr: Tensor, col: Tensor, n_dst: int, n: int) -> Tuple[BSBGraph, Tensor]:
+    """The BSB of a destination-major CSR of ``n_dst`` rows, as a graph of
+    ``n`` nodes, and its edges [2, E] in the CSR's order."""
     rows = torch.repeat_interleave(torch.arange(n_dst, device=col.device), (rowptr[1:] - rowptr[:-1]).long(),
                                    output_size=col.numel())
-    return BSBGraph.from_edge_index(torch.stack([col.long(), rows]), n)
+    edges = torch.stack([col.long(), rows])
+    bsb = BSBGraph.from_csr(rowptr, col, n) if n_dst == n else BSBGraph.from_edge_index(edges, n)
+    return bsb, edges
