@@ -106,6 +106,28 @@ def test_block_stats_rows():
     assert rows[1]["w16_mma_vs_identity"] == rows[1]["w16_mma_fwd"] / base["mma_fwd"]
     assert set(rows[1]) <= set(COLUMNS)
     assert format_row(rows[1]).count("|") == 14
+    assert rows[0]["kv_w32_over_w16"] <= 1.0 and rows[0]["kv_w128_over_w16"] <= rows[0]["kv_w64_over_w16"]
+
+
+def test_kv_rows_of_taller_windows():
+    """K/V rows per window: distinct (source, copy) pairs, counted here by
+    brute force; at 16 rows the BSB's count."""
+    from gt_fused3s.bench.block_stats import kv_rows
+    ei, n = GRAPH_CASES["duplicates"]()
+    assert kv_rows(ei, n, 16) == format_stats(ei, n, "16x8")["kv_rows"]
+    for rows in (16, 32, 64):
+        want = 0
+        for w in range((n + rows - 1) // rows):
+            inside = (ei[1] // rows) == w
+            srcs = ei[0][inside].tolist()
+            dsts = ei[1][inside].tolist()
+            # a source's copies: the most times it appears with one destination row
+            per = {}
+            for s_, d_ in zip(srcs, dsts):
+                per.setdefault(s_, {}).setdefault(d_, 0)
+                per[s_][d_] += 1
+            want += sum(max(c.values()) for c in per.values())
+        assert kv_rows(ei, n, rows) == want
 
 
 @pytest.mark.parametrize("case", ["dense_pairs", "random_1003", "duplicates", "no_edges"])

@@ -1,7 +1,8 @@
 """Block statistics of the graphs, without and with a locality reordering
 (issue 13): windows, blocks, non-zeros per block, K/V rows gathered and
 m16n8k16 invocations of one forward per head, for the 16 x 8 BSB and for
-8-row windows of 8 x 16 blocks (FlashSparse's swap-and-transpose).
+8-row windows of 8 x 16 blocks (FlashSparse's swap-and-transpose), and the
+K/V rows of taller windows that share one K/V tile (``kv_w*_over_w16``).
 
 Counts, not timings: computed from the edges alone (graph.format_stats) on
 any device, no kernel runs. The only time measured is the reordering's own
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from ..graph import format_stats
+from ..graph import format_stats, window_ranks
 from ..reorder import reorder
 from .common import git_sha
 from .kernel import ALL_GRAPHS, SINGLE_GRAPHS, load_graph
@@ -30,6 +31,7 @@ COLUMNS = ["graph", "num_nodes", "num_edges", "method", "reorder_ms",
            "w8_windows", "w8_blocks", "w8_nnz_per_block", "w8_nnz_per_block_cv", "w8_mma_fwd",
            "w8_kv_mb",
            "w8_over_w16_mma", "w16_mma_vs_identity", "w8_mma_vs_identity",
+           "kv_w32_over_w16", "kv_w64_over_w16", "kv_w128_over_w16",
            "head_dim", "batch", "device", "threads", "torch", "git"]
 
 
@@ -44,6 +46,20 @@ def _time(fn, reps: int, device: torch.device) -> tuple[float, object]:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3, out
+
+
+#: window heights whose shared K/V rows are counted (against 16 rows)
+SHARED_WINDOWS = (32, 64, 128)
+
+
+def kv_rows(edge_index: torch.Tensor, num_nodes: int, rows: int) -> int:
+    """K and V rows gathered once per window of ``rows`` rows: the window's
+    columns (distinct (source, copy) pairs, as the builders form them). At
+    16 rows this is the BSB's count; taller windows are what a kernel whose
+    warps share one K/V tile per window of several 16-row MMA tiles would
+    gather (the fused kernels are bound by L2 traffic, see ncu_bounds)."""
+    src, dst = edge_index[0].long(), edge_index[1].long()
+    return int(window_ranks(src, dst, num_nodes, rows)[-1].sum())
 
 
 def graph_rows(name: str, edge_index: torch.Tensor, num_nodes: int, methods=DEFAULT_METHODS, *,
@@ -69,6 +85,9 @@ def graph_rows(name: str, edge_index: torch.Tensor, num_nodes: int, methods=DEFA
             "w8_over_w16_mma": b["mma_fwd"] / a["mma_fwd"] if a["mma_fwd"] else float("nan"),
             "head_dim": head_dim,
         }
+        kv16 = kv_rows(ei, num_nodes, 16)
+        for tall in SHARED_WINDOWS:
+            row[f"kv_w{tall}_over_w16"] = kv_rows(ei, num_nodes, tall) / kv16 if kv16 else float("nan")
         if method == "identity":
             base = row
         if base is not None:
