@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("--tables", nargs="+", choices=("attention", "layer"), default=["attention", "layer"])
     p.add_argument("--edge-dim", type=int, default=16, help="edge feature size of the layer table (0: none)")
     p.add_argument("--no-compiled", action="store_true",
-                   help="layer table: leave out TransformerConv under torch.compile, default and "
-                        "reduce-overhead modes (two compiles per graph)")
+                   help="layer table: leave out both layers under torch.compile, default and "
+                        "reduce-overhead modes (four compiles per graph)")
     p.add_argument("--out", help="CSV path prefix: <out>_attention.csv, <out>_layer.csv")
     a = p.parse_args(argv)
     import torch

@@ -19,7 +19,9 @@ Two tables:
   graph and replayed (:class:`~gt_fused3s.capture.CudaGraphRunner`, on the
   graph's plan), ``pyg_compiled`` TransformerConv under ``torch.compile``
   (inductor, static shapes), ``pyg_reduce_overhead`` the same in
-  ``mode="reduce-overhead"`` (inductor's kernels replayed as CUDA graphs).
+  ``mode="reduce-overhead"`` (inductor's kernels replayed as CUDA graphs),
+  and ``fused3s_compiled`` / ``fused3s_reduce_overhead`` the fused layer
+  (on the plan) in the same two modes.
   Per peer: what a user waits (``wall_ms``, synchronised), the GPU time of
   the step (``gpu_ms``, CUDA events), the largest gradient error against
   eager TransformerConv (``grad_diff``: inputs and parameters, each
@@ -45,8 +47,9 @@ from .timing import kernel_time, time_cuda, time_wall
 GRAPHS = ("zinc", "github", "powerlaw200k")
 ATTENTION_SETTINGS = ((4, 16), (1, 64), (8, 32))     # (heads, head dim)
 EDGE_DIM = 16
-PEERS = ("fused3s", "fused3s_graph", "pyg", "pyg_compiled", "pyg_reduce_overhead")
-CAPTURED = ("fused3s_graph", "pyg_reduce_overhead")     # steps replayed as CUDA graphs
+PEERS = ("fused3s", "fused3s_graph", "fused3s_compiled", "fused3s_reduce_overhead", "pyg", "pyg_compiled",
+         "pyg_reduce_overhead")
+CAPTURED = ("fused3s_graph", "fused3s_reduce_overhead", "pyg_reduce_overhead")   # replayed as CUDA graphs
 
 
 def _env() -> dict:
@@ -135,7 +138,9 @@ def format_attention_row(r: dict) -> str:
 RATIOS = (("", "fused3s", "pyg"),                                   # eager vs eager
           ("_compiled", "fused3s", "pyg_compiled"),
           ("_graph", "fused3s_graph", "pyg_reduce_overhead"),     # both without launch overhead
-          ("_graph_vs_eager", "fused3s_graph", "pyg"))
+          ("_graph_vs_eager", "fused3s_graph", "pyg"),
+          ("_both_compiled", "fused3s_compiled", "pyg_compiled"),
+          ("_both_reduce_overhead", "fused3s_reduce_overhead", "pyg_reduce_overhead"))
 
 
 def _layer_step(conv, x, ei, edge_attr, grad, mark_step: bool = False):
@@ -160,10 +165,13 @@ def _peer_steps(fused, ref, plan, x, ei, edge_attr, grad, compiled: bool):
     # graph) and the inputs where they are: a replay copies nothing in
     steps.append(("fused3s_graph", CudaGraphRunner(_layer_step(fused, x, plan, edge_attr, grad))))
     steps.append(("pyg", _layer_step(ref, x, ei, edge_attr, grad)))
-    if compiled:       # the same module (weights shared), compiled on its first step
-        steps.append(("pyg_compiled", _layer_step(torch.compile(ref, dynamic=False), x, ei, edge_attr, grad)))
-        steps.append(("pyg_reduce_overhead", _layer_step(
-            torch.compile(ref, dynamic=False, mode="reduce-overhead"), x, ei, edge_attr, grad, mark_step=True)))
+    if compiled:       # the same modules (weights shared), compiled on their first step
+        for label, conv, graph in (("fused3s", fused, plan), ("pyg", ref, ei)):
+            steps.append((f"{label}_compiled", _layer_step(torch.compile(conv, dynamic=False), x, graph,
+                                                           edge_attr, grad)))
+            steps.append((f"{label}_reduce_overhead", _layer_step(
+                torch.compile(conv, dynamic=False, mode="reduce-overhead"), x, graph, edge_attr, grad,
+                mark_step=True)))
     return steps
 
 
@@ -210,6 +218,7 @@ def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, hea
             except Exception as e:  # noqa: BLE001 - a compile / capture error becomes the peer's note
                 if label in ("fused3s", "pyg"):
                     raise
+                torch.compiler.reset()      # a failed compile leaves nothing behind for the next peer
                 row[f"{label}_error"] = short_error(e)
             free_cuda_memory()
         # every peer computes the same gradients (inputs and parameters): the
