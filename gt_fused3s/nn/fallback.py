@@ -17,9 +17,11 @@ class UnfusedPathWarning(UserWarning):
     ``warnings.simplefilter("ignore", UnfusedPathWarning)``."""
 
 
-def warn_unfused(layer: str, reason: str, path: str, stacklevel: int = 3) -> None:
+def warn_unfused(layer: str, reason: str, path: str, stacklevel: int = 2) -> None:
     """Warn that ``layer`` runs ``path`` because of ``reason``; nothing
-    inside ``torch.compile``, which cannot trace a warning."""
+    inside ``torch.compile``, which cannot trace a warning. The warning
+    points at the layer's line that calls this (one per reason: Python's
+    default filter shows each once)."""
     if not torch.compiler.is_compiling():
         warnings.warn(f"{layer}: {reason}: this call runs {path} (exact, not fast)", UnfusedPathWarning,
                       stacklevel=stacklevel)
