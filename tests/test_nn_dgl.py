@@ -38,8 +38,9 @@ def bsb_builds(count_calls):
     return count_calls(BSBGraph, "_build")
 
 
-def dgl_unfused(conv, g, feat):
-    """DGL's own computation with conv's projections (the ground truth)."""
+def dgl_unfused(conv, g, feat, edge_bias=None):
+    """DGL's own computation with conv's projections (the ground truth);
+    ``edge_bias`` [E, H] added to the scaled scores before the softmax."""
     feat_src, feat_dst = feat if isinstance(feat, tuple) else (feat, feat)
     H, Dh = conv._num_heads, conv._out_feats
     with g.local_scope():
@@ -47,7 +48,10 @@ def dgl_unfused(conv, g, feat):
         g.srcdata["v"] = conv.v_proj(feat_src).view(-1, H, Dh)
         g.dstdata["q"] = conv.q_proj(feat_dst).view(-1, H, Dh)
         g.apply_edges(fn.u_dot_v("k", "q", "e"))
-        g.edata["a"] = edge_softmax(g, g.edata["e"] / Dh ** 0.5)
+        score = g.edata["e"] / Dh ** 0.5
+        if edge_bias is not None:
+            score = score + edge_bias.unsqueeze(-1)
+        g.edata["a"] = edge_softmax(g, score)
         g.update_all(fn.u_mul_e("v", "a", "m"), fn.sum("m", "h"))
         return g.dstdata["h"], g.edata["a"]
 
@@ -164,6 +168,40 @@ def test_bipartite_and_get_attention_fused(n_src, n_dst, fused_calls):
     assert attn.shape == ref_attn.shape
     assert_close(attn, ref_attn)
     assert len(fused_calls) == 2
+
+
+@pytest.mark.parametrize("bipartite", [False, True])
+def test_edge_bias_fused_with_gradients(bipartite, fused_calls):
+    """An attention bias per edge and head (graph edge order, duplicates
+    included): output, attention and the gradients of the features and of
+    the bias equal DGL's computation with the bias added to the scores."""
+    gen = torch.Generator().manual_seed(4)
+    if bipartite:
+        src, dst = torch.randint(0, 25, (90,), generator=gen), torch.randint(0, 17, (90,), generator=gen)
+        src, dst = torch.cat([src, src[:5]]), torch.cat([dst, dst[:5]])
+        g = dgl.heterograph({("u", "e", "v"): (src, dst)}, num_nodes_dict={"u": 25, "v": 17})
+        conv = make_conv(in_feats=(F_IN, 7), allow_zero_in_degree=True)
+        feat = (random_feat(25, F_IN), random_feat(17, 7, seed=2))
+    else:
+        g = with_self_loops(to_dgl("duplicates"))
+        conv = make_conv()
+        feat = random_feat(g.num_nodes())
+    bias = torch.randn(g.num_edges(), 3, generator=gen)
+    results = []
+    for run in ("fused", "dgl"):
+        conv.zero_grad()
+        leaves = [t.clone().requires_grad_() for t in (feat if bipartite else (feat,))]
+        b = bias.clone().requires_grad_()
+        f = tuple(leaves) if bipartite else leaves[0]
+        out, attn = (conv(g, f, get_attention=True, edge_bias=b) if run == "fused"
+                     else dgl_unfused(conv, g, f, edge_bias=b))
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out, attn, b.grad, *(t.grad for t in leaves)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert len(fused_calls) == 1
+    with pytest.raises(DGLError, match=r"edge_bias has shape \(5, 3\)"):
+        conv(g, feat, edge_bias=bias[:5])
 
 
 def test_neighbour_sampling_block_fused_with_gradients(fused_calls):

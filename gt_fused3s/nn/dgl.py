@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -17,9 +18,7 @@ from torch import Tensor, nn
 os.environ.setdefault("DGLBACKEND", "pytorch")
 try:
     import dgl  # noqa: F401  (the top-level package, not this module)
-    from dgl import function as fn
     from dgl.base import DGLError
-    from dgl.nn.functional import edge_softmax
     from dgl.utils import expand_as_pair
 except ImportError as e:  # ModuleNotFoundError, or DGL's own import failures
     raise ImportError('gt_fused3s.nn.dgl needs DGL, which could not be imported '
@@ -154,7 +153,7 @@ class Fused3SConv(nn.Module):
         device = torch.device(device) if device is not None else graph.device
         return _graph_plan(graph, device)
 
-    def forward(self, graph, feat, get_attention: bool = False):
+    def forward(self, graph, feat, get_attention: bool = False, edge_bias: Optional[Tensor] = None):
         r"""Compute the attention.
 
         Parameters
@@ -168,6 +167,11 @@ class Fused3SConv(nn.Module):
         get_attention : bool, optional
             Also return the attention values :math:`(E, H, 1)`, in the
             graph's edge order. Default: ``False``.
+        edge_bias : torch.Tensor, optional
+            :math:`(E, H)` (or :math:`(E, H, 1)`), in the graph's edge order:
+            added to each edge's scaled score before the edge softmax (an
+            attention bias, as Graphormer's spatial and edge encodings);
+            differentiable. Fused like the rest. Default: ``None``.
 
         Returns
         -------
@@ -212,13 +216,19 @@ class Fused3SConv(nn.Module):
                                f"nodes and the layer expects {f} features")
 
         H, D = self._num_heads, self._out_feats
+        if edge_bias is not None:
+            if not isinstance(edge_bias, Tensor) or not edge_bias.is_floating_point():
+                raise DGLError(f"edge_bias must be a floating-point tensor [num_edges, {H}] (got "
+                               f"{type(edge_bias).__name__})")
+            if edge_bias.dim() == 3 and edge_bias.size(-1) == 1:
+                edge_bias = edge_bias.squeeze(-1)
+            if tuple(edge_bias.shape) != (graph.num_edges(), H):
+                raise DGLError(f"edge_bias has shape {tuple(edge_bias.shape)} but the graph has "
+                               f"{graph.num_edges()} edges and the layer {H} heads: [num_edges, num_heads]")
         q = self.q_proj(h_dst).view(-1, H, D)
         k = self.k_proj(h_src).view(-1, H, D)
         v = self.v_proj(h_src).view(-1, H, D)
         scale = 1.0 / math.sqrt(D)
-
-        if len(graph.canonical_etypes) != 1:
-            return self._forward_unfused(graph, q, k, v, get_attention)
 
         # bipartite graphs and blocks: the square graph of n nodes, zero rows
         # appended to q (destinations) or k, v (sources); no edge reaches them
@@ -228,24 +238,14 @@ class Fused3SConv(nn.Module):
         if q.is_cuda and not kernel_accepts(D, q.dtype):
             warn_unfused("Fused3SConv", f"out_feats={D} in {q.dtype} (the kernel takes head sizes that are "
                          f"multiples of 8 up to 256 in fp16, bf16 or fp32)", "the unfused fp32 reference")
-            out = attention_reference(q, k, v, plan.edge_index, scale, return_weights=get_attention)
+            out = attention_reference(q, k, v, plan.edge_index, scale, edge_bias=edge_bias,
+                                      return_weights=get_attention)
         else:
-            out = fused3s_attention(q, k, v, plan, scale, return_weights=get_attention)
+            out = fused3s_attention(q, k, v, plan, scale, edge_bias=edge_bias, return_weights=get_attention)
         if get_attention:
             out, alpha = out
             return out[:n_dst], alpha.to(q.dtype).unsqueeze(-1)
         return out[:n_dst]
-
-    def _forward_unfused(self, graph, q: Tensor, k: Tensor, v: Tensor, get_attention: bool):
-        """DGL's message passing: u_dot_v -> edge_softmax -> u_mul_e / sum."""
-        with graph.local_scope():
-            graph.srcdata.update({"k": k, "v": v})
-            graph.dstdata.update({"q": q})
-            graph.apply_edges(fn.u_dot_v("k", "q", "e"))
-            graph.edata["a"] = edge_softmax(graph, graph.edata["e"] / self._out_feats ** 0.5)
-            graph.update_all(fn.u_mul_e("v", "a", "m"), fn.sum("m", "h"))
-            rst = graph.dstdata["h"]
-            return (rst, graph.edata["a"]) if get_attention else rst
 
 
 # One entry per DGLGraph object: its plan per device and its 0-in-degree
