@@ -137,6 +137,27 @@ def edge_scatter(w: Tensor, a: Tensor, idx: Tensor, num_nodes: int,
     return _EdgeScatter.apply(w, a, idx, num_nodes, *(csr if csr is not None else (None, None)))
 
 
+def block_diagonal(w: Tensor) -> Tensor:
+    """[H A, H B]: the heads' ``w`` [H, A, B] on the diagonal, zeros elsewhere
+    (differentiable in ``w``); its transpose is the block-diagonal matrix of
+    the heads' ``w[h].T``."""
+    H, A, B = w.shape
+    blocks = w.new_zeros((H, A, H, B))
+    blocks.diagonal(0, 0, 2).copy_(w.permute(1, 2, 0))
+    return blocks.view(H * A, H * B)
+
+
+def project_heads(x: Tensor, blocks: Tensor) -> Tensor:
+    """``out[n, h, :] = x[n, h, :] @ W_h`` for ``blocks`` the block-diagonal
+    [H A, H B] matrix of the W_h (:func:`block_diagonal`): x [N, H, A] ->
+    [N, H, B], one GEMM."""
+    H = x.size(1)
+    if not torch.is_autocast_enabled(x.device.type):      # else autocast picks the dtype
+        dtype = torch.promote_types(x.dtype, blocks.dtype)
+        x, blocks = x.to(dtype), blocks.to(dtype)
+    return torch.matmul(x.reshape(x.size(0), -1), blocks).view(x.size(0), H, -1)
+
+
 def head_project(x: Tensor, w: Tensor, scale: float = 1.0) -> Tensor:
     """``out[n, h, :] = scale x[n, h, :] @ w[h]``: x [N, H, A], w [H, A, B].
 
@@ -148,14 +169,7 @@ def head_project(x: Tensor, w: Tensor, scale: float = 1.0) -> Tensor:
     handful of thread blocks over all N rows, 0.73 ms at 24k nodes and
     6.5 ms at 200k on an H100 (H = 4, A = B = 16); the block-diagonal
     one's weight gradient is one [H A, H B] GEMM that cuBLAS splits over N."""
-    H, A, B = w.shape
-    blocks = w.new_zeros((H, A, H, B))
-    blocks.diagonal(0, 0, 2).copy_((w * scale if scale != 1.0 else w).permute(1, 2, 0))
-    blocks = blocks.view(H * A, H * B)
-    if not torch.is_autocast_enabled(x.device.type):      # else autocast picks the dtype
-        dtype = torch.promote_types(x.dtype, w.dtype)
-        x, blocks = x.to(dtype), blocks.to(dtype)
-    return torch.matmul(x.reshape(-1, H * A), blocks).view(-1, H, B)
+    return project_heads(x, block_diagonal(w * scale if scale != 1.0 else w))
 
 
 def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Tensor, w_e: Tensor,
@@ -179,12 +193,16 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     edges = plan.edge_index if plan is not None else graph
     dst = edges[1].long()
     csr = plan.destination_csr() if plan is not None and _kernel(q) else None
-    edge_bias = edge_dot(head_project(q, w_e, scale), edge_attr, dst, csr)
+    # one block-diagonal W_e for both terms (its transpose is W_e^T's): the
+    # key term projects the queries by W_e (scaled), the value term the
+    # weighted feature sums by W_e^T
+    blocks = block_diagonal(w_e)
+    edge_bias = edge_dot(project_heads(q, blocks * scale), edge_attr, dst, csr)
     out, alpha = fused3s_attention(q, k, v, graph, scale, edge_bias=edge_bias, return_weights=True,
                                    dropout_p=dropout_p, dropout_seed=dropout_seed)
     used = alpha
     if dropout_p:     # the kernel's mask (same seed, same hash)
         used = alpha * ops.dropout_keep(dropout_seed, dropout_p, *alpha.shape, alpha.device)
     agg = edge_scatter(used, edge_attr, dst, out.size(0), csr)
-    value_term = head_project(agg, w_e.transpose(1, 2).to(agg.dtype))
+    value_term = project_heads(agg, blocks.t().to(agg.dtype))
     return out + value_term.to(out.dtype), alpha
