@@ -242,10 +242,9 @@ class Fused3SConv(nn.Module):
                                       return_weights=get_attention)
         else:
             out = fused3s_attention(q, k, v, plan, scale, edge_bias=edge_bias, return_weights=get_attention)
-        if get_attention:
-            out, alpha = out
-            return out[:n_dst], alpha.to(q.dtype).unsqueeze(-1)
-        return out[:n_dst]
+        out, alpha = out if get_attention else (out, None)
+        out = out if out.size(0) == n_dst else out[:n_dst]    # no slice (a copy in its backward) if all rows
+        return (out, alpha.to(q.dtype).unsqueeze(-1)) if get_attention else out
 
 
 # One entry per DGLGraph object: its plan per device and its 0-in-degree

@@ -317,7 +317,8 @@ class Fused3SConv(TransformerConv):
             out = fused3s_attention(query, key, value, graph, scale, return_weights=want_weights,
                                     dropout_p=drop_p, dropout_seed=seed)
             out, alpha = out if want_weights else (out, None)
-        out = self._combine(out[:n_dst], x_dst)
+        # the destinations' rows (no slice when they are all: its backward would copy)
+        out = self._combine(out if out.size(0) == n_dst else out[:n_dst], x_dst)
         if isinstance(return_attention_weights, bool):
             # TransformerConv returns a torch.sparse adjacency itself, weights in its order
             return out, (edge_index if _is_sparse(edge_index) else edges, alpha.to(query.dtype))
