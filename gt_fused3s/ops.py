@@ -510,14 +510,17 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: flo
 
 def _kernel_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                      fwd_args: tuple, bwd_args: tuple, scale: float,
-                     compute_dtype: torch.dtype | None, edge: tuple = ()) -> tuple[Tensor, ...]:
+                     compute_dtype: torch.dtype | None, edge: tuple = (),
+                     in_dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
     """Gradients of :func:`_kernel_forward` with respect to q, k, v, in their
     dtype (fp32 inputs get fp32 gradients straight from the fp32 accumulators),
     and to the edge bias (fp32 [E, H]; empty without a bias). ``edge``: ()
     or the bwd op's per-edge arguments (edge_bias or None, the plan's four
-    slot arrays, dp_bias or None, delta_extra or None, dropout p and seed)."""
+    slot arrays, dp_bias or None, delta_extra or None, dropout p and seed).
+    ``in_dtype``: the inputs' dtype where q, k, v are their casts to the
+    compute dtype (saved so by the forward; default q's)."""
     _, cols, bitmap, _, items, slots = fwd_args
-    dtype = q.dtype
+    dtype = in_dtype or q.dtype
     if dtype in _KERNEL_DTYPES and grad_out.dtype == dtype and out.dtype == dtype and q.size(-1) in _KERNEL_DIMS:
         # the kernel's own operands: nothing to convert (the common case)
         return _op("bwd")(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, *bwd_args, scale, False,
@@ -554,17 +557,18 @@ def _grads_from_saved(ctx, grad_out, grad_probs) -> tuple:
             delta_extra = torch.zeros_like(lse).index_add_(0, ctx.dst, probs * dp_bias)
         edge = (bias if ctx.has_bias else None, *ctx.slots, dp_bias, delta_extra, *ctx.drop)
     grads = _kernel_backward(grad_out, q, k, v, out, lse, ctx.fwd_args, ctx.bwd_args, ctx.scale,
-                             ctx.compute_dtype, edge)
+                             ctx.compute_dtype, edge, ctx.in_dtype)
     need = ctx.needs_input_grad
     return (grads[0] if need[0] else None, grads[1] if need[1] else None,
             grads[2] if need[2] else None, grads[3] if ctx.has_bias and need[3] else None)
 
 
 def _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dtype, drop, out, lse,
-          probs) -> None:
+          probs, in_dtype: torch.dtype | None = None) -> None:
     # The graph arrays are constants of the plan (never modified, no
     # gradient): kept as attributes, which is cheaper than saving them.
     ctx.has_bias = bias is not None
+    ctx.in_dtype = in_dtype       # q, k, v saved as their casts to the compute dtype (else None)
     ctx.save_for_backward(q, k, v, out, lse, bias, probs)
     ctx.fwd_args, ctx.bwd_args, ctx.slots, ctx.dst = tuple(fwd_args), tuple(bwd_args), tuple(slots), dst
     ctx.scale, ctx.compute_dtype, ctx.drop = scale, compute_dtype, tuple(drop)
@@ -622,9 +626,18 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, out_dtype, compute_dtype,
                 drop=(0.0, 0)):
+        in_dtype, cdt = q.dtype, _compute_dtype(q, compute_dtype)
+        if in_dtype != cdt and q.size(-1) in _KERNEL_DIMS:
+            # fp32 inputs: cast once, for the forward and the saved operands
+            # of the backward (which recast them before: three more kernels,
+            # and twice the saved bytes); padded head dims keep the old way
+            q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+        else:
+            in_dtype = None
         out, lse, probs = _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype, bias, slots,
                                           dst is not None, drop)
-        _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dtype, drop, out, lse, probs)
+        _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dtype, drop, out, lse, probs,
+              in_dtype)
         ctx.set_materialize_grads(False)      # an unused output's gradient stays None
         return out, probs
 
