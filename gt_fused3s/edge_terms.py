@@ -90,35 +90,84 @@ def _csr_of(ctx) -> tuple[Tensor, Tensor] | None:
     return (ctx.rowptr, ctx.order) if ctx.rowptr is not None else None
 
 
+def _edge_dot_grads(ctx, grad):
+    X, a, idx = ctx.saved_tensors
+    dX = (_edge_scatter(grad, a, idx, X.size(0), _csr_of(ctx)).to(X.dtype)
+          if ctx.needs_input_grad[0] else None)
+    da = _edge_weighted_rows(grad, X, idx).to(a.dtype) if ctx.needs_input_grad[1] else None
+    return dX, da
+
+
+def _edge_scatter_grads(ctx, grad):
+    w, a, idx = ctx.saved_tensors
+    dw = _edge_dot(grad, a, idx).to(w.dtype) if ctx.needs_input_grad[0] else None
+    da = _edge_weighted_rows(w, grad, idx).to(a.dtype) if ctx.needs_input_grad[1] else None
+    return dw, da
+
+
+def _save(ctx, saved, rowptr, order):
+    ctx.save_for_backward(*saved)
+    ctx.rowptr, ctx.order = rowptr, order       # graph structure: no gradient, not mutated
+
+
 class _EdgeDot(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, a, idx, rowptr, order):
-        ctx.save_for_backward(X, a, idx)
-        ctx.rowptr, ctx.order = rowptr, order       # graph structure: no gradient, not mutated
+        _save(ctx, (X, a, idx), rowptr, order)
         return _edge_dot(X, a, idx)
 
     @staticmethod
     def backward(ctx, grad):
-        X, a, idx = ctx.saved_tensors
-        dX = (_edge_scatter(grad, a, idx, X.size(0), _csr_of(ctx)).to(X.dtype)
-              if ctx.needs_input_grad[0] else None)
-        da = _edge_weighted_rows(grad, X, idx).to(a.dtype) if ctx.needs_input_grad[1] else None
-        return dX, da, None, None, None
+        return *_edge_dot_grads(ctx, grad), None, None, None
 
 
 class _EdgeScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, a, idx, num_nodes, rowptr, order):
-        ctx.save_for_backward(w, a, idx)
-        ctx.rowptr, ctx.order = rowptr, order
+        _save(ctx, (w, a, idx), rowptr, order)
         return _edge_scatter(w, a, idx, num_nodes, _csr_of(ctx))
 
     @staticmethod
     def backward(ctx, grad):
-        w, a, idx = ctx.saved_tensors
-        dw = _edge_dot(grad, a, idx).to(w.dtype) if ctx.needs_input_grad[0] else None
-        da = _edge_weighted_rows(w, grad, idx).to(a.dtype) if ctx.needs_input_grad[1] else None
-        return dw, da, None, None, None, None
+        return *_edge_scatter_grads(ctx, grad), None, None, None, None
+
+
+# What torch.compile traces: the same products as opaque custom ops with the
+# same backward. Dynamo's own trace of the autograd.Functions above got every
+# gradient through them wrong on CUDA: it traced their backward with zeros
+# for the incoming gradient (the edge-dim layer's gradients of x, the edge
+# features and the query, key and edge weights all wrong under torch.compile,
+# default and reduce-overhead modes, and under aot_eager: measured on an H100,
+# torch 2.11; the CPU stand-in kernels did not show it). Eager mode keeps the
+# autograd.Functions, whose host time per call is lower.
+@torch.library.custom_op("gt_fused3s::edge_dot_term", mutates_args=())
+def _edge_dot_term(X: Tensor, a: Tensor, idx: Tensor, rowptr: Tensor | None,
+                   order: Tensor | None) -> Tensor:
+    return _edge_dot(X, a, idx)
+
+
+@_edge_dot_term.register_fake
+def _(X, a, idx, rowptr, order):
+    return a.new_empty((a.size(0), X.size(1)), dtype=torch.promote_types(X.dtype, a.dtype))
+
+
+@torch.library.custom_op("gt_fused3s::edge_scatter_term", mutates_args=())
+def _edge_scatter_term(w: Tensor, a: Tensor, idx: Tensor, num_nodes: int, rowptr: Tensor | None,
+                       order: Tensor | None) -> Tensor:
+    return _edge_scatter(w, a, idx, num_nodes, (rowptr, order) if rowptr is not None else None)
+
+
+@_edge_scatter_term.register_fake
+def _(w, a, idx, num_nodes, rowptr, order):
+    return a.new_empty((num_nodes, w.size(1), a.size(1)), dtype=torch.promote_types(w.dtype, a.dtype))
+
+
+_edge_dot_term.register_autograd(
+    lambda ctx, grad: (*_edge_dot_grads(ctx, grad), None, None, None),
+    setup_context=lambda ctx, inputs, output: _save(ctx, inputs[:3], *inputs[3:]))
+_edge_scatter_term.register_autograd(
+    lambda ctx, grad: (*_edge_scatter_grads(ctx, grad), None, None, None, None),
+    setup_context=lambda ctx, inputs, output: _save(ctx, inputs[:3], *inputs[4:]))
 
 
 def edge_dot(X: Tensor, a: Tensor, idx: Tensor, csr: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -126,7 +175,10 @@ def edge_dot(X: Tensor, a: Tensor, idx: Tensor, csr: tuple[Tensor, Tensor] | Non
     idx [E] (int64) -> [E, H]. Differentiable in X and a; ``csr``: the edges
     grouped by ``idx`` (:func:`~gt_fused3s.graph.node_csr`) for the backward's
     sum, built there if not given."""
-    return _EdgeDot.apply(X, a, idx, *(csr if csr is not None else (None, None)))
+    rowptr, order = csr if csr is not None else (None, None)
+    if torch.compiler.is_compiling():
+        return _edge_dot_term(X, a, idx, rowptr, order)
+    return _EdgeDot.apply(X, a, idx, rowptr, order)
 
 
 def edge_scatter(w: Tensor, a: Tensor, idx: Tensor, num_nodes: int,
@@ -134,7 +186,10 @@ def edge_scatter(w: Tensor, a: Tensor, idx: Tensor, num_nodes: int,
     """``out[n, h, :] = sum_{e: idx[e] = n} w[e, h] a[e, :]``: w [E, H],
     a [E, F], idx [E] (int64) -> [num_nodes, H, F]. Differentiable in w and
     a; ``csr`` as for :func:`edge_dot`."""
-    return _EdgeScatter.apply(w, a, idx, num_nodes, *(csr if csr is not None else (None, None)))
+    rowptr, order = csr if csr is not None else (None, None)
+    if torch.compiler.is_compiling():
+        return _edge_scatter_term(w, a, idx, num_nodes, rowptr, order)
+    return _EdgeScatter.apply(w, a, idx, num_nodes, rowptr, order)
 
 
 def block_diagonal(w: Tensor) -> Tensor:

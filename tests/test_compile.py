@@ -8,6 +8,7 @@ import torch
 
 from gt_fused3s import GraphPlan
 from gt_fused3s.bench.common import expand_runs, parse_run
+from gt_fused3s.graph import node_csr
 from gt_fused3s.models import GraphTransformer
 from gt_fused3s.nn import Fused3SConv
 
@@ -119,6 +120,7 @@ def test_opcheck_on_registered_ops(stand_in_kernels):
     out, lse = torch.ops.gt_fused3s.fwd(q, k, v, *fwd, 0.3, False)
     out_b, lse_b = torch.ops.gt_fused3s.fwd(q, k, v, *fwd, 0.3, False, bias, *slots[:2])
     bwd_graph = (fwd[1], fwd[2], fwd[4], fwd[5], *bwd)
+    dst, feats = ei[1], torch.randn(ei.size(1), 4, generator=g)
     cases = [
         (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False)),
         (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False, bias, *slots[:2])),
@@ -135,6 +137,10 @@ def test_opcheck_on_registered_ops(stand_in_kernels):
         (torch.ops.gt_fused3s.attention.default,       # with attention dropout
          (q.clone().requires_grad_(), k, v, fwd, bwd, 0.3, torch.float16, None, None, slots, None, 0.25, 1234)),
         (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False, None, *slots[:2], 0.25, 1234)),
+        (torch.ops.gt_fused3s.edge_dot_term.default,      # the edge terms' differentiable ops
+         (torch.randn(N, 2, 4, generator=g).requires_grad_(), feats.requires_grad_(), dst, *node_csr(dst, N))),
+        (torch.ops.gt_fused3s.edge_scatter_term.default,
+         (bias.clone().requires_grad_(), feats, dst, N, None, None)),
     ]
     for op, args in cases:
         # fwd, bwd and bsb_build have no autograd of their own (attention
