@@ -14,13 +14,10 @@ from gt_fused3s.edge_terms import edge_dot, edge_feature_attention, edge_scatter
 from gt_fused3s.graph import node_csr
 from gt_fused3s.reference import edge_feature_reference
 
+from cuda_marks import GPU_TESTS
 from graph_cases import GRAPH_CASES
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.usefixtures("ops"),   # conftest.py: the extension, built once
-]
+pytestmark = GPU_TESTS
 
 
 def _operands(E, N, H, F, seed):

@@ -9,13 +9,10 @@ import torch
 
 from gt_fused3s.graph import BSBGraph
 
+from cuda_marks import GPU_TESTS
 from graph_cases import GRAPH_CASES
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.usefixtures("ops"),   # conftest.py: the extension, built once
-]
+pytestmark = GPU_TESTS
 
 FIELDS = ("rw_offset", "cols", "bitmap", "window_order", "edge_index", "counters")
 

@@ -18,13 +18,10 @@ from gt_fused3s.capture import CudaGraphRunner
 from gt_fused3s.data.bucket import Buckets
 from gt_fused3s.models import GraphTransformer
 
+from cuda_marks import GPU_TESTS
 from graph_cases import molecule_batches
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.usefixtures("ops"),   # conftest.py: the extension, built once
-]
+pytestmark = GPU_TESTS
 DEV = "cuda"
 
 

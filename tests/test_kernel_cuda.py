@@ -18,16 +18,12 @@ import torch
 from gt_fused3s import BSBGraph, GraphPlan, fused3s_attention
 from gt_fused3s.reference import attention_reference
 
+from cuda_marks import GPU_TESTS, LOW
 from graph_cases import GRAPH_CASES
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.usefixtures("ops"),   # conftest.py: the extension, built once
-]
+pytestmark = GPU_TESTS
 
 DEV = "cuda"
-LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 # ----------------------------------------------------------------- helpers
