@@ -3,7 +3,8 @@
 // prints every (query token, key token) it gives, one per line, so that
 // tests/test_sequence.py can compare it with the masks' dense truth.
 // stdin: line 1 the mask code (masks.py kernel_code), line 2 the document
-// lengths, line 3 the queries per row block. Built by the test with nvcc (the header is host + device code).
+// lengths, line 3 the queries per row block, line 4 (optional) 1 for the
+// backward's transposed walk (keys as rows). Built by the test with nvcc (the header is host + device code).
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -23,6 +24,8 @@ int main() {
     for (std::istringstream in(line); in;) { long long x; if (in >> x) lens.push_back(x); }
     int block_rows = 64;   // line 3: queries per row block (64 or 128)
     if (std::getline(std::cin, line)) std::istringstream(line) >> block_rows;
+    int key_rows = 0;      // line 4: 1 walks as the backward does (seq_bwd_kernel.cuh: seq_pair_bits<true>)
+    if (std::getline(std::cin, line)) std::istringstream(line) >> key_rows;
     SeqMask mk{};
     size_t at = 0;
     mk.row_stride = static_cast<int32_t>(code[at++]);
@@ -45,6 +48,28 @@ int main() {
             if (blk.rows == 0) continue;
             SeqTileCursor cur;
             for (bool more = cur.first(mk, blk); more; more = cur.next(mk, blk)) {
+                if (key_rows) {   // warp sl: the 16 keys of slice sl against every m-tile of queries
+                    for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {
+                        const int32_t n0 = cur.tile * kSeqTileKeys + 16 * sl;
+                        for (int m = 0; m < block_rows / 16; ++m) {
+                            const SeqWindow win = seq_sub_window(blk, m);
+                            for (int lane = 0; lane < 32; ++lane) {
+                                uint32_t bits;
+                                if (!seq_pair_bits<true>(mk, win, cur.part, cur.ks, n0, lane, bits)) continue;
+                                const int g = lane >> 2, t = lane & 3;
+                                for (int b = 0; b < 2; ++b) {
+                                    for (int i = 0; i < 4; ++i) {
+                                        if (!((bits >> (4 * b + i)) & 1u)) continue;
+                                        const long long row = start + win.base + static_cast<long long>(s) * (8 * b + 2 * t + (i & 1));
+                                        const long long key = start + seg_key(mk, cur.ks, n0 + g + 8 * (i >> 1));
+                                        std::printf("%lld %lld\n", row, key);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    continue;
+                }
                 for (int w = 0; w < block_rows / 16; ++w) {
                     const SeqWindow win = seq_sub_window(blk, w);
                     for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {

@@ -71,19 +71,21 @@ def seq_host(tmp_path_factory):
     return exe
 
 
-def kernel_pairs(exe, mask, lens, block_rows=128) -> tuple[list[tuple[int, int]], str]:
-    stdin = " ".join(map(str, kernel_code(mask))) + "\n" + " ".join(map(str, lens)) + f"\n{block_rows}\n"
+def kernel_pairs(exe, mask, lens, block_rows=128, key_rows=False) -> tuple[list[tuple[int, int]], str]:
+    stdin = (" ".join(map(str, kernel_code(mask))) + "\n" + " ".join(map(str, lens)) + f"\n{block_rows}\n"
+             f"{int(key_rows)}\n")
     run = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
     pairs = [tuple(map(int, ln.split())) for ln in run.stdout.splitlines()]
     return pairs, run.stderr
 
 
+@pytest.mark.parametrize("walk", ["forward", "backward"])   # backward: keys as rows (seq_bwd_kernel.cuh)
 @pytest.mark.parametrize("block_rows", [64, 128])   # the kernel runs 64; the policy takes any multiple of 16
 @pytest.mark.parametrize("lens", LENGTHS.values(), ids=LENGTHS.keys())
 @pytest.mark.parametrize("name", MASKS.keys())
-def test_kernel_key_sets_equal_dense_truth(seq_host, name, lens, block_rows):
+def test_kernel_key_sets_equal_dense_truth(seq_host, name, lens, block_rows, walk):
     mask = MASKS[name]
-    got, _ = kernel_pairs(seq_host, mask, lens, block_rows)
+    got, _ = kernel_pairs(seq_host, mask, lens, block_rows, key_rows=walk == "backward")
     truth = dense_truth(mask, lens)
     # the kernel also gives global rows the non-global parts' keys (then overwritten)
     start, grow = 0, set()

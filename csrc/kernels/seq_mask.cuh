@@ -276,7 +276,11 @@ struct SeqTileCursor {
 // keys n0 .. n0+7 or n0+8 .. n0+15, i: rows g (0, 1), g + 8 (2, 3)) for the
 // pair of keys n0 .. n0+15 of segment ks of part `part`, over the queries of
 // sub-window win. Returns false (and no bits) when no query of win can have
-// one of the pair's keys: the warp skips the pair.
+// one of the pair's keys: the warp skips the pair. kKeyRows: the transposed
+// tile of the backward (S^T = K Q^T: the pair's keys are the rows g, g + 8,
+// the sub-window's queries the columns: b: queries 0 .. 7 or 8 .. 15, i & 1:
+// query 8b + 2t + (i & 1)); the pair-level tests are the same.
+template <bool kKeyRows = false>
 GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, const KeySeg& ks, int32_t n0,
                              int lane, uint32_t& bits) {
     bits = 0u;
@@ -296,16 +300,28 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
     }
     const int g = lane >> 2, t = lane & 3;
     auto key = [&](int c) { return c < valid ? seg_key(mk, ks, n0 + c) : -1; };
-    const int32_t jv[4] = {key(2 * t), key(2 * t + 1), key(8 + 2 * t), key(9 + 2 * t)};
+    // forward: keys by column (2t, 2t+1, 8+2t, 9+2t), queries g, g+8 by row;
+    // kKeyRows: keys g, g+8 by row, queries by column
+    const int32_t jv[4] = {key(kKeyRows ? g : 2 * t), key(kKeyRows ? g : 2 * t + 1),
+                           key(kKeyRows ? g + 8 : 8 + 2 * t), key(kKeyRows ? g + 8 : 9 + 2 * t)};
     const int32_t i0 = win.base + win.stride * g, i1 = i0 + 8 * win.stride;
     const bool r0 = g < win.rows, r1 = g + 8 < win.rows;
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int32_t j = jv[2 * b + (i & 1)];
-            const int32_t row = (i < 2) ? i0 : i1;
-            bool on = j >= 0 && ((i < 2) ? r0 : r1);
+            int32_t j, row;
+            bool on;
+            if (kKeyRows) {
+                const int c = 8 * b + 2 * t + (i & 1);   // the query's column
+                j = jv[i < 2 ? 0 : 2];
+                row = win.base + win.stride * c;
+                on = j >= 0 && c < win.rows;
+            } else {
+                j = jv[2 * b + (i & 1)];
+                row = (i < 2) ? i0 : i1;
+                on = j >= 0 && ((i < 2) ? r0 : r1);
+            }
             // the own part: by construction for global and random segments
             if (on && own.kind != kSeqGlobal && own.kind != kSeqRandom) on = seq_part_allows(mk, own, row, j, win.len);
             for (int q = 0; on && q < part; ++q) on = !seq_part_allows(mk, mk.parts[q], row, j, win.len);

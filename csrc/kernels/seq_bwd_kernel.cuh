@@ -1,0 +1,274 @@
+// Sparse attention over sequences, backward: the forward's blocks and key
+// tiles (seq_fwd_kernel.cuh, the same key-set policy), with the gradients of
+// FlashAttention-2 computed from the forward's log-sum-exp:
+//   P = exp(s - lse), dP = dO V^T, dS = P (dP - delta), delta = rowsum(dO O)
+//   dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO.
+//
+// Work decomposition. A block of 4 warps takes the forward's row block (64
+// queries, one head) and walks the same key tiles (64 keys). Q and dO of the
+// block sit in shared memory for the whole walk; K and V tiles are copied as
+// in the forward (cp.async, double buffered). Per tile, warp w owns the 16
+// keys of slice w and computes the transposed scores of its keys against the
+// block's four query m-tiles, S^T [16, 64] = K_w Q^T (keys as the mma M
+// dimension: P^T and dS^T come out of the C fragments as the A operands of
+// dV_w += P^T dO and dK_w += dS^T Q, no transposition), and dP^T = V_w dO^T.
+// dS^T goes to shared memory, from where warp w reads the dS rows of its own
+// 16 queries (ldmatrix.trans) for dQ_w += dS K over the tile's 64 keys: dQ
+// stays in registers for the whole walk (a block owns its queries). dK and dV
+// of the tile's keys are added to fp32 buffers with atomics (other row blocks
+// see the same keys), which the caller zeroes and casts: the order of those
+// additions is not fixed (not bitwise deterministic).
+#pragma once
+
+#include <cstdint>
+#include <cmath>
+#include <cuda_runtime.h>
+
+#include "seq_params.h"
+#include "seq_mask.cuh"
+#include "mma_utils.cuh"
+#include "smem_tile.cuh"
+
+namespace gt_fused3s {
+
+template <int kHeadDim>
+struct SeqBwdConfig {
+    static_assert(kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128, "sequence head dim must be 32, 64 or 128");
+    static constexpr int kWarps = 4;
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kBlockRows = 64;            // seq_block_rows: 4 m-tiles of 16 queries
+    static constexpr int kNT = kHeadDim / 8;         // n-tiles of dQ, dK, dV
+    static constexpr int kSteps = kHeadDim / 16;     // k-steps of S^T and dP^T
+    using Tile = RowTile<kHeadDim>;
+    using DsTile = RowTile<64>;                      // dS^T: 16 keys x the block's 64 queries
+    static constexpr int kSlices = kSeqTileKeys / 16;
+    static_assert(kSlices == kWarps && kBlockRows == 16 * kWarps, "warp w: key slice w, query m-tile w");
+    static constexpr int kStageBytes = 2 * kSlices * Tile::kBytes;      // K and V of one tile
+    static constexpr int kQdoBytes = 2 * kWarps * Tile::kBytes;          // Q and dO of the block
+    static constexpr int kDsBytes = kSlices * DsTile::kBytes;
+    static constexpr int kRowBytes = 2 * kBlockRows * 4;                 // lse (log2) and delta per query
+    static constexpr int kSmemBytes = 2 * kStageBytes + kQdoBytes + kDsBytes + kRowBytes;
+};
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_kernel(const SeqBwdParams p) {
+    using Cfg = SeqBwdConfig<kHeadDim>;
+    using Tile = typename Cfg::Tile;
+    using DsTile = typename Cfg::DsTile;
+    constexpr int kNT = Cfg::kNT;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int head = blockIdx.y;
+    const SeqFwdParams& f = p.fwd;
+
+    SeqWindow blk;
+    if (!seq_window(f, blockIdx.x, blk) || blk.rows == 0) return;   // block-uniform
+    const SeqMask& mk = f.mask;
+
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(f.q_ptr) + head * f.q_head_stride;
+    const uint16_t* k = reinterpret_cast<const uint16_t*>(f.k_ptr) + head * f.k_head_stride;
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(f.v_ptr) + head * f.v_head_stride;
+    const uint16_t* dout = reinterpret_cast<const uint16_t*>(p.do_ptr) + head * p.do_head_stride;
+
+    const uint32_t smem0 = smem_addr(smem);
+    auto k_slice = [&](int stage, int sl) { return smem0 + stage * Cfg::kStageBytes + sl * Tile::kBytes; };
+    auto v_slice = [&](int stage, int sl) {
+        return smem0 + stage * Cfg::kStageBytes + (Cfg::kSlices + sl) * Tile::kBytes;
+    };
+    const uint32_t qdo0 = smem0 + 2 * Cfg::kStageBytes;
+    auto q_slice = [&](int m) { return qdo0 + m * Tile::kBytes; };
+    auto do_slice = [&](int m) { return qdo0 + (Cfg::kWarps + m) * Tile::kBytes; };
+    const uint32_t ds0 = qdo0 + Cfg::kQdoBytes;
+    auto ds_slice = [&](int sl) { return ds0 + sl * DsTile::kBytes; };
+    float* lse2_s = reinterpret_cast<float*>(smem + 2 * Cfg::kStageBytes + Cfg::kQdoBytes + Cfg::kDsBytes);
+    float* delta_s = lse2_s + Cfg::kBlockRows;
+
+    // The four query m-tiles of the block; warp w copies the Q and dO rows of m-tile w.
+    SeqWindow win[Cfg::kWarps];
+#pragma unroll
+    for (int m = 0; m < Cfg::kWarps; ++m) win[m] = seq_sub_window(blk, m);
+    auto token_of = [&](int r) { return blk.doc_start + blk.base + static_cast<int64_t>(blk.stride) * r; };
+    {
+        const int r = 16 * warp + (lane & 15);
+        const int row = (lane < 16 && r < blk.rows) ? static_cast<int>(token_of(r)) : -1;
+        Tile::load_async(q_slice(warp), q, f.q_row_stride, do_slice(warp), dout, p.do_row_stride, row, lane);
+        cp_async_commit();
+    }
+    for (int r = threadIdx.x; r < Cfg::kBlockRows; r += Cfg::kThreads) {
+        float l2 = 0.f, dl = 0.f;
+        if (r < blk.rows) {
+            const int64_t at = token_of(r) * f.lse_row_stride + head * f.lse_head_stride;
+            l2 = __ldg(f.lse_ptr + at) * 1.4426950408889634f;   // -inf: a query without keys (no bits on)
+            dl = __ldg(p.delta_ptr + at);
+        }
+        lse2_s[r] = l2;
+        delta_s[r] = dl;
+    }
+
+    float dq[kNT][4];
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+
+    // Warp w copies keys 16w .. 16w+15 of the tile under `c` into `stage`.
+    auto load_tile = [&](const SeqTileCursor& c, int stage) {
+        const int32_t n = c.tile * kSeqTileKeys + 16 * warp + (lane & 15);
+        const int row = (lane < 16 && n < c.ks.count) ? static_cast<int>(blk.doc_start + seg_key(mk, c.ks, n)) : -1;
+        Tile::load_async(k_slice(stage, warp), k, f.k_row_stride, v_slice(stage, warp), v, f.v_row_stride, row, lane);
+        cp_async_commit();
+    };
+
+    SeqTileCursor cur;
+    bool more = cur.first(mk, blk);
+    if (more) load_tile(cur, 0);
+    int stage = 0;
+    while (more) {
+        SeqTileCursor nxt = cur;
+        const bool has_next = nxt.next(mk, blk);
+        if (has_next) {
+            load_tile(nxt, stage ^ 1);   // flies while this tile computes
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();   // this tile's K and V (and, the first time, Q, dO, lse, delta) are in shared memory
+
+        const int32_t n0 = cur.tile * kSeqTileKeys + 16 * warp;   // this warp's keys in the segment
+        float dk[kNT][4], dv[kNT][4];
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+        }
+#pragma unroll
+        for (int m = 0; m < Cfg::kWarps; ++m) {
+            uint32_t bits;
+            const bool any = seq_pair_bits<true>(mk, win[m], cur.part, cur.ks, n0, lane, bits);   // warp-uniform
+            uint32_t pa[4] = {0u, 0u, 0u, 0u}, dsa[4] = {0u, 0u, 0u, 0u};
+            if (any) {
+                // S^T [16 keys, 16 queries] = K_w Q_m^T and dP^T = V_w dO_m^T
+                float s[2][4] = {}, dp[2][4] = {};
+#pragma unroll
+                for (int step = 0; step < Cfg::kSteps; ++step) {
+                    uint32_t a[4], b[4];
+                    Tile::a_frag(a, k_slice(stage, warp), step, lane);
+                    Tile::bt_frags(b, q_slice(m), step, lane);
+                    mma_16816<T>(s[0], a, b[0], b[1]);
+                    mma_16816<T>(s[1], a, b[2], b[3]);
+                    Tile::a_frag(a, v_slice(stage, warp), step, lane);
+                    Tile::bt_frags(b, do_slice(m), step, lane);
+                    mma_16816<T>(dp[0], a, b[0], b[1]);
+                    mma_16816<T>(dp[1], a, b[2], b[3]);
+                }
+                // element (b, i): key g (i < 2) or g + 8, query 16m + 8b + 2t + (i & 1)
+                float pv[2][4], dsv[2][4];
+#pragma unroll
+                for (int b = 0; b < 2; ++b) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int r = 16 * m + 8 * b + 2 * t + (i & 1);
+                        const bool on = (bits >> (4 * b + i)) & 1u;
+                        pv[b][i] = on ? fast_exp2(s[b][i] * f.scale_log2 - lse2_s[r]) : 0.f;
+                        dsv[b][i] = pv[b][i] * (dp[b][i] - delta_s[r]);
+                    }
+                }
+                // as A operands (rows: keys, k: the m-tile's queries), mma_utils.cuh's layout
+                pa[0] = TypeTraits<T>::pack(pv[0][0], pv[0][1]);
+                pa[1] = TypeTraits<T>::pack(pv[0][2], pv[0][3]);
+                pa[2] = TypeTraits<T>::pack(pv[1][0], pv[1][1]);
+                pa[3] = TypeTraits<T>::pack(pv[1][2], pv[1][3]);
+                dsa[0] = TypeTraits<T>::pack(dsv[0][0], dsv[0][1]);
+                dsa[1] = TypeTraits<T>::pack(dsv[0][2], dsv[0][3]);
+                dsa[2] = TypeTraits<T>::pack(dsv[1][0], dsv[1][1]);
+                dsa[3] = TypeTraits<T>::pack(dsv[1][2], dsv[1][3]);
+                // dV_w += P^T dO_m, dK_w += dS^T Q_m
+#pragma unroll
+                for (int jj = 0; jj < kNT / 2; ++jj) {
+                    uint32_t b[4];
+                    Tile::b_frags(b, do_slice(m), jj, lane);
+                    mma_16816<T>(dv[2 * jj], pa, b[0], b[1]);
+                    mma_16816<T>(dv[2 * jj + 1], pa, b[2], b[3]);
+                    Tile::b_frags(b, q_slice(m), jj, lane);
+                    mma_16816<T>(dk[2 * jj], dsa, b[0], b[1]);
+                    mma_16816<T>(dk[2 * jj + 1], dsa, b[2], b[3]);
+                }
+            }
+            // dS^T of (keys of slice w, queries of m-tile m) into shared memory (zeros where masked)
+            const uint32_t at0 = ds_slice(warp) + DsTile::at(g, 16 * m + 2 * t);
+            const uint32_t at1 = ds_slice(warp) + DsTile::at(g + 8, 16 * m + 2 * t);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at0), "r"(dsa[0]) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at1), "r"(dsa[1]) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at0 + 16u), "r"(dsa[2]) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at1 + 16u), "r"(dsa[3]) : "memory");
+        }
+        __syncthreads();   // dS^T of every warp's keys
+
+        // dQ_w += dS [my 16 queries, 64 keys] K [64 keys, D]
+#pragma unroll
+        for (int sl = 0; sl < Cfg::kSlices; ++sl) {
+            uint32_t a[4];
+            {   // A = (dS^T)^T: lane l addresses row 8 (mi >> 1) + l % 8 (keys), column 16w + 8 (mi & 1) (queries)
+                const int mi = lane >> 3;
+                ldmatrix_x4_trans(a, ds_slice(sl) + DsTile::at(8 * (mi >> 1) + (lane & 7), 16 * warp + 8 * (mi & 1)));
+            }
+#pragma unroll
+            for (int jj = 0; jj < kNT / 2; ++jj) {
+                uint32_t b[4];
+                Tile::b_frags(b, k_slice(stage, sl), jj, lane);
+                mma_16816<T>(dq[2 * jj], a, b[0], b[1]);
+                mma_16816<T>(dq[2 * jj + 1], a, b[2], b[3]);
+            }
+        }
+
+        // dK, dV of this warp's keys: rows g, g + 8 of the slice
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int32_t n = n0 + g + 8 * r;
+            if (n >= cur.ks.count) continue;
+            const int64_t tok = blk.doc_start + seg_key(mk, cur.ks, n);
+            float* dkr = p.dk_ptr + tok * p.grad_row_stride + head * p.grad_head_stride + 2 * t;
+            float* dvr = p.dv_ptr + tok * p.grad_row_stride + head * p.grad_head_stride + 2 * t;
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+                if (dk[j][2 * r] != 0.f || dk[j][2 * r + 1] != 0.f) {
+                    atomicAdd(dkr + 8 * j, p.scale * dk[j][2 * r]);
+                    atomicAdd(dkr + 8 * j + 1, p.scale * dk[j][2 * r + 1]);
+                }
+                if (dv[j][2 * r] != 0.f || dv[j][2 * r + 1] != 0.f) {
+                    atomicAdd(dvr + 8 * j, dv[j][2 * r]);
+                    atomicAdd(dvr + 8 * j + 1, dv[j][2 * r + 1]);
+                }
+            }
+        }
+        __syncthreads();   // every warp is done with `stage` and the dS^T tile before they are refilled
+        cur = nxt;
+        more = has_next;
+        stage ^= 1;
+    }
+    cp_async_wait<0>();   // a block without key tiles still waits for its Q and dO copy
+
+    // dQ of this warp's queries (m-tile w): rows g, g + 8; d = 8j + 2t, 2t + 1
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = 16 * warp + g + 8 * r;
+        if (row >= blk.rows) continue;
+        float* dqr = p.dq_ptr + token_of(row) * p.grad_row_stride + head * p.grad_head_stride + 2 * t;
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+            *reinterpret_cast<float2*>(dqr + 8 * j) = make_float2(p.scale * dq[j][2 * r], p.scale * dq[j][2 * r + 1]);
+        }
+    }
+}
+
+template <typename T, int kHeadDim>
+void run_seq_bwd(const SeqBwdParams& params, cudaStream_t stream) {
+    using Cfg = SeqBwdConfig<kHeadDim>;
+    if (params.fwd.num_windows <= 0 || params.fwd.num_heads <= 0) return;
+    if constexpr (Cfg::kSmemBytes > 48 * 1024) {   // opt in to more than 48 KB, on this device
+        cudaFuncSetAttribute(seq_bwd_kernel<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    }
+    const dim3 grid(static_cast<unsigned>(params.fwd.num_windows), static_cast<unsigned>(params.fwd.num_heads));
+    seq_bwd_kernel<T, kHeadDim><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
+}
+
+}  // namespace gt_fused3s
