@@ -711,6 +711,83 @@ std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at
     return {out, lse};
 }
 
+// Gradients of seq_fwd from its lse: dq, dk, dv fp32 [T, H, D]. delta:
+// rowsum(grad_out * out) fp32 [T, H]; the other arguments as for seq_fwd.
+template <typename T>
+void launch_seq_bwd_for_head_dim(int64_t d, const SeqBwdParams& p, cudaStream_t stream) {
+    switch (d) {
+        case 32: run_seq_bwd<T, 32>(p, stream); break;
+        case 64: run_seq_bwd<T, 64>(p, stream); break;
+        case 128: run_seq_bwd<T, 128>(p, stream); break;
+        default: TORCH_CHECK_VALUE(false, "sequence attention: head dim ", num(d), " is not compiled (32, 64, 128)");
+    }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
+    const at::Tensor& grad_out_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
+    c10::IntArrayRef mask_code, double scale, int64_t num_windows, int64_t block_rows) {
+    TORCH_CHECK(q_in.defined() && q_in.is_cuda(), "q must be a CUDA tensor");
+    const at::Tensor q = kernel_input(q_in, "q", q_in);
+    const at::Tensor k = kernel_input(k_in, "k", q), v = kernel_input(v_in, "v", q);
+    const at::Tensor dout = kernel_input(grad_out_in, "grad_out", q);
+    const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+    TORCH_CHECK_VALUE(T < (int64_t(1) << 31), "at most 2^31 - 1 tokens (got ", num(T), ")");
+    TORCH_CHECK_VALUE(H >= 1 && H <= 65535, "sequence attention takes 1 to 65535 heads (got ", num(H), ")");
+    auto check_rows = [&](const at::Tensor& t, const char* name) {
+        TORCH_CHECK(t.defined() && t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kFloat &&
+                        t.dim() == 2 && t.size(0) == T && t.size(1) == H && t.is_contiguous(),
+                    name, " must be a contiguous float32 [T, H] = ", shape({T, H}), " tensor on q's device");
+    };
+    check_rows(lse, "lse");
+    check_rows(delta, "delta");
+    check_index(cu_seqlens, "cu_seqlens", at::kInt, q);
+    check_index(cu_windows, "cu_windows", at::kInt, q);
+    TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 && cu_windows.sizes() == cu_seqlens.sizes(),
+                      "cu_seqlens and cu_windows must be [num_docs + 1]");
+    TORCH_CHECK_VALUE(num_windows >= 0 && num_windows < (int64_t(1) << 31), "num_windows out of range");
+    TORCH_CHECK_VALUE(block_rows == seq_block_rows(static_cast<int>(D)), "block_rows must be ",
+                      num(int64_t(seq_block_rows(static_cast<int>(D)))), " for head dim ", num(D));
+    TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
+
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    const auto f32 = q.options().dtype(at::kFloat);
+    auto dq = at::empty({T, H, D}, f32);      // every query's row is written by its row block
+    auto dk = at::zeros({T, H, D}, f32), dv = at::zeros({T, H, D}, f32);   // added to
+    if (T == 0) return {dq, dk, dv};
+    SeqBwdParams p{};
+    SeqFwdParams& f = p.fwd;
+    f.q_ptr = q.data_ptr();
+    f.k_ptr = k.data_ptr();
+    f.v_ptr = v.data_ptr();
+    f.q_row_stride = q.stride(0); f.q_head_stride = q.stride(1);
+    f.k_row_stride = k.stride(0); f.k_head_stride = k.stride(1);
+    f.v_row_stride = v.stride(0); f.v_head_stride = v.stride(1);
+    f.lse_ptr = const_cast<float*>(lse.data_ptr<float>());
+    f.lse_row_stride = lse.stride(0); f.lse_head_stride = lse.stride(1);
+    f.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+    f.cu_windows = cu_windows.data_ptr<int32_t>();
+    f.num_docs = static_cast<int32_t>(cu_seqlens.numel() - 1);
+    f.num_windows = num_windows;
+    f.block_rows = static_cast<int32_t>(block_rows);
+    f.num_heads = static_cast<int32_t>(H);
+    f.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    f.mask = seq_mask_from(mask_code);
+    p.do_ptr = dout.data_ptr();
+    p.do_row_stride = dout.stride(0); p.do_head_stride = dout.stride(1);
+    p.delta_ptr = delta.data_ptr<float>();
+    p.dq_ptr = dq.data_ptr<float>();
+    p.dk_ptr = dk.data_ptr<float>();
+    p.dv_ptr = dv.data_ptr<float>();
+    p.grad_row_stride = dq.stride(0); p.grad_head_stride = dq.stride(1);
+    p.scale = static_cast<float>(scale);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    if (q.scalar_type() == at::kHalf) launch_seq_bwd_for_head_dim<__half>(D, p, stream);
+    else launch_seq_bwd_for_head_dim<__nv_bfloat16>(D, p, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {dq, dk, dv};
+}
+
 // ---- edge-feature products (kernels/edge_terms.h) ------------------------------
 // fp32 contiguous operands (gt_fused3s/edge_terms.py casts); each message
 // names its input.
@@ -795,6 +872,7 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("bsb_build", &gt_fused3s::bsb_build_cuda);
     m.impl("probs", &gt_fused3s::probs_cuda);
     m.impl("seq_fwd", &gt_fused3s::seq_fwd_cuda);
+    m.impl("seq_bwd", &gt_fused3s::seq_bwd_cuda);
     m.impl("edge_dot", &gt_fused3s::edge_dot_cuda);
     m.impl("edge_rows", &gt_fused3s::edge_rows_cuda);
     m.impl("edge_scatter", &gt_fused3s::edge_scatter_cuda);

@@ -56,6 +56,9 @@ _LIB.define("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor rw_offset, T
             "Tensor bitmap, Tensor window_order, Tensor edges, Tensor counters)")
 _LIB.define("seq_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, int[] mask, "
             "float scale, int num_windows, int block_rows) -> (Tensor out, Tensor lse)")
+_LIB.define("seq_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor delta, "
+            "Tensor cu_seqlens, Tensor cu_windows, int[] mask, float scale, int num_windows, "
+            "int block_rows) -> (Tensor dq, Tensor dk, Tensor dv)")
 _LIB.define("edge_dot(Tensor x, Tensor a, Tensor idx) -> Tensor")
 _LIB.define("edge_rows(Tensor w, Tensor x, Tensor idx) -> Tensor")
 _LIB.define("edge_scatter(Tensor w, Tensor a, Tensor rowptr, Tensor order) -> Tensor")
@@ -90,6 +93,11 @@ def _probs_fake(q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, scale, ed
 def _seq_fwd_fake(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows):
     T, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((T, H), dtype=torch.float32)
+
+
+@torch.library.register_fake("gt_fused3s::seq_bwd")
+def _seq_bwd_fake(grad_out, q, k, v, lse, delta, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows):
+    return tuple(q.new_empty(q.shape, dtype=torch.float32) for _ in range(3))
 
 
 @torch.library.register_fake("gt_fused3s::bsb_build")

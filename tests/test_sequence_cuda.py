@@ -1,7 +1,8 @@
 """The sequence kernel against the fp32 reference (run on the GPU machine):
 every mask of test_sequence.py, fp16 and bf16, D in {64, 128}, H in {1, 8},
-B in {1, 3}, forward; gradients (the reference backward) on a few; packed
-documents; one case whose q has more than 2^31 elements.
+B in {1, 3}, forward and backward (the fused backward's gradients against
+the fp32 reference's); packed documents with gradients; one case whose q
+has more than 2^31 elements.
 
 Tolerance: the max abs error against the fp32 reference is at most twice
 the error of the reference computed in the same low precision, plus 1e-3
@@ -47,6 +48,38 @@ def test_forward_matches_reference(name, dtype, D, shape):
     check(out.reshape(B * L, H, D), *flat, mask, list(range(0, B * L + 1, L)), dtype)
 
 
+# Gradients against the fp32 reference's, relative to their largest entry:
+# the kernel rounds P and dS to the operands' dtype for its mmas (a pair of
+# (query, key) missed or counted twice moves a key's gradient by about 1 /
+# its number of queries: 1e-2 and more on these masks).
+GRAD_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def check_grads(got, q, k, v, g, mask, cu, dtype):
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(sequence_reference(*leaves, mask, cu), leaves, g.float())
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        err, top = (a.float() - b).abs().max().item(), b.abs().max().item()
+        assert err <= GRAD_TOL[dtype] * top, f"{name}: max |kernel - ref| = {err:.3e} ({err / top:.2e} of max)"
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (3, 1)], ids=["B1H8", "B3H1"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", MASKS.keys())
+def test_backward_matches_reference(name, dtype, D, shape):
+    torch.manual_seed(3)
+    B, H = shape
+    L = 333
+    mask = MASKS[name]
+    q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    out = sequence_attention(q, k, v, mask)
+    g = torch.randn_like(out)
+    got = [t.reshape(B * L, H, D) for t in torch.autograd.grad(out, (q, k, v), g)]
+    flat = [t.detach().reshape(B * L, H, D) for t in (q, k, v)]
+    check_grads(got, *flat, g.reshape(B * L, H, D), mask, list(range(0, B * L + 1, L)), dtype)
+
+
 @pytest.mark.parametrize("name", ["longformer", "bigbird", "dilated", "block-dilated"])
 def test_packed_documents_and_gradients(name):
     torch.manual_seed(1)
@@ -60,10 +93,7 @@ def test_packed_documents_and_gradients(name):
     check(out.detach(), q.detach(), k.detach(), v.detach(), mask, cu, torch.bfloat16)
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
-    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    want = torch.autograd.grad(sequence_reference(*leaves, mask, cu), leaves, g.float())
-    for a, b in zip(got, want):
-        assert (a.float() - b).abs().max() <= 2e-2 * b.abs().max() + 1e-2
+    check_grads(got, q, k, v, g, mask, cu, torch.bfloat16)
 
 
 def test_more_than_2_31_elements():

@@ -67,6 +67,23 @@ struct SeqFwdParams {
     SeqMask mask;
 };
 
+// The backward (seq_bwd_kernel.cuh): the forward's parameters (q, k, v, the
+// documents, the mask and scale_log2; lse_ptr: the forward's log-sum-exp,
+// read; o_ptr unused) and the gradients' operands.
+struct SeqBwdParams {
+    SeqFwdParams fwd;
+    const void* do_ptr;   // dO [T, H, D], the dtype of q
+    int64_t do_row_stride, do_head_stride;
+    const float* delta_ptr;   // [T, H] rowsum(dO * O), fp32, lse's strides
+    // dQ, dK, dV: [T, H, D] fp32, one set of strides. dK and dV are added to
+    // with atomics: the caller zeroes them. dQ is written.
+    float* dq_ptr;
+    float* dk_ptr;
+    float* dv_ptr;
+    int64_t grad_row_stride, grad_head_stride;
+    float scale;
+};
+
 // Queries per thread block: 4 warps of one m-tile of 16 (two per warp for
 // D <= 64 measured slower on an H100). gt_fused3s/sequence/attention.py
 // computes cu_windows with the same rule.
@@ -76,5 +93,9 @@ constexpr int seq_block_rows(int /* head_dim */) { return 64; }
 // {32, 64, 128}.
 template <typename T, int HeadDim>
 void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream);
+
+// Launches the backward on `stream` (same types and head dims).
+template <typename T, int HeadDim>
+void run_seq_bwd(const SeqBwdParams& params, cudaStream_t stream);
 
 }  // namespace gt_fused3s

@@ -5,11 +5,11 @@ documents [T, H, D] with ``cu_seqlens``.
 The forward runs the fused kernel on CUDA (fp16 / bf16; fp32 is computed in
 fp16 and returned in fp32). Global rows (queries that attend to every key)
 are a dense product of a few queries with all keys: they are computed apart
-(fp32 matmuls by chunks of keys) and written over the kernel's rows. The backward is not
-fused yet: it recomputes the attention with the chunked reference
-(``reference.sequence_reference``) and differentiates that, which costs
-O(L x keys) memory per chunk of queries and is far slower than the forward.
-On the CPU everything runs the reference.
+(fp32 matmuls by chunks of keys) and written over the kernel's rows. The
+backward is fused too (the gradients from the forward's log-sum-exp over the
+same key tiles); the global rows' share goes through the dense rows' autograd
+(their rows of the kernel's output were overwritten: no gradient reaches the
+kernel there). On the CPU everything runs the reference.
 """
 from __future__ import annotations
 
@@ -104,34 +104,40 @@ def _kernel_fits(q: Tensor) -> bool:
             and q.size(-1) % 8 == 0)
 
 
-def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
-                    scale: float, num_windows: int) -> Tensor:
-    D = q.size(-1)
-    Dp = _kernel_dim(D)
+def _kernel_operands(q: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors in the kernel's dtype (q's if fp16 / bf16, else fp16) with
+    the head dim zero-padded to a compiled one."""
     cdt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16
-    qk, kk, vk = (ops._kernel_operand(t, cdt, Dp) for t in (q, k, v))
-    out, _lse = ops._op("seq_fwd")(qk, kk, vk, cu, cu_windows, code, scale, num_windows, _block_rows(Dp))
-    return out[..., :D].to(q.dtype)
+    Dp = _kernel_dim(q.size(-1))
+    return tuple(ops._kernel_operand(t, cdt, Dp) for t in tensors)
 
 
 class _SeqAttention(torch.autograd.Function):
-    """Kernel forward; backward by differentiating the chunked reference."""
+    """The fused kernels: forward (out, and the log-sum-exp it saves) and
+    backward (csrc/kernels/seq_bwd_kernel.cuh) over the same key tiles."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, cu_windows, mask, code, scale, num_windows):
-        ctx.save_for_backward(q, k, v, cu)
-        ctx.mask, ctx.scale = mask, scale
-        return _kernel_forward(q, k, v, cu, cu_windows, code, scale, num_windows)
+    def forward(ctx, q, k, v, cu, cu_windows, code, scale, num_windows):
+        D = q.size(-1)
+        qk, kk, vk = _kernel_operands(q, q, k, v)
+        out, lse = ops._op("seq_fwd")(qk, kk, vk, cu, cu_windows, code, scale, num_windows,
+                                      _block_rows(qk.size(-1)))
+        out = out[..., :D].to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, cu, cu_windows)
+        ctx.code, ctx.scale, ctx.num_windows = code, scale, num_windows
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, cu = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
-            out = sequence_reference(*leaves, ctx.mask, _host_offsets(cu, q.size(0)), ctx.scale)
-            wanted = [t for t in leaves if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out))
-        return tuple(next(grads) if t.requires_grad else None for t in leaves) + (None,) * 6
+        q, k, v, out, lse, cu, cu_windows = ctx.saved_tensors
+        D = q.size(-1)
+        # delta_i = sum_d dO_id O_id: the softmax's share of dP in dS = P (dP - delta)
+        delta = (grad_out.float() * out.float()).sum(-1)
+        gk, qk, kk, vk = _kernel_operands(q, grad_out, q, k, v)
+        grads = ops._op("seq_bwd")(gk, qk, kk, vk, lse, delta, cu, cu_windows, ctx.code, ctx.scale,
+                                   ctx.num_windows, _block_rows(qk.size(-1)))
+        return tuple(g[..., :D].to(t.dtype) if need else None
+                     for g, t, need in zip(grads, (q, k, v), ctx.needs_input_grad[:3])) + (None,) * 5
 
 
 _LOW_BMM: list[bool] = []     # [whether torch.bmm takes out_dtype here], found on first use
@@ -280,7 +286,7 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         cu_windows = _windows(cu, stride, rows)
         num_windows = (T + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
-    out = _SeqAttention.apply(qf, kf, vf, cu, cu_windows, umask, code, scale, num_windows)
+    out = _SeqAttention.apply(qf, kf, vf, cu, cu_windows, code, scale, num_windows)
     global_rows = umask.global_rows(L if batched else 1 << 62)
     if global_rows and batched:
         return _global_rows_dense(q, k, v, out.reshape(q.shape), global_rows, scale, None)
