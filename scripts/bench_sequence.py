@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Sparse attention over sequences vs FlexAttention and dense SDPA, forward
-(see gt_fused3s/bench/sequence.py for what is timed).
+(with --backward also forward + backward; see gt_fused3s/bench/sequence.py
+for what is timed).
 
     python scripts/bench_sequence.py --out docs/sequence_h100.csv
     python scripts/bench_sequence.py --only local --max-length 2000000
     python scripts/bench_sequence.py --only longformer dilated_global bigbird --plot fig6.png
+    python scripts/bench_sequence.py --backward --max-length 1048576
 """
 import argparse
 import os
@@ -20,6 +22,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", help="mask kinds to run")
     p.add_argument("--max-length", type=int, help="skip cases longer than this")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    p.add_argument("--backward", action="store_true",
+                   help="also time forward + backward (ours and Flex's, Flex up to the config's "
+                        "flex_backward_max tokens)")
     p.add_argument("--probe-max-length", type=int, nargs="+", metavar="L",
                    help="instead of the cases: the longest of these lengths whose local 1601-key forward fits")
     p.add_argument("--out", help="CSV path")
@@ -36,7 +41,8 @@ def main(argv=None) -> int:
         cfg = yaml.safe_load(f)
     dtype = getattr(torch, cfg.get("dtype", "float16"))
     print(f"bench_sequence: {device_name(torch.device('cuda'))}, torch {torch.__version__}, git {git_sha()}, "
-          f"D={cfg['head_dim']} H={cfg['heads']} {cfg.get('dtype', 'float16')}, forward", flush=True)
+          f"D={cfg['head_dim']} H={cfg['heads']} {cfg.get('dtype', 'float16')}, "
+          f"{'forward and forward + backward' if a.backward else 'forward'}", flush=True)
     print(bench.HEADER, flush=True)
     rows = []
     if a.probe_max_length:
@@ -51,7 +57,8 @@ def main(argv=None) -> int:
             continue
         row = bench.bench_case(case["mask"], case["L"], case["keys"], D=cfg["head_dim"], H=cfg["heads"],
                                dtype=dtype, flex=not a.no_flex, dense_max=cfg.get("dense_max", 262144),
-                               paper_s=case.get("paper_s"))
+                               paper_s=case.get("paper_s"), backward=a.backward,
+                               flex_backward_max=cfg.get("flex_backward_max", 1 << 20))
         rows.append(row)
         print(bench.fmt(row), flush=True)
     if a.out:

@@ -1,7 +1,9 @@
 """Sequence attention benchmark: ``sequence_attention`` with implicit masks
 against FlexAttention (a BlockMask built from kv block lists, compiled, so it
 never falls back to eager) and dense SDPA (flash, no mask: the cost of
-ignoring sparsity), side by side in one process on one GPU; forward.
+ignoring sparsity), side by side in one process on one GPU; forward, and
+with ``backward`` forward + backward against Flex's (up to a length where
+Flex's transposed block lists fit).
 
 Global rows (a few queries that attend to every key) are computed apart in
 ``sequence_attention`` (chunked fp32 matmuls); the Flex runs get the same
@@ -42,9 +44,12 @@ def make_mask(kind: str, L: int, keys: int, *, dilation: int = 2, global_tokens:
     raise ValueError(f"unknown mask kind {kind!r}")
 
 
-def _flex_pieces(mask, L: int, device):
+def _flex_pieces(mask, L: int, device, square: bool = False):
     """mask_mod and kv block lists (partial and full) of the mask over
-    query/key blocks of FLEX_BLOCK (global rows excluded: computed apart)."""
+    query/key blocks of FLEX_BLOCK (global rows excluded: computed apart).
+    square: lists as wide as the number of key blocks, which Flex's
+    transposition for the backward (compute_q_blocks) assumes (narrower lists
+    index out of bounds there: a device-side assert, measured on an H100)."""
     parts = as_mask(mask).parts()
     BS = FLEX_BLOCK
     nb = -(-L // BS)
@@ -121,19 +126,22 @@ def _flex_pieces(mask, L: int, device):
         num = sel.sum(1).to(torch.int32)
         first = torch.argsort((~sel).to(torch.int8), dim=1, stable=True)[:, :width]
         idx = torch.where(torch.arange(width, device=device)[None, :] < num[:, None], col.gather(1, first), 0)
+        if square and width < nb:
+            idx = torch.nn.functional.pad(idx, (0, nb - width))
         return num[None, None], idx.to(torch.int32)[None, None].contiguous()
     return mask_mod, lists(part_sel), lists(full_sel)
 
 
-def flex_runner(mask, L: int, H: int, device):
+def flex_runner(mask, L: int, H: int, device, backward: bool = False):
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     import torch._dynamo
     torch._dynamo.config.recompile_limit = 1000
     torch._dynamo.config.cache_size_limit = 1000
-    mask_mod, (kn, ki), (fn, fi) = _flex_pieces(mask, L, device)
-    # compute_q_blocks=False: the transposed lists (backward only) would be [nb, nb]
+    mask_mod, (kn, ki), (fn, fi) = _flex_pieces(mask, L, device, square=backward)
+    # compute_q_blocks: the transposed lists, which only the backward reads,
+    # need [nb, nb] lists: only where a backward is timed
     bm = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(L, L),
-                                  compute_q_blocks=False)
+                                  compute_q_blocks=backward)
     compiled = torch.compile(flex_attention, dynamic=False)
     return lambda q, k, v: compiled(q, k, v, block_mask=bm)   # q, k, v: [B, H, L, D]
 
@@ -149,9 +157,41 @@ def global_rows(out, q, k, v, rows):
     return out.index_copy(2, idx, og.transpose(1, 2).to(out.dtype))
 
 
+def _forward_backward(row: dict, q, k, v, mask, L: int, H: int, flex: bool, flex_max: int) -> None:
+    """Forward + backward (input gradients of one random output gradient):
+    ours (the fused backward kernel; its own GPU time too) and Flex's, where
+    its transposed block lists fit (L <= flex_max); the largest difference
+    of the gradients (ours - Flex's)."""
+    device = q.device
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    g = torch.randn_like(q)
+    ours = lambda: torch.autograd.grad(sequence_attention(*leaves, mask), leaves, g)   # noqa: E731
+    got, err = guarded(ours, device)
+    if err:
+        row["note"] = "ours forward + backward: " + err
+        return
+    row["ours_fb_ms"] = time_cuda(ours, min_reps=3, max_reps=30, budget_ms=2000, flush=False)["median"]
+    row["ours_bwd_kernel_ms"] = kernel_time(ours, name="seq_bwd_kernel", reps=3, flush=False)
+    if not flex or L > flex_max:
+        return
+    try:
+        tl = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
+        gt = g.transpose(1, 2).contiguous()
+        run = flex_runner(mask, L, H, device, backward=True)
+        rows = as_mask(mask).global_rows(L)
+        fl = lambda: torch.autograd.grad(global_rows(run(*tl), *tl, rows), tl, gt)   # noqa: E731
+        ref = fl()
+        row["max_grad_diff_vs_flex"] = max(float((a.transpose(1, 2) - b).abs().max()) for a, b in zip(ref, got))
+        row["flex_fb_ms"] = time_cuda(fl, min_reps=3, max_reps=30, budget_ms=2000, flush=False)["median"]
+        row["speedup_fb_vs_flex"] = row["flex_fb_ms"] / row["ours_fb_ms"]
+    except Exception as e:   # Flex's own failure (memory, compile) is a result
+        row["flex_fb_note"] = short_error(e)
+
+
 def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=torch.float16,
                flex: bool = True, dense_max: int = 262144, paper_s: float | None = None,
-               explicit_max_edges: int = 1 << 26) -> dict:
+               explicit_max_edges: int = 1 << 26, backward: bool = False,
+               flex_backward_max: int = 1 << 20) -> dict:
     device = torch.device("cuda")
     mask = make_mask(kind, L, keys)
     row = {"mask": kind, "L": L, "keys": keys, "D": D, "H": H, "dtype": str(dtype).replace("torch.", ""),
@@ -204,12 +244,15 @@ def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=t
         row["dense_sdpa_ms"] = time_cuda(dn, min_reps=3, max_reps=20, budget_ms=2000, flush=False)["median"]
     if paper_s:
         row["speedup_vs_paper"] = paper_s * 1e3 / row["ours_ms"]
+    if backward:
+        _forward_backward(row, q, k, v, mask, L, H, flex, flex_backward_max)
     return row
 
 
 COLUMNS = ["mask", "L", "keys", "keys_per_query", "D", "H", "dtype", "ours_ms", "ours_kernel_ms", "ours_tflops",
            "flex_ms", "speedup_vs_flex", "dense_sdpa_ms", "explicit_ms", "explicit_build_ms", "explicit_max_diff", "paper_A100_s", "speedup_vs_paper", "max_diff_vs_flex",
-           "flex_note", "note"]
+           "flex_note", "ours_fb_ms", "ours_bwd_kernel_ms", "flex_fb_ms", "speedup_fb_vs_flex",
+           "max_grad_diff_vs_flex", "flex_fb_note", "note"]
 
 
 def fmt(row: dict) -> str:
@@ -220,8 +263,11 @@ def fmt(row: dict) -> str:
     return (f"{row['mask']:<15}{row['L']:>11} {f('keys_per_query', '>8.0f')} {f('ours_ms', '>10.3f')} "
             f"{f('ours_kernel_ms', '>9.3f')} {f('ours_tflops', '>7.0f')} {f('flex_ms', '>10.3f')} "
             f"{f('speedup_vs_flex', '>7.2f')} {f('dense_sdpa_ms', '>10.2f')} {f('speedup_vs_paper', '>9.0f')} "
-            f"{f('max_diff_vs_flex', '>9.1e')} {f('explicit_ms', '>9.3f')} {f('explicit_build_ms', '>9.2f')}  "
-            f"{row.get('flex_note') or row.get('note') or ''}")
+            f"{f('max_diff_vs_flex', '>9.1e')} {f('explicit_ms', '>9.3f')} {f('explicit_build_ms', '>9.2f')}"
+            + (f" | fwd+bwd {f('ours_fb_ms', '>9.3f')} bwd kern {f('ours_bwd_kernel_ms', '>9.3f')} "
+               f"flex {f('flex_fb_ms', '>9.3f')} vs flex {f('speedup_fb_vs_flex', '>6.2f')} "
+               f"|dgrad| {f('max_grad_diff_vs_flex', '>8.1e')}" if "ours_fb_ms" in row else "")
+            + f"  {row.get('flex_note') or row.get('flex_fb_note') or row.get('note') or ''}")
 
 
 HEADER = (f"{'mask':<15}{'L':>11} {'keys/q':>8} {'ours ms':>10} {'kern ms':>9} {'TF/s':>7} {'flex ms':>10} "
