@@ -31,6 +31,17 @@
 
 namespace gt_fused3s {
 
+// at[0] += a, at[1] += b (8-byte aligned): one vector atomic where the
+// device has it (sm_90), two otherwise.
+__device__ __forceinline__ void add_pair(float* at, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(at), make_float2(a, b));
+#else
+    atomicAdd(at, a);
+    atomicAdd(at + 1, b);
+#endif
+}
+
 template <int kHeadDim>
 struct SeqBwdConfig {
     static_assert(kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128, "sequence head dim must be 32, 64 or 128");
@@ -231,13 +242,9 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
 #pragma unroll
             for (int j = 0; j < kNT; ++j) {
                 if (dk[j][2 * r] != 0.f || dk[j][2 * r + 1] != 0.f) {
-                    atomicAdd(dkr + 8 * j, p.scale * dk[j][2 * r]);
-                    atomicAdd(dkr + 8 * j + 1, p.scale * dk[j][2 * r + 1]);
+                    add_pair(dkr + 8 * j, p.scale * dk[j][2 * r], p.scale * dk[j][2 * r + 1]);
                 }
-                if (dv[j][2 * r] != 0.f || dv[j][2 * r + 1] != 0.f) {
-                    atomicAdd(dvr + 8 * j, dv[j][2 * r]);
-                    atomicAdd(dvr + 8 * j + 1, dv[j][2 * r + 1]);
-                }
+                if (dv[j][2 * r] != 0.f || dv[j][2 * r + 1] != 0.f) add_pair(dvr + 8 * j, dv[j][2 * r], dv[j][2 * r + 1]);
             }
         }
         __syncthreads();   // every warp is done with `stage` and the dS^T tile before they are refilled
