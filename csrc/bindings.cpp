@@ -712,7 +712,8 @@ std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at
 }
 
 // Gradients of seq_fwd from its lse: dq, dk, dv fp32 [T, H, D]. delta:
-// rowsum(grad_out * out) fp32 [T, H]; the other arguments as for seq_fwd.
+// rowsum(grad_out * out) fp32 [T, H]; cu_windows, num_windows and block_rows
+// for the backward's row blocks (seq_bwd_block_rows); the rest as for seq_fwd.
 template <typename T>
 void launch_seq_bwd_for_head_dim(int64_t d, const SeqBwdParams& p, cudaStream_t stream) {
     switch (d) {
@@ -746,8 +747,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 && cu_windows.sizes() == cu_seqlens.sizes(),
                       "cu_seqlens and cu_windows must be [num_docs + 1]");
     TORCH_CHECK_VALUE(num_windows >= 0 && num_windows < (int64_t(1) << 31), "num_windows out of range");
-    TORCH_CHECK_VALUE(block_rows == seq_block_rows(static_cast<int>(D)), "block_rows must be ",
-                      num(int64_t(seq_block_rows(static_cast<int>(D)))), " for head dim ", num(D));
+    TORCH_CHECK_VALUE(block_rows == seq_bwd_block_rows(static_cast<int>(D)), "block_rows must be ",
+                      num(int64_t(seq_bwd_block_rows(static_cast<int>(D)))), " for the backward at head dim ",
+                      num(D), " (got ", num(block_rows), "): cu_windows was computed for another block size");
     TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
 
     const c10::cuda::CUDAGuard device_guard(q.device());

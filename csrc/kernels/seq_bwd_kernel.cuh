@@ -4,19 +4,21 @@
 //   P = exp(s - lse), dP = dO V^T, dS = P (dP - delta), delta = rowsum(dO O)
 //   dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO.
 //
-// Work decomposition. A block of 4 warps takes the forward's row block (64
-// queries, one head) and walks the same key tiles (64 keys). Q and dO of the
-// block sit in shared memory for the whole walk; K and V tiles are copied as
-// in the forward (cp.async, double buffered). Per tile, warp w owns the 16
-// keys of slice w and computes the transposed scores of its keys against the
-// block's four query m-tiles, S^T [16, 64] = K_w Q^T (keys as the mma M
-// dimension: P^T and dS^T come out of the C fragments as the A operands of
-// dV_w += P^T dO and dK_w += dS^T Q, no transposition), and dP^T = V_w dO^T.
-// dS^T goes to shared memory, from where warp w reads the dS rows of its own
-// 16 queries (ldmatrix.trans) for dQ_w += dS K over the tile's 64 keys: dQ
-// stays in registers for the whole walk (a block owns its queries). dK and dV
-// of the tile's keys are added to fp32 buffers with atomics (other row blocks
-// see the same keys), which the caller zeroes and casts: the order of those
+// Work decomposition. A block of 4 warps takes a row block of 128 queries
+// (D <= 64: twice the forward's, so each key tile's dK and dV are added once
+// per 128 queries, half the atomics; 64 at D = 128) and one head, and walks its key tiles (64
+// keys) with the forward's policy. Q and dO of the block sit in shared memory
+// for the whole walk; K and V tiles are copied as in the forward (cp.async,
+// double buffered). Per tile, warp w owns the 16 keys of slice w and computes
+// the transposed scores of its keys against the block's query m-tiles,
+// S^T [16, 16] = K_w Q_m^T at a time (keys as the mma M dimension: P^T and
+// dS^T come out of the C fragments as the A operands of dV_w += P^T dO and
+// dK_w += dS^T Q, no transposition), and dP^T = V_w dO_m^T. dS^T goes to
+// shared memory, from where warp w reads the dS rows of its own m-tiles w
+// (and w + 4) (ldmatrix.trans) for dQ += dS K over the tile's 64 keys: dQ stays in
+// registers for the whole walk (a block owns its queries). dK and dV of the
+// tile's keys are added to fp32 buffers with atomics (other row blocks see
+// the same keys), which the caller zeroes and casts: the order of those
 // additions is not fixed (not bitwise deterministic).
 #pragma once
 
@@ -47,15 +49,17 @@ struct SeqBwdConfig {
     static_assert(kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128, "sequence head dim must be 32, 64 or 128");
     static constexpr int kWarps = 4;
     static constexpr int kThreads = 32 * kWarps;
-    static constexpr int kBlockRows = 64;            // seq_block_rows: 4 m-tiles of 16 queries
+    static constexpr int kBlockRows = seq_bwd_block_rows(kHeadDim);   // 8 or 4 m-tiles of 16 queries
+    static constexpr int kMTiles = kBlockRows / 16;
+    static constexpr int kDqTiles = kMTiles / kWarps;   // m-tiles whose dQ a warp holds: w, w + 4
     static constexpr int kNT = kHeadDim / 8;         // n-tiles of dQ, dK, dV
     static constexpr int kSteps = kHeadDim / 16;     // k-steps of S^T and dP^T
     using Tile = RowTile<kHeadDim>;
-    using DsTile = RowTile<64>;                      // dS^T: 16 keys x the block's 64 queries
+    using DsTile = RowTile<kBlockRows>;              // dS^T: 16 keys x the block's queries
     static constexpr int kSlices = kSeqTileKeys / 16;
-    static_assert(kSlices == kWarps && kBlockRows == 16 * kWarps, "warp w: key slice w, query m-tile w");
+    static_assert(kSlices == kWarps && kMTiles == kDqTiles * kWarps, "warp w: key slice w, dQ of m-tiles w + 4i");
     static constexpr int kStageBytes = 2 * kSlices * Tile::kBytes;      // K and V of one tile
-    static constexpr int kQdoBytes = 2 * kWarps * Tile::kBytes;          // Q and dO of the block
+    static constexpr int kQdoBytes = 2 * kMTiles * Tile::kBytes;         // Q and dO of the block
     static constexpr int kDsBytes = kSlices * DsTile::kBytes;
     static constexpr int kRowBytes = 2 * kBlockRows * 4;                 // lse (log2) and delta per query
     static constexpr int kSmemBytes = 2 * kStageBytes + kQdoBytes + kDsBytes + kRowBytes;
@@ -89,23 +93,22 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
     };
     const uint32_t qdo0 = smem0 + 2 * Cfg::kStageBytes;
     auto q_slice = [&](int m) { return qdo0 + m * Tile::kBytes; };
-    auto do_slice = [&](int m) { return qdo0 + (Cfg::kWarps + m) * Tile::kBytes; };
+    auto do_slice = [&](int m) { return qdo0 + (Cfg::kMTiles + m) * Tile::kBytes; };
     const uint32_t ds0 = qdo0 + Cfg::kQdoBytes;
     auto ds_slice = [&](int sl) { return ds0 + sl * DsTile::kBytes; };
     float* lse2_s = reinterpret_cast<float*>(smem + 2 * Cfg::kStageBytes + Cfg::kQdoBytes + Cfg::kDsBytes);
     float* delta_s = lse2_s + Cfg::kBlockRows;
 
-    // The four query m-tiles of the block; warp w copies the Q and dO rows of m-tile w.
-    SeqWindow win[Cfg::kWarps];
-#pragma unroll
-    for (int m = 0; m < Cfg::kWarps; ++m) win[m] = seq_sub_window(blk, m);
+    // Warp w copies the Q and dO rows of m-tiles w, w + 4.
     auto token_of = [&](int r) { return blk.doc_start + blk.base + static_cast<int64_t>(blk.stride) * r; };
-    {
-        const int r = 16 * warp + (lane & 15);
+#pragma unroll
+    for (int i = 0; i < Cfg::kDqTiles; ++i) {
+        const int m = warp + Cfg::kWarps * i;
+        const int r = 16 * m + (lane & 15);
         const int row = (lane < 16 && r < blk.rows) ? static_cast<int>(token_of(r)) : -1;
-        Tile::load_async(q_slice(warp), q, f.q_row_stride, do_slice(warp), dout, p.do_row_stride, row, lane);
-        cp_async_commit();
+        Tile::load_async(q_slice(m), q, f.q_row_stride, do_slice(m), dout, p.do_row_stride, row, lane);
     }
+    cp_async_commit();
     for (int r = threadIdx.x; r < Cfg::kBlockRows; r += Cfg::kThreads) {
         float l2 = 0.f, dl = 0.f;
         if (r < blk.rows) {
@@ -117,9 +120,12 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
         delta_s[r] = dl;
     }
 
-    float dq[kNT][4];
+    float dq[Cfg::kDqTiles][kNT][4];
 #pragma unroll
-    for (int j = 0; j < kNT; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+    for (int i = 0; i < Cfg::kDqTiles; ++i) {
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) dq[i][j][0] = dq[i][j][1] = dq[i][j][2] = dq[i][j][3] = 0.f;
+    }
 
     // Warp w copies keys 16w .. 16w+15 of the tile under `c` into `stage`.
     auto load_tile = [&](const SeqTileCursor& c, int stage) {
@@ -151,10 +157,10 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
         }
-#pragma unroll
-        for (int m = 0; m < Cfg::kWarps; ++m) {
+#pragma unroll 1
+        for (int m = 0; m < Cfg::kMTiles; ++m) {
             uint32_t bits;
-            const bool any = seq_pair_bits<true>(mk, win[m], cur.part, cur.ks, n0, lane, bits);   // warp-uniform
+            const bool any = seq_pair_bits<true>(mk, seq_sub_window(blk, m), cur.part, cur.ks, n0, lane, bits);   // warp-uniform
             uint32_t pa[4] = {0u, 0u, 0u, 0u}, dsa[4] = {0u, 0u, 0u, 0u};
             if (any) {
                 // S^T [16 keys, 16 queries] = K_w Q_m^T and dP^T = V_w dO_m^T
@@ -214,20 +220,25 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
         }
         __syncthreads();   // dS^T of every warp's keys
 
-        // dQ_w += dS [my 16 queries, 64 keys] K [64 keys, D]
+        // dQ of m-tiles w, w + 4 += dS [their 16 queries, 64 keys] K [64 keys, D]
 #pragma unroll
         for (int sl = 0; sl < Cfg::kSlices; ++sl) {
-            uint32_t a[4];
-            {   // A = (dS^T)^T: lane l addresses row 8 (mi >> 1) + l % 8 (keys), column 16w + 8 (mi & 1) (queries)
-                const int mi = lane >> 3;
-                ldmatrix_x4_trans(a, ds_slice(sl) + DsTile::at(8 * (mi >> 1) + (lane & 7), 16 * warp + 8 * (mi & 1)));
+            uint32_t a[Cfg::kDqTiles][4];
+#pragma unroll
+            for (int i = 0; i < Cfg::kDqTiles; ++i) {
+                // A = (dS^T)^T: lane l addresses row 8 (mi >> 1) + l % 8 (keys), column 16m + 8 (mi & 1) (queries)
+                const int mi = lane >> 3, m = warp + Cfg::kWarps * i;
+                ldmatrix_x4_trans(a[i], ds_slice(sl) + DsTile::at(8 * (mi >> 1) + (lane & 7), 16 * m + 8 * (mi & 1)));
             }
 #pragma unroll
             for (int jj = 0; jj < kNT / 2; ++jj) {
                 uint32_t b[4];
                 Tile::b_frags(b, k_slice(stage, sl), jj, lane);
-                mma_16816<T>(dq[2 * jj], a, b[0], b[1]);
-                mma_16816<T>(dq[2 * jj + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int i = 0; i < Cfg::kDqTiles; ++i) {
+                    mma_16816<T>(dq[i][2 * jj], a[i], b[0], b[1]);
+                    mma_16816<T>(dq[i][2 * jj + 1], a[i], b[2], b[3]);
+                }
             }
         }
 
@@ -254,15 +265,19 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
     }
     cp_async_wait<0>();   // a block without key tiles still waits for its Q and dO copy
 
-    // dQ of this warp's queries (m-tile w): rows g, g + 8; d = 8j + 2t, 2t + 1
+    // dQ of this warp's queries (m-tiles w, w + 4): rows g, g + 8; d = 8j + 2t, 2t + 1
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = 16 * warp + g + 8 * r;
-        if (row >= blk.rows) continue;
-        float* dqr = p.dq_ptr + token_of(row) * p.grad_row_stride + head * p.grad_head_stride + 2 * t;
+    for (int i = 0; i < Cfg::kDqTiles; ++i) {
 #pragma unroll
-        for (int j = 0; j < kNT; ++j) {
-            *reinterpret_cast<float2*>(dqr + 8 * j) = make_float2(p.scale * dq[j][2 * r], p.scale * dq[j][2 * r + 1]);
+        for (int r = 0; r < 2; ++r) {
+            const int row = 16 * (warp + Cfg::kWarps * i) + g + 8 * r;
+            if (row >= blk.rows) continue;
+            float* dqr = p.dq_ptr + token_of(row) * p.grad_row_stride + head * p.grad_head_stride + 2 * t;
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) {
+                *reinterpret_cast<float2*>(dqr + 8 * j) =
+                    make_float2(p.scale * dq[i][j][2 * r], p.scale * dq[i][j][2 * r + 1]);
+            }
         }
     }
 }

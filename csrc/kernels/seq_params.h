@@ -94,6 +94,12 @@ constexpr int seq_block_rows(int /* head_dim */) { return 64; }
 template <typename T, int HeadDim>
 void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream);
 
+// Queries per thread block of the backward: 128 for D <= 64 (twice the
+// forward's: half the atomics on dK and dV), 64 for D = 128 (whose registers
+// spill with two m-tiles of dQ per warp). Its cu_windows are computed with
+// this size (gt_fused3s/sequence/attention.py: _bwd_block_rows).
+constexpr int seq_bwd_block_rows(int head_dim) { return head_dim <= 64 ? 128 : 64; }
+
 // Launches the backward on `stream` (same types and head dims).
 template <typename T, int HeadDim>
 void run_seq_bwd(const SeqBwdParams& params, cudaStream_t stream);

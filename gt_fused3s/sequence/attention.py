@@ -32,6 +32,11 @@ def _block_rows(head_dim: int) -> int:
     return 64
 
 
+def _bwd_block_rows(head_dim: int) -> int:
+    """Queries per thread block of the backward (seq_params.h: seq_bwd_block_rows)."""
+    return 128 if head_dim <= 64 else 64
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
@@ -123,19 +128,22 @@ class _SeqAttention(torch.autograd.Function):
         out, lse = ops._op("seq_fwd")(qk, kk, vk, cu, cu_windows, code, scale, num_windows,
                                       _block_rows(qk.size(-1)))
         out = out[..., :D].to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, cu, cu_windows)
-        ctx.code, ctx.scale, ctx.num_windows = code, scale, num_windows
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.code, ctx.scale = code, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cu, cu_windows = ctx.saved_tensors
+        q, k, v, out, lse, cu = ctx.saved_tensors
         D = q.size(-1)
         # delta_i = sum_d dO_id O_id: the softmax's share of dP in dS = P (dP - delta)
         delta = (grad_out.float() * out.float()).sum(-1)
         gk, qk, kk, vk = _kernel_operands(q, grad_out, q, k, v)
-        grads = ops._op("seq_bwd")(gk, qk, kk, vk, lse, delta, cu, cu_windows, ctx.code, ctx.scale,
-                                   ctx.num_windows, _block_rows(qk.size(-1)))
+        # the backward's row blocks are larger than the forward's (fewer atomics)
+        rows, stride = _bwd_block_rows(qk.size(-1)), ctx.code[0]
+        num_windows = (q.size(0) + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
+        grads = ops._op("seq_bwd")(gk, qk, kk, vk, lse, delta, cu, _windows(cu, stride, rows), ctx.code,
+                                   ctx.scale, num_windows, rows)
         return tuple(g[..., :D].to(t.dtype) if need else None
                      for g, t, need in zip(grads, (q, k, v), ctx.needs_input_grad[:3])) + (None,) * 5
 
