@@ -27,6 +27,7 @@ except ImportError as e:  # ModuleNotFoundError, or DGL's own import failures
 from ..graph import check_int
 from ..ops import fused3s_attention, kernel_accepts
 from .fallback import warn_unfused
+from .projections import project
 from ..plan import GraphPlan
 from ..reference import attention_reference
 
@@ -225,9 +226,12 @@ class Fused3SConv(nn.Module):
             if tuple(edge_bias.shape) != (graph.num_edges(), H):
                 raise DGLError(f"edge_bias has shape {tuple(edge_bias.shape)} but the graph has "
                                f"{graph.num_edges()} edges and the layer {H} heads: [num_edges, num_heads]")
-        q = self.q_proj(h_dst).view(-1, H, D)
-        k = self.k_proj(h_src).view(-1, H, D)
-        v = self.v_proj(h_src).view(-1, H, D)
+        # the projections of one tensor as one GEMM (projections.py)
+        if h_src is h_dst:
+            q, k, v = project(h_dst, [self.q_proj, self.k_proj, self.v_proj])
+        else:
+            q, (k, v) = self.q_proj(h_dst), project(h_src, [self.k_proj, self.v_proj])
+        q, k, v = (t.view(-1, H, D) for t in (q, k, v))
         scale = 1.0 / math.sqrt(D)
 
         # bipartite graphs and blocks: the square graph of n nodes, zero rows

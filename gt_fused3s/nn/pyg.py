@@ -16,6 +16,7 @@ from ..graph import BSBGraph, _check_index_tensor, _check_range, _in_capture_or_
 from .. import ops
 from ..edge_terms import edge_feature_attention
 from .fallback import UnfusedPathWarning, warn_unfused
+from .projections import project
 from ..ops import fused3s_attention, kernel_accepts
 from ..plan import GraphPlan, as_plan, cached_plan
 
@@ -293,9 +294,16 @@ class Fused3SConv(TransformerConv):
                  else self._plan_of(edge_index, n))
         # Bipartite: rows are destinations, columns sources; both padded with
         # zero rows to n (no edge reaches a padding row, whose output is cut).
-        query = _pad_rows(self.lin_query(x_dst), n).view(-1, H, C)
-        key = _pad_rows(self.lin_key(x_src), n).view(-1, H, C)
-        value = _pad_rows(self.lin_value(x_src), n).view(-1, H, C)
+        # the projections of one tensor as one GEMM (projections.py)
+        skip = [self.lin_skip] if self.root_weight else []
+        if x_src is x_dst:
+            q_, k_, v_, *x_r = project(x_dst, [self.lin_query, self.lin_key, self.lin_value] + skip)
+        else:
+            q_, *x_r = project(x_dst, [self.lin_query] + skip)
+            k_, v_ = project(x_src, [self.lin_key, self.lin_value])
+        query = _pad_rows(q_, n).view(-1, H, C)
+        key = _pad_rows(k_, n).view(-1, H, C)
+        value = _pad_rows(v_, n).view(-1, H, C)
         scale = 1.0 / math.sqrt(C)
         # the edges in the order of edge_attr and of the returned weights
         # (a torch.sparse adjacency's: the order of its non-zeros, as in PyG)
@@ -318,21 +326,21 @@ class Fused3SConv(TransformerConv):
                                     dropout_p=drop_p, dropout_seed=seed)
             out, alpha = out if want_weights else (out, None)
         # the destinations' rows (no slice when they are all: its backward would copy)
-        out = self._combine(out if out.size(0) == n_dst else out[:n_dst], x_dst)
+        out = self._combine(out if out.size(0) == n_dst else out[:n_dst], x_r[0] if x_r else None)
         if isinstance(return_attention_weights, bool):
             # TransformerConv returns a torch.sparse adjacency itself, weights in its order
             return out, (edge_index if _is_sparse(edge_index) else edges, alpha.to(query.dtype))
         return out
 
     # ------------------------------------------------------------- internals
-    def _combine(self, out: Tensor, x_dst: Tensor) -> Tensor:
-        """Heads concat/mean, root weight and beta gating, as TransformerConv."""
+    def _combine(self, out: Tensor, x_r: Optional[Tensor]) -> Tensor:
+        """Heads concat/mean, root weight (x_r = lin_skip(x_dst)) and beta
+        gating, as TransformerConv."""
         if self.concat:
             out = out.reshape(-1, self.heads * self.out_channels)
         else:
             out = out.mean(dim=1)
         if self.root_weight:
-            x_r = self.lin_skip(x_dst)
             if self.lin_beta is not None:
                 beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1))
                 beta = beta.sigmoid()
