@@ -511,5 +511,6 @@ def _csr_bsb(rowptr: Tensor, col: Tensor, n_dst: int, n: int) -> Tuple[BSBGraph,
     rows = torch.repeat_interleave(torch.arange(n_dst, device=col.device), (rowptr[1:] - rowptr[:-1]).long(),
                                    output_size=col.numel())
     edges = torch.stack([col.long(), rows])
-    bsb = BSBGraph.from_csr(rowptr, col, n) if n_dst == n else BSBGraph.from_edge_index(edges, n)
-    return bsb, edges
+    # (BSBGraph.from_csr would expand the rows once more; a sparse format's
+    # CSR is valid by construction, and from_edge_index checks the ranges)
+    return BSBGraph.from_edge_index(edges, n), edges
