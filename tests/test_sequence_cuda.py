@@ -1,8 +1,8 @@
 """The sequence kernel against the fp32 reference (run on the GPU machine):
 every mask of test_sequence.py, fp16 and bf16, D in {64, 128}, H in {1, 8},
 B in {1, 3}, forward and backward (the fused backward's gradients against
-the fp32 reference's); packed documents with gradients; one case whose q
-has more than 2^31 elements.
+the fp32 reference's); packed documents with gradients; a q of more than
+2^31 elements, forward and backward.
 
 Tolerance: the max abs error against the fp32 reference is at most twice
 the error of the reference computed in the same low precision, plus 1e-3
@@ -109,3 +109,25 @@ def test_more_than_2_31_elements():
     ref = sequence_reference(*(t.float() for t in sl), Local(w), [0, L - lo])[w:]
     err = (out[0, L - 300:].float() - ref).abs().max().item()
     assert err < 1e-2, err
+
+
+def test_backward_more_than_2_31_elements():
+    """The backward past 2^31 elements (2^22 + 5 tokens x 8 heads x 64): dq of
+    the last 300 queries and dk, dv of the last 300 - w keys (every query
+    that sees them is among those 300) against the reference's gradients on
+    the slice they see."""
+    torch.manual_seed(4)
+    L, H, D, w = (1 << 22) + 5, 8, 64, 64
+    q, k, v = (torch.randn(1, L, H, D, device="cuda", dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn(1, L, H, D, device="cuda", dtype=torch.float16)
+    dq, dk, dv = torch.autograd.grad(sequence_attention(q, k, v, Local(w)), (q, k, v), g)
+    lo = L - 300 - w
+    leaves = [t.detach()[0, lo:].float().requires_grad_() for t in (q, k, v)]
+    g_ref = g[0, lo:].float().clone()
+    g_ref[:w] = 0            # queries before the last 300: not compared, their keys reach outside the slice
+    want = torch.autograd.grad(sequence_reference(*leaves, Local(w), [0, L - lo]), leaves, g_ref)
+    for name, got, ref in (("dq", dq[0, L - 300:], want[0][w:]), ("dk", dk[0, L - 300 + w:], want[1][2 * w:]),
+                           ("dv", dv[0, L - 300 + w:], want[2][2 * w:])):
+        err, top = (got.float() - ref).abs().max().item(), ref.abs().max().item()
+        assert err <= GRAD_TOL[torch.float16] * top, f"{name}: {err:.3e} of {top:.3e}"
