@@ -32,10 +32,17 @@ def check(out, q, k, v, mask, cu, dtype):
     assert err <= tol, f"max |kernel - ref| = {err:.3e} > {tol:.3e}"
 
 
-@pytest.mark.parametrize("shape", [(1, 8), (3, 1)], ids=["B1H8", "B3H1"])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("name", MASKS.keys())
+def every_case(test):
+    """Every mask, fp16 and bf16, D 64 and 128, B1H8 and B3H1."""
+    for mark in (pytest.mark.parametrize("shape", [(1, 8), (3, 1)], ids=["B1H8", "B3H1"]),
+                 pytest.mark.parametrize("D", [64, 128]),
+                 pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"]),
+                 pytest.mark.parametrize("name", MASKS.keys())):
+        test = mark(test)
+    return test
+
+
+@every_case
 def test_forward_matches_reference(name, dtype, D, shape):
     torch.manual_seed(0)
     B, H = shape
@@ -63,10 +70,7 @@ def check_grads(got, q, k, v, g, mask, cu, dtype):
         assert err <= GRAD_TOL[dtype] * top, f"{name}: max |kernel - ref| = {err:.3e} ({err / top:.2e} of max)"
 
 
-@pytest.mark.parametrize("shape", [(1, 8), (3, 1)], ids=["B1H8", "B3H1"])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("name", MASKS.keys())
+@every_case
 def test_backward_matches_reference(name, dtype, D, shape):
     torch.manual_seed(3)
     B, H = shape
