@@ -197,10 +197,11 @@ def test_layer_step_runs_no_more_ops_than_transformer_conv(edge_dim, monkeypatch
     """Eager host time is per op: a forward + backward of the fused layer
     (the fused ops as their fake kernels, on the kernel path) dispatches no
     more non-view aten ops than TransformerConv's, with and without edge
-    features, and at most 3/4 of them (counted when written: 49 vs 70 with
+    features, and at most 3/4 of them (counted when written: 45 vs 70 with
     edge_dim 16, 21 vs 64 without, since the projections of x run as one
-    GEMM; 60 and 32 before that, 68 with edge_dim before the cuts of the
-    session of git 9ef07c7)."""
+    GEMM and W_e's block-diagonal matrix is one block_diag; 60 and 32
+    before those, 68 with edge_dim before the cuts of the session of git
+    9ef07c7)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from gt_fused3s import ops
     fakes = {"fwd": ops._fwd_fake, "bwd": ops._bwd_fake, "probs": ops._probs_fake,
