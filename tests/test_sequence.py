@@ -235,6 +235,27 @@ def test_flex_baseline_block_lists(kind):
     assert not bool((part & full).any())
 
 
+@pytest.mark.parametrize("kind", ["local", "longformer", "bigbird"])
+def test_flex_baseline_block_lists_for_the_backward(kind):
+    """For the backward timing (bench_sequence --backward) the lists are as
+    wide as the number of key blocks, which Flex's q-block transposition
+    assumes (narrower ones indexed out of bounds there with torch 2.11 / 2.13:
+    a device-side assert on the GPU, an IndexError on the CPU), with the
+    same blocks as the narrow lists."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from gt_fused3s.bench import sequence as bench
+    L, nb = 4096, 32
+    mask = bench.make_mask(kind, L, 513 if kind == "local" else 101, density=0.05)
+    _, narrow_p, narrow_f = bench._flex_pieces(mask, L, torch.device("cpu"))
+    _, (kn, ki), (fn, fi) = bench._flex_pieces(mask, L, torch.device("cpu"), square=True)
+    assert ki.shape[-1] == fi.shape[-1] == nb
+    for (n0, i0), (n1, i1) in ((narrow_p, (kn, ki)), (narrow_f, (fn, fi))):
+        assert torch.equal(n0, n1) and torch.equal(i1[..., :i0.shape[-1]], i0)
+    bm = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=bench.FLEX_BLOCK, seq_lengths=(L, L),
+                                  compute_q_blocks=True)
+    assert bm.q_indices.shape[-1] == nb
+
+
 def test_plot_sequence_times(tmp_path):
     """Fig. 6-style panels from bench_sequence rows: a PNG for masks with two
     lengths or more; none to draw is an error, not an empty figure."""
