@@ -4,22 +4,23 @@
 //   P = exp(s - lse), dP = dO V^T, dS = P (dP - delta), delta = rowsum(dO O)
 //   dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO.
 //
-// Work decomposition. A block of 4 warps takes a row block of 128 queries
-// (D <= 64: twice the forward's, so each key tile's dK and dV are added once
-// per 128 queries, half the atomics; 64 at D = 128) and one head, and walks its key tiles (64
-// keys) with the forward's policy. Q and dO of the block sit in shared memory
-// for the whole walk; K and V tiles are copied as in the forward (cp.async,
-// double buffered). Per tile, warp w owns the 16 keys of slice w and computes
-// the transposed scores of its keys against the block's query m-tiles,
-// S^T [16, 16] = K_w Q_m^T at a time (keys as the mma M dimension: P^T and
-// dS^T come out of the C fragments as the A operands of dV_w += P^T dO and
-// dK_w += dS^T Q, no transposition), and dP^T = V_w dO_m^T. dS^T goes to
-// shared memory, from where warp w reads the dS rows of its own m-tiles w
-// (and w + 4) (ldmatrix.trans) for dQ += dS K over the tile's 64 keys: dQ stays in
-// registers for the whole walk (a block owns its queries). dK and dV of the
-// tile's keys are added to fp32 buffers with atomics (other row blocks see
-// the same keys), which the caller zeroes and casts: the order of those
-// additions is not fixed (not bitwise deterministic).
+// Work decomposition. A block of 4 warps takes a row block of queries (128
+// for D <= 64, twice the forward's, so each key tile's dK and dV are added
+// once per 128 queries: half the atomics; 64 at D = 128) and one head, and
+// walks its key tiles (64 keys) with the forward's policy (seq_walk.cuh). Q
+// and dO of the block sit in shared memory for the whole walk; K and V tiles
+// are copied as in the forward (cp.async, double buffered). Per tile, warp w
+// owns the 16 keys of slice w and computes the transposed scores of its keys
+// against the block's query m-tiles, S^T [16, 16] = K_w Q_m^T at a time (keys
+// as the mma M dimension: P^T and dS^T come out of the C fragments as the A
+// operands of dV_w += P^T dO and dK_w += dS^T Q, no transposition), and
+// dP^T = V_w dO_m^T. dS^T goes to shared memory, from where warp w reads the
+// dS rows of its own m-tiles w (and w + 4) (ldmatrix.trans) for dQ += dS K
+// over the tile's 64 keys: dQ stays in registers for the whole walk (a block
+// owns its queries). dK and dV of the tile's keys are added to fp32 buffers
+// with atomics (other row blocks see the same keys), which the caller zeroes
+// and casts: the order of those additions is not fixed (not bitwise
+// deterministic).
 #pragma once
 
 #include <cstdint>
