@@ -135,3 +135,24 @@ def test_backward_more_than_2_31_elements():
                            ("dv", dv[0, L - 300 + w:], want[2][2 * w:])):
         err, top = (got.float() - ref).abs().max().item(), ref.abs().max().item()
         assert err <= GRAD_TOL[torch.float16] * top, f"{name}: {err:.3e} of {top:.3e}"
+
+
+def test_compiled_gradients_equal_eager():
+    """torch.compile of sequence_attention (graph breaks allowed): eager's
+    output and gradients. The edge-feature products' autograd.Functions once
+    got zero gradients under torch.compile on CUDA (dynamo traced their
+    backward with zeros for the incoming gradient); this kernel's
+    autograd.Function is checked for the same."""
+    torch._dynamo.reset()
+    torch.manual_seed(6)
+    mask = MASKS["longformer"]
+    q, k, v = (torch.randn(2, 200, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn(2, 200, 2, 64, device="cuda", dtype=torch.float16)
+    results = []
+    for fn in (sequence_attention, torch.compile(sequence_attention)):
+        out = fn(q, k, v, mask)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert b.abs().max() > 0, name
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3, msg=lambda m: f"{name}: {m}")
