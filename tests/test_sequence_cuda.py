@@ -141,8 +141,9 @@ def test_compiled_gradients_equal_eager():
     """torch.compile of sequence_attention (graph breaks allowed): eager's
     output and gradients. The edge-feature products' autograd.Functions once
     got zero gradients under torch.compile on CUDA (dynamo traced their
-    backward with zeros for the incoming gradient); this kernel's
-    autograd.Function is checked for the same."""
+    backward with zeros for the incoming gradient); the kernels' call runs
+    behind a graph break for now (sequence/attention.py: _fused), and this
+    test is what will tell when it is traced instead."""
     torch._dynamo.reset()
     torch.manual_seed(6)
     mask = MASKS["longformer"]

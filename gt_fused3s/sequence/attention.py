@@ -148,6 +148,19 @@ class _SeqAttention(torch.autograd.Function):
                      for g, t, need in zip(grads, (q, k, v), ctx.needs_input_grad[:3])) + (None,) * 5
 
 
+# torch.compile does not trace the kernels' autograd.Function: it runs as in
+# eager mode, behind a graph break. Dynamo's trace of the edge products'
+# autograd.Functions (custom CUDA ops inside) fed their backward zeros for the
+# incoming gradient on CUDA (ops.py, edge_dot_term); until this one is checked
+# under tracing (tests/test_sequence_cuda.py: test_compiled_gradients_equal_eager)
+# or becomes a custom op with its own autograd, no trace is safer than a silent
+# zero gradient. A fullgraph=True compile therefore stops here with dynamo's
+# error.
+@torch.compiler.disable
+def _fused(q, k, v, cu, cu_windows, code, scale, num_windows):
+    return _SeqAttention.apply(q, k, v, cu, cu_windows, code, scale, num_windows)
+
+
 _LOW_BMM: list[bool] = []     # [whether torch.bmm takes out_dtype here], found on first use
 
 
@@ -298,7 +311,7 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         cu_windows = _windows(cu, stride, rows)
         num_windows = (T + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
-    out = _SeqAttention.apply(qf, kf, vf, cu, cu_windows, code, scale, num_windows)
+    out = _fused(qf, kf, vf, cu, cu_windows, code, scale, num_windows)
     global_rows = umask.global_rows(L if batched else 1 << 62)
     if global_rows and batched:
         return _global_rows_dense(q, k, v, out.reshape(q.shape), global_rows, scale, None)
