@@ -29,6 +29,7 @@
 
 #include "seq_params.h"
 #include "seq_mask.cuh"
+#include "seq_walk.cuh"
 #include "mma_utils.cuh"
 #include "smem_tile.cuh"
 
@@ -128,29 +129,12 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
         for (int j = 0; j < kNT; ++j) dq[i][j][0] = dq[i][j][1] = dq[i][j][2] = dq[i][j][3] = 0.f;
     }
 
-    // Warp w copies keys 16w .. 16w+15 of the tile under `c` into `stage`.
     auto load_tile = [&](const SeqTileCursor& c, int stage) {
-        const int32_t n = c.tile * kSeqTileKeys + 16 * warp + (lane & 15);
-        const int row = (lane < 16 && n < c.ks.count) ? static_cast<int>(blk.doc_start + seg_key(mk, c.ks, n)) : -1;
-        Tile::load_async(k_slice(stage, warp), k, f.k_row_stride, v_slice(stage, warp), v, f.v_row_stride, row, lane);
-        cp_async_commit();
+        seq_load_kv<Tile>(k_slice(stage, warp), v_slice(stage, warp), k, f.k_row_stride, v, f.v_row_stride, mk, blk,
+                          c, warp, lane);
     };
-
-    SeqTileCursor cur;
-    bool more = cur.first(mk, blk);
-    if (more) load_tile(cur, 0);
-    int stage = 0;
-    while (more) {
-        SeqTileCursor nxt = cur;
-        const bool has_next = nxt.next(mk, blk);
-        if (has_next) {
-            load_tile(nxt, stage ^ 1);   // flies while this tile computes
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();   // this tile's K and V (and, the first time, Q, dO, lse, delta) are in shared memory
-
+    // (the walk's first barrier also covers Q, dO, lse and delta, copied above)
+    seq_walk_tiles(mk, blk, load_tile, [&](const SeqTileCursor& cur, int stage) {
         const int32_t n0 = cur.tile * kSeqTileKeys + 16 * warp;   // this warp's keys in the segment
         float dk[kNT][4], dv[kNT][4];
 #pragma unroll
@@ -259,11 +243,7 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
                 if (dv[j][2 * r] != 0.f || dv[j][2 * r + 1] != 0.f) add_pair(dvr + 8 * j, dv[j][2 * r], dv[j][2 * r + 1]);
             }
         }
-        __syncthreads();   // every warp is done with `stage` and the dS^T tile before they are refilled
-        cur = nxt;
-        more = has_next;
-        stage ^= 1;
-    }
+    });   // (its closing barrier also frees the dS^T tile for the next tile)
     cp_async_wait<0>();   // a block without key tiles still waits for its Q and dO copy
 
     // dQ of this warp's queries (m-tiles w, w + 4): rows g, g + 8; d = 8j + 2t, 2t + 1

@@ -28,6 +28,7 @@
 
 #include "seq_params.h"
 #include "seq_mask.cuh"
+#include "seq_walk.cuh"
 #include "mma_utils.cuh"
 #include "online_softmax.cuh"
 #include "smem_tile.cuh"
@@ -107,28 +108,11 @@ seq_fwd_kernel(const SeqFwdParams p) {
     auto v_slice = [&](int stage, int slice) {
         return smem0 + stage * Cfg::kStageBytes + (Cfg::kSlices + slice) * Tile::kBytes;
     };
-    // Warp w copies keys 16w .. 16w+15 of the tile under `c` into `stage`.
     auto load_tile = [&](const SeqTileCursor& c, int stage) {
-        const int32_t n = c.tile * kSeqTileKeys + 16 * warp + (lane & 15);
-        const int row = (lane < 16 && n < c.ks.count) ? static_cast<int>(blk.doc_start + seg_key(mk, c.ks, n)) : -1;
-        Tile::load_async(k_slice(stage, warp), k, p.k_row_stride, v_slice(stage, warp), v, p.v_row_stride, row, lane);
-        cp_async_commit();
+        seq_load_kv<Tile>(k_slice(stage, warp), v_slice(stage, warp), k, p.k_row_stride, v, p.v_row_stride, mk, blk,
+                          c, warp, lane);
     };
-
-    SeqTileCursor cur;
-    bool more = cur.first(mk, blk);
-    if (more) load_tile(cur, 0);
-    int stage = 0;
-    while (more) {
-        SeqTileCursor nxt = cur;
-        const bool has_next = nxt.next(mk, blk);
-        if (has_next) {
-            load_tile(nxt, stage ^ 1);   // flies while this tile computes
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();   // this tile's slices, from every warp, are in shared memory
+    seq_walk_tiles(mk, blk, load_tile, [&](const SeqTileCursor& cur, int stage) {
         uint32_t bits[kM][Cfg::kSlices], any = 0u;
 #pragma unroll
         for (int i = 0; i < kM; ++i) any |= seq_tile_bits(mk, win[i], cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, bits[i]);
@@ -171,11 +155,7 @@ seq_fwd_kernel(const SeqFwdParams p) {
                 }
             }
         }
-        __syncthreads();   // every warp is done with `stage` before it is refilled
-        cur = nxt;
-        more = has_next;
-        stage ^= 1;
-    }
+    });
 
     // O in the mma C layout: row g (c0, c1) and g + 8 (c2, c3), d = 8j + 2t, 2t+1.
 #pragma unroll
