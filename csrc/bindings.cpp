@@ -660,14 +660,13 @@ void launch_seq_for_head_dim(int64_t d, const SeqFwdParams& p, cudaStream_t stre
     }
 }
 
-std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                const at::Tensor& v_in, const at::Tensor& cu_seqlens,
-                                                const at::Tensor& cu_windows, c10::IntArrayRef mask_code,
-                                                double scale, int64_t num_windows, int64_t block_rows) {
-    TORCH_CHECK(q_in.defined() && q_in.is_cuda(), "q must be a CUDA tensor");
-    const at::Tensor q = kernel_input(q_in, "q", q_in);
-    const at::Tensor k = kernel_input(k_in, "k", q), v = kernel_input(v_in, "v", q);
-    const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+// Checks shared by the sequence forward and backward (q, k, v already
+// through kernel_input), and the parameters both kernels read: q, k, v, the
+// documents, the mask, the scale; lse is the forward's output or the
+// backward's input.
+void check_seq_inputs(const at::Tensor& q, const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
+                      int64_t num_windows, int64_t block_rows, int want_rows, double scale) {
+    const int64_t T = q.size(0), H = q.size(1);
     TORCH_CHECK_VALUE(T < (int64_t(1) << 31), "at most 2^31 - 1 tokens (got ", num(T), ")");
     TORCH_CHECK_VALUE(H >= 1 && H <= 65535, "sequence attention takes 1 to 65535 heads (got ", num(H), ")");
     check_index(cu_seqlens, "cu_seqlens", at::kInt, q);
@@ -676,34 +675,51 @@ std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at
                       "cu_seqlens and cu_windows must be [num_docs + 1] (got ", shape(cu_seqlens.sizes()), ", ",
                       shape(cu_windows.sizes()), ")");
     TORCH_CHECK_VALUE(num_windows >= 0 && num_windows < (int64_t(1) << 31), "num_windows out of range");
-    TORCH_CHECK_VALUE(block_rows == seq_block_rows(static_cast<int>(D)), "block_rows must be ",
-                      num(int64_t(seq_block_rows(static_cast<int>(D)))), " for head dim ", num(D), " (got ",
-                      num(block_rows), "): cu_windows was computed for another block size");
+    TORCH_CHECK_VALUE(block_rows == want_rows, "block_rows must be ", num(int64_t(want_rows)), " for head dim ",
+                      num(q.size(2)), " (got ", num(block_rows), "): cu_windows was computed for another block size");
     TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
+}
 
-    const c10::cuda::CUDAGuard device_guard(q.device());
-    auto out = at::empty({T, H, D}, q.options());
-    auto lse = at::empty({T, H}, q.options().dtype(at::kFloat));
-    if (T == 0) return {out, lse};
+SeqFwdParams seq_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
+                        const at::Tensor& cu_seqlens, const at::Tensor& cu_windows, c10::IntArrayRef mask_code,
+                        double scale, int64_t num_windows, int64_t block_rows) {
     SeqFwdParams p{};
     p.q_ptr = q.data_ptr();
     p.k_ptr = k.data_ptr();
     p.v_ptr = v.data_ptr();
-    p.o_ptr = out.data_ptr();
     p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
     p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
     p.v_row_stride = v.stride(0); p.v_head_stride = v.stride(1);
-    p.o_row_stride = out.stride(0); p.o_head_stride = out.stride(1);
-    p.lse_ptr = lse.data_ptr<float>();
+    p.lse_ptr = const_cast<float*>(lse.data_ptr<float>());
     p.lse_row_stride = lse.stride(0); p.lse_head_stride = lse.stride(1);
     p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
     p.cu_windows = cu_windows.data_ptr<int32_t>();
     p.num_docs = static_cast<int32_t>(cu_seqlens.numel() - 1);
     p.num_windows = num_windows;
     p.block_rows = static_cast<int32_t>(block_rows);
-    p.num_heads = static_cast<int32_t>(H);
+    p.num_heads = static_cast<int32_t>(q.size(1));
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
     p.mask = seq_mask_from(mask_code);
+    return p;
+}
+
+std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                const at::Tensor& v_in, const at::Tensor& cu_seqlens,
+                                                const at::Tensor& cu_windows, c10::IntArrayRef mask_code,
+                                                double scale, int64_t num_windows, int64_t block_rows) {
+    TORCH_CHECK(q_in.defined() && q_in.is_cuda(), "q must be a CUDA tensor");
+    const at::Tensor q = kernel_input(q_in, "q", q_in);
+    const at::Tensor k = kernel_input(k_in, "k", q), v = kernel_input(v_in, "v", q);
+    const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+    check_seq_inputs(q, cu_seqlens, cu_windows, num_windows, block_rows, seq_block_rows(static_cast<int>(D)), scale);
+
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    auto out = at::empty({T, H, D}, q.options());
+    auto lse = at::empty({T, H}, q.options().dtype(at::kFloat));
+    if (T == 0) return {out, lse};
+    SeqFwdParams p = seq_params(q, k, v, lse, cu_seqlens, cu_windows, mask_code, scale, num_windows, block_rows);
+    p.o_ptr = out.data_ptr();
+    p.o_row_stride = out.stride(0); p.o_head_stride = out.stride(1);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     if (q.scalar_type() == at::kHalf) launch_seq_for_head_dim<__half>(D, p, stream);
     else launch_seq_for_head_dim<__nv_bfloat16>(D, p, stream);
@@ -733,8 +749,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     const at::Tensor k = kernel_input(k_in, "k", q), v = kernel_input(v_in, "v", q);
     const at::Tensor dout = kernel_input(grad_out_in, "grad_out", q);
     const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-    TORCH_CHECK_VALUE(T < (int64_t(1) << 31), "at most 2^31 - 1 tokens (got ", num(T), ")");
-    TORCH_CHECK_VALUE(H >= 1 && H <= 65535, "sequence attention takes 1 to 65535 heads (got ", num(H), ")");
+    check_seq_inputs(q, cu_seqlens, cu_windows, num_windows, block_rows, seq_bwd_block_rows(static_cast<int>(D)),
+                     scale);
     auto check_rows = [&](const at::Tensor& t, const char* name) {
         TORCH_CHECK(t.defined() && t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kFloat &&
                         t.dim() == 2 && t.size(0) == T && t.size(1) == H && t.is_contiguous(),
@@ -742,15 +758,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     };
     check_rows(lse, "lse");
     check_rows(delta, "delta");
-    check_index(cu_seqlens, "cu_seqlens", at::kInt, q);
-    check_index(cu_windows, "cu_windows", at::kInt, q);
-    TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 && cu_windows.sizes() == cu_seqlens.sizes(),
-                      "cu_seqlens and cu_windows must be [num_docs + 1]");
-    TORCH_CHECK_VALUE(num_windows >= 0 && num_windows < (int64_t(1) << 31), "num_windows out of range");
-    TORCH_CHECK_VALUE(block_rows == seq_bwd_block_rows(static_cast<int>(D)), "block_rows must be ",
-                      num(int64_t(seq_bwd_block_rows(static_cast<int>(D)))), " for the backward at head dim ",
-                      num(D), " (got ", num(block_rows), "): cu_windows was computed for another block size");
-    TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     const auto f32 = q.options().dtype(at::kFloat);
@@ -758,23 +765,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     auto dk = at::zeros({T, H, D}, f32), dv = at::zeros({T, H, D}, f32);   // added to
     if (T == 0) return {dq, dk, dv};
     SeqBwdParams p{};
-    SeqFwdParams& f = p.fwd;
-    f.q_ptr = q.data_ptr();
-    f.k_ptr = k.data_ptr();
-    f.v_ptr = v.data_ptr();
-    f.q_row_stride = q.stride(0); f.q_head_stride = q.stride(1);
-    f.k_row_stride = k.stride(0); f.k_head_stride = k.stride(1);
-    f.v_row_stride = v.stride(0); f.v_head_stride = v.stride(1);
-    f.lse_ptr = const_cast<float*>(lse.data_ptr<float>());
-    f.lse_row_stride = lse.stride(0); f.lse_head_stride = lse.stride(1);
-    f.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
-    f.cu_windows = cu_windows.data_ptr<int32_t>();
-    f.num_docs = static_cast<int32_t>(cu_seqlens.numel() - 1);
-    f.num_windows = num_windows;
-    f.block_rows = static_cast<int32_t>(block_rows);
-    f.num_heads = static_cast<int32_t>(H);
-    f.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-    f.mask = seq_mask_from(mask_code);
+    p.fwd = seq_params(q, k, v, lse, cu_seqlens, cu_windows, mask_code, scale, num_windows, block_rows);
     p.do_ptr = dout.data_ptr();
     p.do_row_stride = dout.stride(0); p.do_head_stride = dout.stride(1);
     p.delta_ptr = delta.data_ptr<float>();
