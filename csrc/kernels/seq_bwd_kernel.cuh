@@ -7,7 +7,7 @@
 // Work decomposition. A block of 4 warps takes a row block of queries (128
 // for D <= 64, twice the forward's, so each key tile's dK and dV are added
 // once per 128 queries: half the atomics; 64 at D = 128) and one head, and
-// walks its key tiles (64 keys) with the forward's policy (seq_mask.cuh). Q
+// walks its key tiles (64 keys) with the forward's policy (seq_walk.cuh). Q
 // and dO of the block sit in shared memory for the whole walk; K and V tiles
 // are copied as in the forward (cp.async, double buffered). Per tile, warp w
 // owns the 16 keys of slice w and computes the transposed scores of its keys
