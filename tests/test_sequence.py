@@ -43,6 +43,11 @@ MASKS = {
     "random-16": RandomBlocks(16, 3, seed=2),
     "bigbird-32": Local(5) | Global(1) | RandomBlocks(32, 2, seed=9),
     "two-block-dilated": BlockDilated(32, 2, 0) | BlockDilated(32, 2, 1),
+    # windows wide enough for whole tiles inside the band for a block of 64
+    # and of 128 queries (the kernels' unmasked tiles: seq_tile_full)
+    "local-wider": Local(200),
+    "dilated-wide": Dilated(100, 2),
+    "global-then-wide": Global(3) | Local(200),
 }
 LENGTHS = {"odd": [277], "docs": [140, 1, 16, 195], "short": [9]}
 

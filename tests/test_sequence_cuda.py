@@ -100,6 +100,28 @@ def test_packed_documents_and_gradients(name):
     check_grads(got, q, k, v, g, mask, cu, torch.bfloat16)
 
 
+@pytest.mark.parametrize("name", ["local-wider", "bigbird"])
+def test_negative_scale_equals_reference(name):
+    """A negative scale (the kernel folds the scale into its exponent after a
+    row max of raw scores, so the op passes -q and -scale): output and
+    gradients equal the reference with that scale."""
+    torch.manual_seed(8)
+    mask, L, scale = MASKS[name], 333, -0.2
+    q, k, v = (torch.randn(L, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, L], device="cuda", dtype=torch.int32)
+    out = sequence_attention(q, k, v, mask, scale, cu_seqlens=cu)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = sequence_reference(*leaves, mask, [0, L], scale)
+    want = torch.autograd.grad(ref, leaves, g.float())
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 1e-2 * ref.abs().max().item(), err
+    for name_, a, b in zip(("dq", "dk", "dv"), got, want):
+        e, top = (a.float() - b).abs().max().item(), b.abs().max().item()
+        assert e <= GRAD_TOL[torch.float16] * top, f"{name_}: {e:.3e} of {top:.3e}"
+
+
 def test_more_than_2_31_elements():
     """q, k, v of 2^22 + 5 tokens x 8 heads x 64: offsets past 2^31 elements;
     the last 300 queries against the reference on the slice they see."""

@@ -27,6 +27,28 @@ __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
     st.l[0] = st.l[1] = 0.f;
 }
 
+// O rescaled by the rows' alpha (rows g, g+8), and P (probabilities of
+// kPairs pairs, mma C layout) packed as the A fragments of the SpMM's
+// m16n8k16: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
+template <typename T, int kNT, int kPairs>
+__device__ __forceinline__ void softmax_rescale_and_pack(const float (&x)[kPairs][2][4], const float (&alpha)[2],
+                                                         float (&o)[kNT][4], uint32_t (&p)[kPairs][4]) {
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int c = 0; c < kPairs; ++c) {
+        p[c][0] = TypeTraits<T>::pack(x[c][0][0], x[c][0][1]);   // row g,   k 2t, 2t+1
+        p[c][1] = TypeTraits<T>::pack(x[c][0][2], x[c][0][3]);   // row g+8, k 2t, 2t+1
+        p[c][2] = TypeTraits<T>::pack(x[c][1][0], x[c][1][1]);   // row g,   k 2t+8, 2t+9
+        p[c][3] = TypeTraits<T>::pack(x[c][1][2], x[c][1][3]);   // row g+8, k 2t+8, 2t+9
+    }
+}
+
 // Several TCB pairs at once (kPairs x 16 columns): one row max, one
 // rescale of O and of the row sums for all of them (FlashAttention's step
 // over a block of keys); the pair version below is its one-pair case.
@@ -81,27 +103,54 @@ __device__ __forceinline__ void online_softmax_pairs(const float (&s)[kPairs][2]
         }
         st.l[r] = st.l[r] * alpha[r] + sum;
     }
-#pragma unroll
-    for (int j = 0; j < kNT; ++j) {
-        o[j][0] *= alpha[0];
-        o[j][1] *= alpha[0];
-        o[j][2] *= alpha[1];
-        o[j][3] *= alpha[1];
-    }
+    // Dropout acts on the SpMM's P only: the row sums above are of the full P.
 #pragma unroll
     for (int c = 0; c < kPairs; ++c) {
-        // Dropout acts on the SpMM's P only: the row sums above are of the full P.
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) x[c][b][i] = drop(c, b, i, x[c][b][i]);
         }
-        // P as the A operand of m16n8k16: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
-        p[c][0] = TypeTraits<T>::pack(x[c][0][0], x[c][0][1]);   // row g,   k 2t, 2t+1
-        p[c][1] = TypeTraits<T>::pack(x[c][0][2], x[c][0][3]);   // row g+8, k 2t, 2t+1
-        p[c][2] = TypeTraits<T>::pack(x[c][1][0], x[c][1][1]);   // row g,   k 2t+8, 2t+9
-        p[c][3] = TypeTraits<T>::pack(x[c][1][2], x[c][1][3]);   // row g+8, k 2t+8, 2t+9
     }
+    softmax_rescale_and_pack<T>(x, alpha, o, p);
+}
+
+// A tile of kPairs pairs every score of which counts, without bias or
+// dropout (the inside of a sequence mask's band): no mask tests, and the
+// scale folded into the exponent, exp2(s * scale - m) in one FFMA per score.
+// The row max is taken on the raw scores, which needs scale_log2 >= 0 (the
+// sequence op passes a negative scale as -q and -scale). Same state, O
+// rescale and P fragments as online_softmax_pairs.
+template <typename T, int kNT, int kPairs>
+__device__ __forceinline__ void online_softmax_full(float (&s)[kPairs][2][4], float scale_log2, SoftmaxState& st,
+                                                    float (&o)[kNT][4], uint32_t (&p)[kPairs][4]) {
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < kPairs; ++c) {
+            mx = fmaxf(mx, fmaxf(fmaxf(s[c][0][2 * r], s[c][0][2 * r + 1]), fmaxf(s[c][1][2 * r], s[c][1][2 * r + 1])));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(st.m[r], mx * scale_log2);
+        const float m_ref = (m_new == -INFINITY) ? 0.f : m_new;
+        alpha[r] = fast_exp2(st.m[r] - m_ref);
+        st.m[r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int c = 0; c < kPairs; ++c) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                s[c][b][2 * r] = fast_exp2(fmaf(s[c][b][2 * r], scale_log2, -m_ref));
+                s[c][b][2 * r + 1] = fast_exp2(fmaf(s[c][b][2 * r + 1], scale_log2, -m_ref));
+                sum += s[c][b][2 * r] + s[c][b][2 * r + 1];
+            }
+        }
+        st.l[r] = st.l[r] * alpha[r] + sum;
+    }
+    softmax_rescale_and_pack<T>(s, alpha, o, p);
 }
 
 // One pair: the graph kernels' step. bias: the pair's edge terms

@@ -68,7 +68,7 @@ struct SeqBwdConfig {
 };
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_kernel(const SeqBwdParams p) {
+__global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_kernel(const __grid_constant__ SeqBwdParams p) {
     using Cfg = SeqBwdConfig<kHeadDim>;
     using Tile = typename Cfg::Tile;
     using DsTile = typename Cfg::DsTile;
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
                           c, warp, lane);
     };
     // (the walk's first barrier also covers Q, dO, lse and delta, copied above)
-    seq_walk_tiles(mk, blk, load_tile, [&](const SeqTileCursor& cur, int stage) {
+    seq_walk_tiles(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTileCursor& cur, int stage, bool full) {
         const int32_t n0 = cur.tile * kSeqTileKeys + 16 * warp;   // this warp's keys in the segment
         float dk[kNT][4], dv[kNT][4];
 #pragma unroll
@@ -144,8 +144,8 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
         }
 #pragma unroll 1
         for (int m = 0; m < Cfg::kMTiles; ++m) {
-            uint32_t bits;
-            const bool any = seq_pair_bits<true>(mk, seq_sub_window(blk, m), cur.part, cur.ks, n0, lane, bits);   // warp-uniform
+            uint32_t bits = 0xFFu;   // a full tile: every query of the block sees every key
+            const bool any = full || seq_pair_bits<true>(mk, seq_sub_window(blk, m), cur.part, cur.ks, n0, lane, bits);   // warp-uniform
             uint32_t pa[4] = {0u, 0u, 0u, 0u}, dsa[4] = {0u, 0u, 0u, 0u};
             if (any) {
                 // S^T [16 keys, 16 queries] = K_w Q_m^T and dP^T = V_w dO_m^T

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <cmath>
+#include <type_traits>
 #include <cuda_runtime.h>
 
 #include "seq_params.h"
@@ -55,7 +56,7 @@ struct SeqFwdConfig {
 
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(SeqFwdConfig<kHeadDim>::kThreads, SeqFwdConfig<kHeadDim>::kMinBlocks)
-seq_fwd_kernel(const SeqFwdParams p) {
+seq_fwd_kernel(const __grid_constant__ SeqFwdParams p) {
     using Cfg = SeqFwdConfig<kHeadDim>;
     using Tile = typename Cfg::Tile;
     constexpr int kNT = Cfg::kNT;
@@ -112,18 +113,28 @@ seq_fwd_kernel(const SeqFwdParams p) {
         seq_load_kv<Tile>(k_slice(stage, warp), v_slice(stage, warp), k, p.k_row_stride, v, p.v_row_stride, mk, blk,
                           c, warp, lane);
     };
-    seq_walk_tiles(mk, blk, load_tile, [&](const SeqTileCursor& cur, int stage) {
-        uint32_t bits[kM][Cfg::kSlices], any = 0u;
+    // One tile: S = Q K^T, k-step by k-step over all pairs (independent mma
+    // chains), the softmax step over its 64 keys, O += P V. A full tile (the
+    // inside of a band: seq_tile_full for the whole block) takes no mask
+    // bits, no per-pair branches and the scale folded into the exponent;
+    // otherwise pairs no query of this warp sees are skipped (masked).
+    auto tile_step = [&](auto full_tag, const SeqTileCursor& cur, int stage) {
+        constexpr bool kFull = decltype(full_tag)::value;
+        constexpr uint32_t kAll = (1u << Cfg::kSlices) - 1u;
+        uint32_t bits[kM][Cfg::kSlices], any = kAll;
+        if constexpr (!kFull) {
+            any = 0u;
 #pragma unroll
-        for (int i = 0; i < kM; ++i) any |= seq_tile_bits(mk, win[i], cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, bits[i]);
-        // S of the tile's pairs, k-step by k-step over all pairs (independent
-        // mma chains); pairs no query of this warp sees are skipped (masked).
+            for (int i = 0; i < kM; ++i) {
+                any |= seq_tile_bits(mk, win[i], cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, bits[i]);
+            }
+        }
         float s[kM][Cfg::kSlices][2][4] = {};
 #pragma unroll
         for (int step = 0; step < Cfg::kSteps; ++step) {
 #pragma unroll
             for (int sl = 0; sl < Cfg::kSlices; ++sl) {
-                if (!((any >> sl) & 1u)) continue;   // warp-uniform
+                if (!kFull && !((any >> sl) & 1u)) continue;   // warp-uniform
                 uint32_t b[4];
                 Tile::bt_frags(b, k_slice(stage, sl), step, lane);
 #pragma unroll
@@ -133,17 +144,20 @@ seq_fwd_kernel(const SeqFwdParams p) {
                 }
             }
         }
-        // One softmax step over the tile's 64 keys per m-tile.
         uint32_t pa[kM][Cfg::kSlices][4];
-        auto no_bias = [](int, int, int, float v) { return v; };
 #pragma unroll
         for (int i = 0; i < kM; ++i) {
-            online_softmax_pairs<T, kNT, Cfg::kSlices>(s[i], bits[i], p.scale_log2, no_bias, no_bias, st[i], o[i], pa[i]);
+            if constexpr (kFull) {
+                online_softmax_full<T, kNT, Cfg::kSlices>(s[i], p.scale_log2, st[i], o[i], pa[i]);
+            } else {
+                auto no_bias = [](int, int, int, float v) { return v; };
+                online_softmax_pairs<T, kNT, Cfg::kSlices>(s[i], bits[i], p.scale_log2, no_bias, no_bias, st[i], o[i],
+                                                           pa[i]);
+            }
         }
-        // O += P V
 #pragma unroll
         for (int sl = 0; sl < Cfg::kSlices; ++sl) {
-            if (!((any >> sl) & 1u)) continue;
+            if (!kFull && !((any >> sl) & 1u)) continue;
 #pragma unroll
             for (int jj = 0; jj < kNT / 2; ++jj) {
                 uint32_t b[4];
@@ -155,6 +169,10 @@ seq_fwd_kernel(const SeqFwdParams p) {
                 }
             }
         }
+    };
+    seq_walk_tiles(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTileCursor& cur, int stage, bool full) {
+        if (full) tile_step(std::true_type{}, cur, stage);
+        else tile_step(std::false_type{}, cur, stage);
     });
 
     // O in the mma C layout: row g (c0, c1) and g + 8 (c2, c3), d = 8j + 2t, 2t+1.

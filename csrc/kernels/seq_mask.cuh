@@ -333,41 +333,53 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
 
 // The bits of a tile's pairs by pair tests (band edges, overlapping parts,
 // short segments): kept out of line, so that the kernel's loop over the
-// inside of a band stays small in the instruction cache.
-static __host__ __device__ __noinline__ uint32_t seq_tile_bits_slow(const SeqMask& mk, const SeqWindow& win, int part,
-                                                             const KeySeg& ks, int32_t n0, int lane, uint32_t* bits) {
-    uint32_t on = 0u;
+// inside of a band stays small in the instruction cache. Returned in one
+// register pair (no array through local memory): pair sl's bits at bit
+// 8 sl of the low word, the pairs the warp computes at bit sl of the high.
+static __host__ __device__ __noinline__ uint64_t seq_tile_bits_slow(const SeqMask& mk, const SeqWindow& win, int part,
+                                                                    const KeySeg& ks, int32_t n0, int lane) {
+    uint32_t on = 0u, packed = 0u;
 #pragma unroll
     for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {
-        if (seq_pair_bits(mk, win, part, ks, n0 + 16 * sl, lane, bits[sl])) on |= 1u << sl;
-        else bits[sl] = 0u;
+        uint32_t b;
+        if (seq_pair_bits(mk, win, part, ks, n0 + 16 * sl, lane, b)) {
+            on |= 1u << sl;
+            packed |= b << (8 * sl);
+        }
     }
-    return on;
+    return (static_cast<uint64_t>(on) << 32) | packed;
+}
+
+// Does part `part` alone give every query of `win` (all `rows` of it valid)
+// every key of the tile n0 .. n0+63, with no earlier part near it? Then
+// the tile needs no mask bits: the inside of a band. Uniform across the
+// threads that share win (a warp's sub-window, or a whole row block).
+GT_SEQ_HD bool seq_tile_full(const SeqMask& mk, const SeqWindow& win, int32_t rows, int part, const KeySeg& ks,
+                             int32_t n0) {
+    if (win.rows != rows || ks.count - n0 < kSeqTileKeys) return false;
+    const int32_t jlo = seg_key(mk, ks, n0), jhi = seg_key(mk, ks, n0 + kSeqTileKeys - 1);
+    for (int q = 0; q < part; ++q) {
+        if (seq_part_may_reach(mk, mk.parts[q], win, jlo, jhi)) return false;
+    }
+    return seq_part_covers(mk.parts[part], win, ks, jlo, jhi);
 }
 
 // The bits of the tile's four pairs (keys n0 .. n0+63) for sub-window win:
 // bits[sl] of pair sl (0 for pairs the warp skips); returns the pairs the
-// warp computes (bit sl). A tile wholly inside its part's band for every
-// query of win, with no earlier part near it, takes one test instead of four
-// (the inside of a band).
+// warp computes (bit sl). A full tile (seq_tile_full) takes one test instead
+// of four.
 GT_SEQ_HD uint32_t seq_tile_bits(const SeqMask& mk, const SeqWindow& win, int part, const KeySeg& ks, int32_t n0,
                                  int lane, uint32_t (&bits)[kSeqTileKeys / 16]) {
     constexpr int kPairs = kSeqTileKeys / 16;
-    if (win.rows == 16 && ks.count - n0 >= kSeqTileKeys) {
-        const int32_t jlo = seg_key(mk, ks, n0), jhi = seg_key(mk, ks, n0 + kSeqTileKeys - 1);
-        bool overlap = false;
-        for (int q = 0; q < part; ++q) overlap |= seq_part_may_reach(mk, mk.parts[q], win, jlo, jhi);
-        if (!overlap && seq_part_covers(mk.parts[part], win, ks, jlo, jhi)) {
+    if (seq_tile_full(mk, win, 16, part, ks, n0)) {
 #pragma unroll
-            for (int sl = 0; sl < kPairs; ++sl) bits[sl] = 0xFFu;
-            return (1u << kPairs) - 1u;
-        }
+        for (int sl = 0; sl < kPairs; ++sl) bits[sl] = 0xFFu;
+        return (1u << kPairs) - 1u;
     }
-    uint32_t tmp[kPairs];
-    const uint32_t on = seq_tile_bits_slow(mk, win, part, ks, n0, lane, tmp);
+    const uint64_t r = seq_tile_bits_slow(mk, win, part, ks, n0, lane);
 #pragma unroll
-    for (int sl = 0; sl < kPairs; ++sl) bits[sl] = tmp[sl];
-    return on;
+    for (int sl = 0; sl < kPairs; ++sl) bits[sl] = static_cast<uint32_t>(r >> (8 * sl)) & 0xFFu;
+    return static_cast<uint32_t>(r >> 32);
 }
 
 }  // namespace gt_fused3s

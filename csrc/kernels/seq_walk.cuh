@@ -14,22 +14,44 @@ namespace gt_fused3s {
 
 // Warp `warp` copies keys 16 warp .. 16 warp + 15 of the tile under `c` (rows
 // of k and v; zeros past the segment's end) into K and V slices of a stage.
+// Lane l copies 16-byte chunk l % kChunksPerRow of the slice's rows
+// l / kChunksPerRow + (32 / kChunksPerRow) i: a segment's rows are an
+// arithmetic progression, so the lane's addresses are one product and adds.
 template <typename Tile>
 __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, const uint16_t* k, int64_t k_stride,
                                             const uint16_t* v, int64_t v_stride, const SeqMask& mk,
                                             const SeqWindow& blk, const SeqTileCursor& c, int warp, int lane) {
-    const int32_t n = c.tile * kSeqTileKeys + 16 * warp + (lane & 15);
-    const int row = (lane < 16 && n < c.ks.count) ? static_cast<int>(blk.doc_start + seg_key(mk, c.ks, n)) : -1;
-    Tile::load_async(k_dst, k, k_stride, v_dst, v, v_stride, row, lane);
+    constexpr int kPerRow = Tile::kChunksPerRow, kRowsApart = 32 / kPerRow;
+    const int ch = lane % kPerRow, r0 = lane / kPerRow;
+    const int32_t n0 = c.tile * kSeqTileKeys + 16 * warp + r0;
+    const int64_t step = c.ks.step;
+    const int64_t tok0 = blk.doc_start + (step != 0 ? c.ks.start + step * n0 : 0);
+    const uint16_t* kp = k + tok0 * k_stride + 8 * ch;
+    const uint16_t* vp = v + tok0 * v_stride + 8 * ch;
+#pragma unroll
+    for (int i = 0; i < Tile::kChunksPerLane; ++i) {
+        const int32_t n = n0 + kRowsApart * i;
+        const bool valid = n < c.ks.count;
+        int64_t dk = step * kRowsApart * i * k_stride, dv = step * kRowsApart * i * v_stride;
+        if (step == 0) {   // the global list: its own rows
+            const int64_t off = valid ? static_cast<int64_t>(mk.global_idx[n]) : 0;
+            dk = off * k_stride;
+            dv = off * v_stride;
+        }
+        const uint32_t at = Tile::at(r0 + kRowsApart * i, 8 * ch);
+        cp_async_16(k_dst + at, valid ? kp + dk : k, valid);
+        cp_async_16(v_dst + at, valid ? vp + dv : v, valid);
+    }
     cp_async_commit();
 }
 
 // load_kv(cursor, stage) starts a tile's copy into `stage`; body(cursor,
-// stage) computes a tile whose K and V are in `stage`, between two block
-// barriers (every warp's copy has landed before it; every warp is done with
-// the stage before it is refilled). Uniform across the block.
+// stage, full) computes a tile whose K and V are in `stage`, between two
+// block barriers (every warp's copy has landed before it; every warp is done
+// with the stage before it is refilled); full: seq_tile_full for the whole
+// block of `rows` queries (no mask bits needed). Uniform across the block.
 template <typename LoadKV, typename Body>
-__device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindow& blk, LoadKV&& load_kv,
+__device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindow& blk, int32_t rows, LoadKV&& load_kv,
                                                Body&& body) {
     SeqTileCursor cur;
     bool more = cur.first(mk, blk);
@@ -44,8 +66,9 @@ __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindo
         } else {
             cp_async_wait<0>();
         }
+        const bool full = seq_tile_full(mk, blk, rows, cur.part, cur.ks, cur.tile * kSeqTileKeys);
         __syncthreads();
-        body(cur, stage);
+        body(cur, stage, full);
         __syncthreads();
         cur = nxt;
         more = has_next;

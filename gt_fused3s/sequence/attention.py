@@ -311,7 +311,10 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         cu_windows = _windows(cu, stride, rows)
         num_windows = (T + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
-    out = _fused(qf, kf, vf, cu, cu_windows, code, scale, num_windows)
+    # The kernel takes the row max on raw scores (the scale folded into the
+    # exponent), so it needs scale >= 0: q . k * s == (-q) . k * (-s).
+    qs, ss = (qf, scale) if scale >= 0 else (-qf, -scale)
+    out = _fused(qs, kf, vf, cu, cu_windows, code, ss, num_windows)
     global_rows = umask.global_rows(L if batched else 1 << 62)
     if global_rows and batched:
         return _global_rows_dense(q, k, v, out.reshape(q.shape), global_rows, scale, None)
