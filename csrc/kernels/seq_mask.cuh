@@ -336,8 +336,10 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
 // inside of a band stays small in the instruction cache. Returned in one
 // register pair (no array through local memory): pair sl's bits at bit
 // 8 sl of the low word, the pairs the warp computes at bit sl of the high.
-static __host__ __device__ __noinline__ uint64_t seq_tile_bits_slow(const SeqMask& mk, const SeqWindow& win, int part,
-                                                                    const KeySeg& ks, int32_t n0, int lane) {
+// The window and the segment come by value: by reference, the caller's copies
+// (the tile cursor) would live in local memory for the whole walk.
+static __host__ __device__ __noinline__ uint64_t seq_tile_bits_slow(const SeqMask& mk, const SeqWindow win, int part,
+                                                                    const KeySeg ks, int32_t n0, int lane) {
     uint32_t on = 0u, packed = 0u;
 #pragma unroll
     for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {

@@ -16,7 +16,8 @@ namespace gt_fused3s {
 // of k and v; zeros past the segment's end) into K and V slices of a stage.
 // Lane l copies 16-byte chunk l % kChunksPerRow of the slice's rows
 // l / kChunksPerRow + (32 / kChunksPerRow) i: a segment's rows are an
-// arithmetic progression, so the lane's addresses are one product and adds.
+// arithmetic progression, so the lane's addresses are one product and adds
+// (the global list's rows are looked up).
 template <typename Tile>
 __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, const uint16_t* k, int64_t k_stride,
                                             const uint16_t* v, int64_t v_stride, const SeqMask& mk,
@@ -24,23 +25,28 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
     constexpr int kPerRow = Tile::kChunksPerRow, kRowsApart = 32 / kPerRow;
     const int ch = lane % kPerRow, r0 = lane / kPerRow;
     const int32_t n0 = c.tile * kSeqTileKeys + 16 * warp + r0;
-    const int64_t step = c.ks.step;
-    const int64_t tok0 = blk.doc_start + (step != 0 ? c.ks.start + step * n0 : 0);
-    const uint16_t* kp = k + tok0 * k_stride + 8 * ch;
-    const uint16_t* vp = v + tok0 * v_stride + 8 * ch;
+    const uint32_t at0 = Tile::at(r0, 8 * ch), at_step = Tile::at(kRowsApart, 0);
+    if (c.ks.step != 0) {   // uniform: keys start + step n, rows of a progression
+        const int64_t tok0 = blk.doc_start + c.ks.start + static_cast<int64_t>(c.ks.step) * n0;
+        const uint16_t* kp = k + tok0 * k_stride + 8 * ch;
+        const uint16_t* vp = v + tok0 * v_stride + 8 * ch;
+        const int64_t dk = static_cast<int64_t>(c.ks.step) * kRowsApart * k_stride;
+        const int64_t dv = static_cast<int64_t>(c.ks.step) * kRowsApart * v_stride;
 #pragma unroll
-    for (int i = 0; i < Tile::kChunksPerLane; ++i) {
-        const int32_t n = n0 + kRowsApart * i;
-        const bool valid = n < c.ks.count;
-        int64_t dk = step * kRowsApart * i * k_stride, dv = step * kRowsApart * i * v_stride;
-        if (step == 0) {   // the global list: its own rows
-            const int64_t off = valid ? static_cast<int64_t>(mk.global_idx[n]) : 0;
-            dk = off * k_stride;
-            dv = off * v_stride;
+        for (int i = 0; i < Tile::kChunksPerLane; ++i) {   // past the segment: zeros, nothing read
+            const bool valid = n0 + kRowsApart * i < c.ks.count;
+            cp_async_16(k_dst + at0 + i * at_step, kp + i * dk, valid);
+            cp_async_16(v_dst + at0 + i * at_step, vp + i * dv, valid);
         }
-        const uint32_t at = Tile::at(r0 + kRowsApart * i, 8 * ch);
-        cp_async_16(k_dst + at, valid ? kp + dk : k, valid);
-        cp_async_16(v_dst + at, valid ? vp + dv : v, valid);
+    } else {   // the global list: its own rows
+#pragma unroll
+        for (int i = 0; i < Tile::kChunksPerLane; ++i) {
+            const int32_t n = n0 + kRowsApart * i;
+            const bool valid = n < c.ks.count;
+            const int64_t tok = blk.doc_start + (valid ? mk.global_idx[n] : 0);
+            cp_async_16(k_dst + at0 + i * at_step, k + tok * k_stride + 8 * ch, valid);
+            cp_async_16(v_dst + at0 + i * at_step, v + tok * v_stride + 8 * ch, valid);
+        }
     }
     cp_async_commit();
 }
