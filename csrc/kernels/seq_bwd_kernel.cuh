@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
                           c, warp, lane);
     };
     // (the walk's first barrier also covers Q, dO, lse and delta, copied above)
-    seq_walk_tiles<2>(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTileCursor& cur, int stage, bool full) {
+    seq_walk_tiles(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTileCursor& cur, int stage, bool full) {
         const int32_t n0 = cur.tile * kSeqTileKeys + 16 * warp;   // this warp's keys in the segment
         float dk[kNT][4], dv[kNT][4];
 #pragma unroll

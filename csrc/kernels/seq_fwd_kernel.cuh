@@ -46,13 +46,11 @@ struct SeqFwdConfig {
     static constexpr int kNT = kHeadDim / 8;      // n-tiles of O
     static constexpr int kSteps = kHeadDim / 16;  // k-steps of S
     using Tile = RowTile<kHeadDim>;
-    // Shared memory: 3 stages x (K, V) x 4 slices of 16 keys (seq_walk.cuh:
-    // two tiles in flight, one barrier per tile).
-    static constexpr int kStages = 3;
+    // Shared memory: 2 stages x (K, V) x 4 slices of 16 keys.
     static constexpr int kSlices = kSeqTileKeys / 16;
     static_assert(kSlices == kWarps, "each warp copies one slice of a tile");
     static constexpr int kStageBytes = 2 * kSlices * Tile::kBytes;
-    static constexpr int kSmemBytes = kStages * kStageBytes;
+    static constexpr int kSmemBytes = 2 * kStageBytes;
     static constexpr int kMinBlocks = kHeadDim <= 64 ? 3 : 2;   // 4 (128 registers, all of L1 as shared memory) measured 3-15% slower
 };
 
@@ -172,7 +170,7 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p) {
             }
         }
     };
-    seq_walk_tiles<Cfg::kStages>(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTileCursor& cur, int stage, bool full) {
+    seq_walk_tiles(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTileCursor& cur, int stage, bool full) {
         if (full) tile_step(std::true_type{}, cur, stage);
         else tile_step(std::false_type{}, cur, stage);
     });

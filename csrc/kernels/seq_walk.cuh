@@ -51,62 +51,34 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
     cp_async_commit();
 }
 
-// load_kv(cursor, stage) starts a tile's copy into `stage` (one cp.async
-// group); body(cursor, stage, full) computes a tile whose K and V are in
-// `stage`; full: seq_tile_full for the whole block of `rows` queries (no mask
-// bits needed). Uniform across the block.
-//
-// kStages = 2: the next tile copies while this one computes, two block
-// barriers per tile (every warp's copy has landed before the body; every
-// warp is done with the stage before it is refilled). kStages = 3: two tiles
-// ahead and one barrier per tile: the stage refilled after the barrier of
-// tile t is that of tile t - 1, which every warp has left by then.
-template <int kStages, typename LoadKV, typename Body>
+// load_kv(cursor, stage) starts a tile's copy into `stage`; body(cursor,
+// stage, full) computes a tile whose K and V are in `stage`, between two
+// block barriers (every warp's copy has landed before it; every warp is done
+// with the stage before it is refilled); full: seq_tile_full for the whole
+// block of `rows` queries (no mask bits needed). Uniform across the block.
+template <typename LoadKV, typename Body>
 __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindow& blk, int32_t rows, LoadKV&& load_kv,
                                                Body&& body) {
-    static_assert(kStages == 2 || kStages == 3, "two or three stages");
     SeqTileCursor cur;
     bool more = cur.first(mk, blk);
-    if (!more) return;
-    load_kv(cur, 0);
-    SeqTileCursor nxt = cur;
-    bool has_next = nxt.next(mk, blk);
+    if (more) load_kv(cur, 0);
     int stage = 0;
-    if constexpr (kStages == 2) {
-        while (true) {
-            if (has_next) {
-                load_kv(nxt, stage ^ 1);   // flies while this tile computes
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            const bool full = seq_tile_full(mk, blk, rows, cur.part, cur.ks, cur.tile * kSeqTileKeys);
-            __syncthreads();
-            body(cur, stage, full);
-            __syncthreads();
-            if (!has_next) break;
-            cur = nxt;
-            has_next = nxt.next(mk, blk);
-            stage ^= 1;
+    while (more) {
+        SeqTileCursor nxt = cur;
+        const bool has_next = nxt.next(mk, blk);
+        if (has_next) {
+            load_kv(nxt, stage ^ 1);   // flies while this tile computes
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
-    } else {
-        if (has_next) load_kv(nxt, 1);
-        else cp_async_commit();   // one group per tile, empty past the end
-        while (true) {
-            cp_async_wait<1>();   // this tile's group has landed (the next may fly)
-            const bool full = seq_tile_full(mk, blk, rows, cur.part, cur.ks, cur.tile * kSeqTileKeys);
-            __syncthreads();
-            SeqTileCursor after = nxt;
-            const bool has_after = has_next && after.next(mk, blk);
-            if (has_after) load_kv(after, stage == 0 ? 2 : stage - 1);
-            else cp_async_commit();
-            body(cur, stage, full);
-            if (!has_next) break;
-            cur = nxt;
-            nxt = after;
-            has_next = has_after;
-            stage = stage == 2 ? 0 : stage + 1;
-        }
+        const bool full = seq_tile_full(mk, blk, rows, cur.part, cur.ks, cur.tile * kSeqTileKeys);
+        __syncthreads();
+        body(cur, stage, full);
+        __syncthreads();
+        cur = nxt;
+        more = has_next;
+        stage ^= 1;
     }
 }
 
