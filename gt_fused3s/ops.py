@@ -832,3 +832,114 @@ def edge_scatter(w: Tensor, a: Tensor, idx: Tensor, num_nodes: int,
     if torch.compiler.is_compiling():
         return _edge_scatter_term(w, a, idx, num_nodes, rowptr, order)
     return _EdgeScatter.apply(w, a, idx, num_nodes, rowptr, order)
+
+
+# ---------------------------------------------------------------------------
+# Sequence attention's kernels (csrc/kernels/seq_*): the row-block contract
+# they share with their callers, and their autograd, registered twice as the
+# graph attention's is: an autograd.Function for eager mode (lower host time)
+# and a custom op with its own autograd for torch.compile, which traces it as
+# one opaque op (no trace of the kernels' backward by dynamo: see
+# edge_dot_term above for what that once did to the edge products).
+
+SEQ_HEAD_DIMS = (32, 64, 128)   # the head dims the sequence kernels are compiled for
+
+
+def seq_block_rows(head_dim: int, backward: bool = False) -> int:
+    """Queries per thread block of the sequence kernels for the compiled head
+    dim (seq_params.h: seq_block_rows, seq_bwd_block_rows): the backward's are
+    larger for D <= 64 (half the atomics on dK and dV)."""
+    if backward:
+        return 128 if head_dim <= 64 else 64
+    return 64
+
+
+def seq_windows(cu: Tensor, stride: int, rows: int) -> Tensor:
+    """cu_windows: the first row block (of ``rows`` queries) of each document
+    of ``cu`` (int32 token offsets), for mask row stride ``stride``
+    (seq_params.h: SeqFwdParams)."""
+    lens = (cu[1:] - cu[:-1]).long()
+    per = stride * ((lens + stride - 1) // stride + rows - 1).div(rows, rounding_mode="floor")
+    return torch.cat([per.new_zeros(1), per.cumsum(0)]).to(torch.int32)
+
+
+def _seq_operands(q: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors in the kernels' dtype (q's if fp16 / bf16, else fp16) with
+    the head dim zero-padded to a compiled one (32, 64, 128)."""
+    cdt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    Dp = next(d for d in SEQ_HEAD_DIMS if d >= q.size(-1))
+    return tuple(_kernel_operand(t, cdt, Dp) for t in tensors)
+
+
+def _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows) -> tuple[Tensor, Tensor]:
+    """(out in q's dtype and head dim, the kernel's log-sum-exp [T, H] fp32)."""
+    qk, kk, vk = _seq_operands(q, q, k, v)
+    out, lse = _op("seq_fwd")(qk, kk, vk, cu, cu_windows, code, scale, num_windows,
+                              seq_block_rows(qk.size(-1)))
+    return out[..., :q.size(-1)].to(q.dtype), lse
+
+
+def _seq_backward(grad_out, q, k, v, out, lse, cu, code, scale, need) -> tuple:
+    D = q.size(-1)
+    # delta_i = sum_d dO_id O_id: the softmax's share of dP in dS = P (dP - delta)
+    delta = (grad_out.float() * out.float()).sum(-1)
+    gk, qk, kk, vk = _seq_operands(q, grad_out, q, k, v)
+    rows, stride = seq_block_rows(qk.size(-1), backward=True), code[0]
+    num_windows = (q.size(0) + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
+    grads = _op("seq_bwd")(gk, qk, kk, vk, lse, delta, cu, seq_windows(cu, stride, rows), code, scale,
+                           num_windows, rows)
+    return tuple(g[..., :D].to(t.dtype) if n else None for g, t, n in zip(grads, (q, k, v), need))
+
+
+class _SeqAttention(torch.autograd.Function):
+    """Eager-mode twin of ``gt_fused3s::seq_attention``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, cu_windows, code, scale, num_windows):
+        out, lse = _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows)
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.code, ctx.scale = code, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = _seq_backward(grad_out, *ctx.saved_tensors, ctx.code, ctx.scale, ctx.needs_input_grad[:3])
+        return grads + (None,) * 5
+
+
+@torch.library.custom_op("gt_fused3s::seq_attention", mutates_args=())
+def _seq_attention_op(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
+                      scale: float, num_windows: int) -> tuple[Tensor, Tensor]:
+    _build.load_extension()
+    return _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows)
+
+
+@_seq_attention_op.register_fake
+def _(q, k, v, cu, cu_windows, code, scale, num_windows):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def _seq_setup_context(ctx, inputs, output):
+    q, k, v, cu, _cu_windows, code, scale, _num_windows = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu)
+    ctx.code, ctx.scale = code, scale
+
+
+def _seq_attention_backward(ctx, grad_out, _grad_lse):
+    grads = _seq_backward(grad_out, *ctx.saved_tensors, ctx.code, ctx.scale, ctx.needs_input_grad[:3])
+    return grads + (None,) * 5
+
+
+_seq_attention_op.register_autograd(_seq_attention_backward, setup_context=_seq_setup_context)
+
+
+def seq_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
+                  scale: float, num_windows: int) -> Tensor:
+    """The sequence kernels on [T, H, D] (``gt_fused3s.sequence`` prepares the
+    arguments: documents ``cu``, row blocks ``cu_windows`` of
+    :func:`seq_block_rows` queries, the mask's ``kernel_code``, scale >= 0):
+    the output, differentiable in q, k and v."""
+    if torch.compiler.is_compiling():
+        return _seq_attention_op(q, k, v, cu, cu_windows, code, scale, num_windows)[0]
+    return _SeqAttention.apply(q, k, v, cu, cu_windows, code, scale, num_windows)

@@ -1,5 +1,5 @@
-"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``bwd``, ``probs``, the edge-term ops and
-``bsb_build``, with their contracts, so that the CPU suite runs everything
+"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``bwd``, ``probs``, the edge-term ops,
+``bsb_build`` and the sequence kernels ``seq_fwd`` / ``seq_bwd``, with their contracts, so that the CPU suite runs everything
 around the kernels: the plan, the registered ops and their fakes
 (``opcheck``), autograd, torch.compile tracing, casts and padding.
 
@@ -232,6 +232,76 @@ class StandIns:
             counters[2], counters[3] = lo, hi
         return g.rw_offset, cols, bitmap, g.window_order, g.edge_index, counters
 
+    # The sequence kernels (csrc/kernels/seq_*): dense per document over the
+    # mask decoded from the int list the kernel reads, with the row-block
+    # contract checked (block rows and cu_windows as the op computes them).
+    def seq_fwd(self, q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows):
+        _check_seq(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows, backward=False)
+        self.calls.append("seq_fwd")
+        out, lse = torch.zeros(q.shape), torch.full(q.shape[:2], float("-inf"))
+        for s, e, p in _seq_docs(q, k, cu_seqlens, mask, scale):
+            lse[s:e] = torch.logsumexp(p, -1).T
+            out[s:e] = torch.einsum("hij,jhd->ihd", _probs(p, lse[s:e]), v[s:e].float())
+        return out.to(q.dtype), lse
+
+    def seq_bwd(self, do, q, k, v, lse, delta, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows):
+        _check_seq(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows, backward=True)
+        assert do.dtype == q.dtype and do.shape == q.shape and delta.dtype == torch.float32
+        self.calls.append("seq_bwd")
+        dq, dk, dv = (torch.zeros(q.shape) for _ in range(3))
+        for s, e, p in _seq_docs(q, k, cu_seqlens, mask, scale):
+            torch.testing.assert_close(lse[s:e], torch.logsumexp(p, -1).T)   # the forward's
+            pr = _probs(p, lse[s:e])
+            g = do[s:e].float()
+            out = torch.einsum("hij,jhd->ihd", pr, v[s:e].float())
+            torch.testing.assert_close(delta[s:e], (g * out).sum(-1), atol=2e-2, rtol=2e-2)
+            dp = torch.einsum("ihd,jhd->hij", g, v[s:e].float())
+            ds = pr * (dp - delta[s:e].T.unsqueeze(-1))
+            dq[s:e] = torch.einsum("hij,jhd->ihd", ds, k[s:e].float()) * scale
+            dk[s:e] = torch.einsum("hij,ihd->jhd", ds, q[s:e].float()) * scale
+            dv[s:e] = torch.einsum("hij,ihd->jhd", pr, g)
+        return dq, dk, dv
+
+
+def seq_mask_of(code: list[int]):
+    """The mask a sequence kernel's int list describes (masks.kernel_code)."""
+    from gt_fused3s.sequence.masks import BlockDilated, Dilated, Global, Local, RandomBlocks, Union
+    n = code[1]
+    tokens = tuple(code[3 + 5 * n:3 + 5 * n + code[2 + 5 * n]])
+    parts = []
+    for kind, a, b, c, _ in (code[2 + 5 * i:7 + 5 * i] for i in range(n)):
+        parts.append({1: lambda: Local(a, right=b), 2: lambda: Dilated(a, c, right=b),
+                      3: lambda: BlockDilated(a, b, offset=c), 4: lambda: Global(tokens),
+                      5: lambda: RandomBlocks(a, b, seed=c % 2 ** 32)}[kind]())
+    return Union(*parts)
+
+
+def _check_seq(q, k, v, cu, cu_windows, code, scale, num_windows, block_rows, backward):
+    from gt_fused3s.ops import SEQ_HEAD_DIMS, seq_block_rows, seq_windows
+    assert q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) in SEQ_HEAD_DIMS
+    assert k.dtype == v.dtype == q.dtype and k.shape == v.shape == q.shape
+    assert scale >= 0, "the kernels take the row max of raw scores: scale >= 0"
+    assert cu.dtype == cu_windows.dtype == torch.int32 and int(cu[0]) == 0 and int(cu[-1]) == q.size(0)
+    assert block_rows == seq_block_rows(q.size(-1), backward)
+    assert torch.equal(cu_windows, seq_windows(cu, code[0], block_rows))
+    assert num_windows >= int(cu_windows[-1])
+
+
+def _seq_docs(q, k, cu, code, scale):
+    """(start, end, masked scores [H, L, L] fp32) per document."""
+    mask = seq_mask_of(code)
+    cu = cu.tolist()
+    for s, e in zip(cu, cu[1:]):
+        i = torch.arange(e - s)
+        on = mask.allowed(i[:, None], i[None, :], e - s)
+        sc = torch.einsum("ihd,jhd->hij", q[s:e].float(), k[s:e].float()) * scale
+        yield s, e, sc.masked_fill(~on, float("-inf"))
+
+
+def _probs(scores, lse):
+    """exp(scores - lse), 0 where a query has no key."""
+    return torch.exp(scores - lse.T.unsqueeze(-1)).nan_to_num(0.0)
+
 
 def _check_f32(*ts) -> None:
     for t in ts:
@@ -248,7 +318,8 @@ def install(monkeypatch) -> StandIns:
 
     stand_ins = StandIns()
     lib = torch.library.Library("gt_fused3s", "IMPL")
-    for name in ("fwd", "bwd", "bsb_build", "probs", "edge_dot", "edge_rows", "edge_scatter"):
+    for name in ("fwd", "bwd", "bsb_build", "probs", "edge_dot", "edge_rows", "edge_scatter", "seq_fwd",
+                 "seq_bwd"):
         lib.impl(name, getattr(stand_ins, name), "CPU")
     monkeypatch.setattr(ops_mod, "kernel_available", lambda device: True)
     monkeypatch.setattr(ops_mod, "_use_kernel", lambda q: True)

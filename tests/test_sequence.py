@@ -21,6 +21,7 @@ import torch
 from gt_fused3s.sequence import (BlockDilated, Dilated, Global, Local, RandomBlocks, Union, kernel_code,
                                  sequence_attention)
 from gt_fused3s.sequence.masks import candidate_keys
+from gt_fused3s.reference import sequence_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -273,3 +274,75 @@ def test_plot_sequence_times(tmp_path):
     assert path.stat().st_size > 1000
     with pytest.raises(ValueError, match="two lengths"):
         plot_sequence_times(rows[2:], tmp_path / "none.png")
+
+
+# The path around the sequence kernels on the CPU, through stand-ins of
+# seq_fwd / seq_bwd (tests/stand_in_kernels.py: dense per document, with the
+# row-block contract checked): casts, padding of the head dim, the negative
+# scale's sign flip, global rows written over, autograd (eager and traced).
+def _kernel_path_case(name, seed=0, D=48):
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(2, 150, 2, D, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    return MASKS[name], q, k, v, torch.randn(2, 150, 2, D, dtype=torch.float16)
+
+
+def _reference_grads(mask, q, k, v, g, scale=None):
+    leaves = [t.detach().float().reshape(300, 2, -1).requires_grad_() for t in (q, k, v)]
+    ref = sequence_reference(*leaves, mask, [0, 150, 300], scale)
+    return ref.reshape(g.shape), torch.autograd.grad(ref, leaves, g.float().reshape(300, 2, -1))
+
+
+def _assert_near(got, want, rel):
+    err, top = (got.float() - want).abs().max().item(), want.abs().max().item()
+    assert err <= rel * top, f"{err:.3e} > {rel:.0e} x {top:.3e}"
+
+
+@pytest.mark.parametrize("scale", [None, -0.3])
+@pytest.mark.parametrize("name", ["local-wider", "bigbird", "dilated", "global-then-wide"])
+def test_kernel_path_equals_reference(stand_in_kernels, name, scale):
+    mask, q, k, v, g = _kernel_path_case(name)
+    out = sequence_attention(q, k, v, mask, scale)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    assert {"seq_fwd", "seq_bwd"} <= set(stand_in_kernels.calls)
+    ref, want = _reference_grads(mask, q, k, v, g, scale)
+    _assert_near(out, ref, 1e-2)
+    for a, b in zip(got, want):
+        _assert_near(a.reshape(b.shape), b, 2e-2)
+
+
+@pytest.mark.parametrize("name", ["bigbird", "dilated"])
+def test_compiled_kernel_path_fullgraph_equals_eager(stand_in_kernels, name):
+    """torch.compile(fullgraph=True) traces the kernels' call as one custom op
+    with its own autograd (gt_fused3s::seq_attention): eager's output and
+    gradients."""
+    torch._dynamo.reset()
+    mask, q, k, v, g = _kernel_path_case(name, seed=1)
+    results = []
+    for fn in (sequence_attention, torch.compile(sequence_attention, fullgraph=True, backend="aot_eager")):
+        out = fn(q, k, v, mask)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+    assert stand_in_kernels.calls.count("seq_bwd") == 2
+
+
+def test_opcheck_seq_ops(stand_in_kernels):
+    from gt_fused3s import ops
+    from gt_fused3s.sequence.masks import kernel_code
+    torch.manual_seed(2)
+    mask = MASKS["bigbird"]
+    code = kernel_code(mask)
+    q, k, v, do = (torch.randn(200, 2, 64, dtype=torch.float16) for _ in range(4))
+    cu = torch.tensor([0, 120, 200], dtype=torch.int32)
+    fw, bw = (ops.seq_windows(cu, code[0], ops.seq_block_rows(64, b)) for b in (False, True))
+    out, lse = torch.ops.gt_fused3s.seq_fwd(q, k, v, cu, fw, code, 0.125, 10, 64)
+    delta = (do.float() * out.float()).sum(-1)
+    cases = [
+        (torch.ops.gt_fused3s.seq_fwd.default, (q, k, v, cu, fw, code, 0.125, 10, 64)),
+        (torch.ops.gt_fused3s.seq_bwd.default, (do, q, k, v, lse, delta, cu, bw, code, 0.125, 10, 128)),
+        (torch.ops.gt_fused3s.seq_attention.default,
+         (q.clone().requires_grad_(), k.clone().requires_grad_(), v, cu, fw, code, 0.125, 10)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",
+                                                    "test_autograd_registration"))

@@ -160,12 +160,11 @@ def test_backward_more_than_2_31_elements():
 
 
 def test_compiled_gradients_equal_eager():
-    """torch.compile of sequence_attention (graph breaks allowed): eager's
-    output and gradients. The edge-feature products' autograd.Functions once
-    got zero gradients under torch.compile on CUDA (dynamo traced their
-    backward with zeros for the incoming gradient); the kernels' call runs
-    behind a graph break for now (sequence/attention.py: _fused), and this
-    test is what will tell when it is traced instead."""
+    """torch.compile(fullgraph=True) of sequence_attention: the kernels'
+    call is one custom op with its own autograd (gt_fused3s::seq_attention);
+    eager's output and gradients. (The edge-feature products' traced
+    autograd.Functions once got zero gradients on CUDA only: dynamo traced
+    their backward with zeros for the incoming gradient.)"""
     torch._dynamo.reset()
     torch.manual_seed(6)
     mask = MASKS["longformer"]
@@ -173,7 +172,7 @@ def test_compiled_gradients_equal_eager():
                for _ in range(3))
     g = torch.randn(2, 200, 2, 64, device="cuda", dtype=torch.float16)
     results = []
-    for fn in (sequence_attention, torch.compile(sequence_attention)):
+    for fn in (sequence_attention, torch.compile(sequence_attention, fullgraph=True)):
         out = fn(q, k, v, mask)
         results.append((out, *torch.autograd.grad(out, (q, k, v), g)))
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):

@@ -24,17 +24,7 @@ from .. import ops
 from ..reference import sequence_reference
 from .masks import Mask, as_mask, kernel_code
 
-_KERNEL_DIMS = (32, 64, 128)
-
-
-def _block_rows(head_dim: int) -> int:
-    """Queries per thread block (seq_params.h: seq_block_rows)."""
-    return 64
-
-
-def _bwd_block_rows(head_dim: int) -> int:
-    """Queries per thread block of the backward (seq_params.h: seq_bwd_block_rows)."""
-    return 128 if head_dim <= 64 else 64
+_KERNEL_DIMS = ops.SEQ_HEAD_DIMS
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None) -> None:
@@ -70,14 +60,6 @@ def _host_offsets(cu_seqlens: Tensor, T: int) -> list[int]:
     return cu
 
 
-def _windows(cu: Tensor, stride: int, rows: int) -> Tensor:
-    """cu_windows: the first row block (of ``rows`` queries) of each document
-    (seq_params.h)."""
-    lens = (cu[1:] - cu[:-1]).long()
-    per = stride * ((lens + stride - 1) // stride + rows - 1).div(rows, rounding_mode="floor")
-    return torch.cat([per.new_zeros(1), per.cumsum(0)]).to(torch.int32)
-
-
 def _kernel_dim(D: int) -> int:
     """The compiled head dim D is padded to."""
     return next(d for d in _KERNEL_DIMS if d >= D)
@@ -98,67 +80,15 @@ def _batch_offsets(B: int, L: int, stride: int, rows: int, device: torch.device)
     got = _OFFSETS.get(key)
     if got is None:
         cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * L
-        got = _OFFSETS[key] = (cu, _windows(cu, stride, rows))
+        got = _OFFSETS[key] = (cu, ops.seq_windows(cu, stride, rows))
         if len(_OFFSETS) > 256:
             _OFFSETS.pop(next(iter(_OFFSETS)))
     return got
 
 
 def _kernel_fits(q: Tensor) -> bool:
-    return (q.is_cuda and ops.kernel_available(q.device) and q.size(-1) <= _KERNEL_DIMS[-1]
+    return (ops.kernel_available(q.device) and q.size(-1) <= _KERNEL_DIMS[-1]
             and q.size(-1) % 8 == 0)
-
-
-def _kernel_operands(q: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """The tensors in the kernel's dtype (q's if fp16 / bf16, else fp16) with
-    the head dim zero-padded to a compiled one."""
-    cdt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16
-    Dp = _kernel_dim(q.size(-1))
-    return tuple(ops._kernel_operand(t, cdt, Dp) for t in tensors)
-
-
-class _SeqAttention(torch.autograd.Function):
-    """The fused kernels: forward (out, and the log-sum-exp it saves) and
-    backward (csrc/kernels/seq_bwd_kernel.cuh) over the same key tiles."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, cu_windows, code, scale, num_windows):
-        D = q.size(-1)
-        qk, kk, vk = _kernel_operands(q, q, k, v)
-        out, lse = ops._op("seq_fwd")(qk, kk, vk, cu, cu_windows, code, scale, num_windows,
-                                      _block_rows(qk.size(-1)))
-        out = out[..., :D].to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, cu)
-        ctx.code, ctx.scale = code, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, cu = ctx.saved_tensors
-        D = q.size(-1)
-        # delta_i = sum_d dO_id O_id: the softmax's share of dP in dS = P (dP - delta)
-        delta = (grad_out.float() * out.float()).sum(-1)
-        gk, qk, kk, vk = _kernel_operands(q, grad_out, q, k, v)
-        # the backward's row blocks are larger than the forward's (fewer atomics)
-        rows, stride = _bwd_block_rows(qk.size(-1)), ctx.code[0]
-        num_windows = (q.size(0) + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
-        grads = ops._op("seq_bwd")(gk, qk, kk, vk, lse, delta, cu, _windows(cu, stride, rows), ctx.code,
-                                   ctx.scale, num_windows, rows)
-        return tuple(g[..., :D].to(t.dtype) if need else None
-                     for g, t, need in zip(grads, (q, k, v), ctx.needs_input_grad[:3])) + (None,) * 5
-
-
-# torch.compile does not trace the kernels' autograd.Function: it runs as in
-# eager mode, behind a graph break. Dynamo's trace of the edge products'
-# autograd.Functions (custom CUDA ops inside) fed their backward zeros for the
-# incoming gradient on CUDA (ops.py, edge_dot_term); until this one is checked
-# under tracing (tests/test_sequence_cuda.py: test_compiled_gradients_equal_eager)
-# or becomes a custom op with its own autograd, no trace is safer than a silent
-# zero gradient. A fullgraph=True compile therefore stops here with dynamo's
-# error.
-@torch.compiler.disable
-def _fused(q, k, v, cu, cu_windows, code, scale, num_windows):
-    return _SeqAttention.apply(q, k, v, cu, cu_windows, code, scale, num_windows)
 
 
 _LOW_BMM: list[bool] = []     # [whether torch.bmm takes out_dtype here], found on first use
@@ -302,19 +232,20 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
         out = sequence_reference(qf, kf, vf, umask, cu, scale, compute_dtype=cdt)
         return out.reshape(q.shape) if batched else out
 
-    code = _code_of(umask)
-    stride, rows = code[0], _block_rows(_kernel_dim(D))
+    # (dynamo ignores an lru_cache and warns: traced code takes the function itself)
+    code = kernel_code(umask) if torch.compiler.is_compiling() else _code_of(umask)
+    stride, rows = code[0], ops.seq_block_rows(_kernel_dim(D))
     if batched:
         cu, cu_windows = _batch_offsets(B, L, stride, rows, q.device)
         num_windows = B * stride * (((L + stride - 1) // stride + rows - 1) // rows)
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        cu_windows = _windows(cu, stride, rows)
+        cu_windows = ops.seq_windows(cu, stride, rows)
         num_windows = (T + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
     # The kernel takes the row max on raw scores (the scale folded into the
     # exponent), so it needs scale >= 0: q . k * s == (-q) . k * (-s).
     qs, ss = (qf, scale) if scale >= 0 else (-qf, -scale)
-    out = _fused(qs, kf, vf, cu, cu_windows, code, ss, num_windows)
+    out = ops.seq_attention(qs, kf, vf, cu, cu_windows, code, ss, num_windows)
     global_rows = umask.global_rows(L if batched else 1 << 62)
     if global_rows and batched:
         return _global_rows_dense(q, k, v, out.reshape(q.shape), global_rows, scale, None)
