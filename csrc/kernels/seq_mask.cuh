@@ -298,35 +298,43 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
         bits = 0xFFu;
         return true;
     }
+    // Element e = 4b + i of this thread: key kc of the pair and query qr of
+    // the sub-window. Forward: keys by column (8b + 2t + (i & 1)), queries
+    // g, g + 8 by row; kKeyRows: keys g, g + 8 by row, queries by column.
     const int g = lane >> 2, t = lane & 3;
-    auto key = [&](int c) { return c < valid ? seg_key(mk, ks, n0 + c) : -1; };
-    // forward: keys by column (2t, 2t+1, 8+2t, 9+2t), queries g, g+8 by row;
-    // kKeyRows: keys g, g+8 by row, queries by column
-    const int32_t jv[4] = {key(kKeyRows ? g : 2 * t), key(kKeyRows ? g : 2 * t + 1),
-                           key(kKeyRows ? g + 8 : 8 + 2 * t), key(kKeyRows ? g + 8 : 9 + 2 * t)};
-    const int32_t i0 = win.base + win.stride * g, i1 = i0 + 8 * win.stride;
-    const bool r0 = g < win.rows, r1 = g + 8 < win.rows;
+    auto coords = [&](int e, int& kc, int32_t& row) {
+        const int b = e >> 2, i = e & 3;
+        const int across = 8 * b + 2 * t + (i & 1), down = (i < 2) ? g : g + 8;
+        kc = kKeyRows ? down : across;
+        const int qr = kKeyRows ? across : down;
+        row = win.base + win.stride * qr;
+        return kc < valid && qr < win.rows;
+    };
+    if (!overlap && own.kind == kSeqLocal) {
+        // the edge of a band with nothing before it (most masked pairs): one
+        // range test per element, unrolled
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            int32_t j, row;
-            bool on;
-            if (kKeyRows) {
-                const int c = 8 * b + 2 * t + (i & 1);   // the query's column
-                j = jv[i < 2 ? 0 : 2];
-                row = win.base + win.stride * c;
-                on = j >= 0 && c < win.rows;
-            } else {
-                j = jv[2 * b + (i & 1)];
-                row = (i < 2) ? i0 : i1;
-                on = j >= 0 && ((i < 2) ? r0 : r1);
-            }
-            // the own part: by construction for global and random segments
-            if (on && own.kind != kSeqGlobal && own.kind != kSeqRandom) on = seq_part_allows(mk, own, row, j, win.len);
-            for (int q = 0; on && q < part; ++q) on = !seq_part_allows(mk, mk.parts[q], row, j, win.len);
-            bits |= static_cast<uint32_t>(on) << (4 * b + i);
+        for (int e = 0; e < 8; ++e) {
+            int kc;
+            int32_t row;
+            const bool in = coords(e, kc, row);
+            const int32_t d = seg_key(mk, ks, n0 + kc) - row;
+            bits |= static_cast<uint32_t>(in && d >= -own.a && d <= own.b) << e;
         }
+        return true;
+    }
+    // Everything else, element by element (a loop: unrolled, the switches of
+    // the part tests would be eight copies in the instruction cache).
+#pragma unroll 1
+    for (int e = 0; e < 8; ++e) {
+        int kc;
+        int32_t row;
+        bool on = coords(e, kc, row);
+        const int32_t j = on ? seg_key(mk, ks, n0 + kc) : -1;
+        // the own part: by construction for global and random segments
+        if (on && own.kind != kSeqGlobal && own.kind != kSeqRandom) on = seq_part_allows(mk, own, row, j, win.len);
+        for (int q = 0; on && q < part; ++q) on = !seq_part_allows(mk, mk.parts[q], row, j, win.len);
+        bits |= static_cast<uint32_t>(on) << e;
     }
     return true;
 }
@@ -341,7 +349,7 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
 static __host__ __device__ __noinline__ uint64_t seq_tile_bits_slow(const SeqMask& mk, const SeqWindow win, int part,
                                                                     const KeySeg ks, int32_t n0, int lane) {
     uint32_t on = 0u, packed = 0u;
-#pragma unroll
+#pragma unroll 1
     for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {
         uint32_t b;
         if (seq_pair_bits(mk, win, part, ks, n0 + 16 * sl, lane, b)) {
