@@ -100,6 +100,22 @@ def test_packed_documents_and_gradients(name):
     check_grads(got, q, k, v, g, mask, cu, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["local-wider", "dilated-wide", "global-then-wide"])
+def test_large_scores_equal_reference(name, dtype):
+    """Scores spread over tens of log2 units (q and k times 4, keys growing
+    along the sequence): the full tiles' lazy reference point (moved only
+    when a row's max passes it by 2^8) must move, and give the reference."""
+    torch.manual_seed(9)
+    L, H, D = 700, 2, 64
+    q = torch.randn(1, L, H, D, device="cuda") * 4
+    k = torch.randn(1, L, H, D, device="cuda") * 4 + torch.linspace(0, 3, L, device="cuda")[None, :, None, None]
+    v = torch.randn(1, L, H, D, device="cuda")
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out = sequence_attention(q, k, v, MASKS[name])
+    check(out[0], q[0], k[0], v[0], MASKS[name], [0, L], dtype)
+
+
 @pytest.mark.parametrize("name", ["local-wider", "bigbird"])
 def test_negative_scale_equals_reference(name):
     """A negative scale (the kernel folds the scale into its exponent after a

@@ -27,12 +27,9 @@ __device__ __forceinline__ void softmax_init(SoftmaxState& st) {
     st.l[0] = st.l[1] = 0.f;
 }
 
-// O rescaled by the rows' alpha (rows g, g+8), and P (probabilities of
-// kPairs pairs, mma C layout) packed as the A fragments of the SpMM's
-// m16n8k16: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
-template <typename T, int kNT, int kPairs>
-__device__ __forceinline__ void softmax_rescale_and_pack(const float (&x)[kPairs][2][4], const float (&alpha)[2],
-                                                         float (&o)[kNT][4], uint32_t (&p)[kPairs][4]) {
+// O rescaled by the rows' alpha (rows g, g+8).
+template <int kNT>
+__device__ __forceinline__ void softmax_rescale(float (&o)[kNT][4], const float (&alpha)[2]) {
 #pragma unroll
     for (int j = 0; j < kNT; ++j) {
         o[j][0] *= alpha[0];
@@ -40,6 +37,12 @@ __device__ __forceinline__ void softmax_rescale_and_pack(const float (&x)[kPairs
         o[j][2] *= alpha[1];
         o[j][3] *= alpha[1];
     }
+}
+
+// P (probabilities of kPairs pairs, mma C layout) packed as the A fragments
+// of the SpMM's m16n8k16: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
+template <typename T, int kPairs>
+__device__ __forceinline__ void softmax_pack(const float (&x)[kPairs][2][4], uint32_t (&p)[kPairs][4]) {
 #pragma unroll
     for (int c = 0; c < kPairs; ++c) {
         p[c][0] = TypeTraits<T>::pack(x[c][0][0], x[c][0][1]);   // row g,   k 2t, 2t+1
@@ -112,45 +115,67 @@ __device__ __forceinline__ void online_softmax_pairs(const float (&s)[kPairs][2]
             for (int i = 0; i < 4; ++i) x[c][b][i] = drop(c, b, i, x[c][b][i]);
         }
     }
-    softmax_rescale_and_pack<T>(x, alpha, o, p);
+    softmax_rescale(o, alpha);
+    softmax_pack<T>(x, p);
 }
 
 // A tile of kPairs pairs every score of which counts, without bias or
 // dropout (the inside of a sequence mask's band): no mask tests, and the
 // scale folded into the exponent, exp2(s * scale - m) in one FFMA per score.
 // The row max is taken on the raw scores, which needs scale_log2 >= 0 (the
-// sequence op passes a negative scale as -q and -scale). Same state, O
-// rescale and P fragments as online_softmax_pairs.
+// sequence op passes a negative scale as -q and -scale). Max and sum are
+// trees (a chain of 16 dependent adds per row was a fixed-latency stall).
+// The reference point m moves only when a row's max passes it by more than
+// kLazyLog2 (FlashAttention-4's conditional rescale): P stays below
+// 2^kLazyLog2 (fine in fp16 / bf16, the sums in fp32), and most tiles skip
+// the rescale of O and l. Same state (m: the reference, not necessarily
+// the max), O and P fragments as online_softmax_pairs.
 template <typename T, int kNT, int kPairs>
 __device__ __forceinline__ void online_softmax_full(float (&s)[kPairs][2][4], float scale_log2, SoftmaxState& st,
                                                     float (&o)[kNT][4], uint32_t (&p)[kPairs][4]) {
-    float alpha[2];
+    static_assert(kPairs == 4, "a tile of four pairs (the trees below)");
+    constexpr float kLazyLog2 = 8.f;
+    float mx[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float mx = -INFINITY;
+        float pm[kPairs];
 #pragma unroll
         for (int c = 0; c < kPairs; ++c) {
-            mx = fmaxf(mx, fmaxf(fmaxf(s[c][0][2 * r], s[c][0][2 * r + 1]), fmaxf(s[c][1][2 * r], s[c][1][2 * r + 1])));
+            pm[c] = fmaxf(fmaxf(s[c][0][2 * r], s[c][0][2 * r + 1]), fmaxf(s[c][1][2 * r], s[c][1][2 * r + 1]));
         }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(st.m[r], mx * scale_log2);
-        const float m_ref = (m_new == -INFINITY) ? 0.f : m_new;
-        alpha[r] = fast_exp2(st.m[r] - m_ref);
-        st.m[r] = m_new;
-        float sum = 0.f;
+        float m = fmaxf(fmaxf(pm[0], pm[1]), fmaxf(pm[2], pm[3]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        mx[r] = m * scale_log2;
+    }
+    // warp-uniform: move every row's reference when one row needs it
+    if (__any_sync(0xffffffffu, mx[0] > st.m[0] + kLazyLog2 || mx[1] > st.m[1] + kLazyLog2)) {
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float m_new = fmaxf(st.m[r], mx[r]);
+            alpha[r] = fast_exp2(st.m[r] - m_new);   // m_old = -inf -> 0 (l and o are 0 anyway)
+            st.m[r] = m_new;
+            st.l[r] *= alpha[r];
+        }
+        softmax_rescale(o, alpha);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float ps[kPairs];
 #pragma unroll
         for (int c = 0; c < kPairs; ++c) {
+            float e[4];
 #pragma unroll
             for (int b = 0; b < 2; ++b) {
-                s[c][b][2 * r] = fast_exp2(fmaf(s[c][b][2 * r], scale_log2, -m_ref));
-                s[c][b][2 * r + 1] = fast_exp2(fmaf(s[c][b][2 * r + 1], scale_log2, -m_ref));
-                sum += s[c][b][2 * r] + s[c][b][2 * r + 1];
+                e[2 * b] = s[c][b][2 * r] = fast_exp2(fmaf(s[c][b][2 * r], scale_log2, -st.m[r]));
+                e[2 * b + 1] = s[c][b][2 * r + 1] = fast_exp2(fmaf(s[c][b][2 * r + 1], scale_log2, -st.m[r]));
             }
+            ps[c] = (e[0] + e[1]) + (e[2] + e[3]);
         }
-        st.l[r] = st.l[r] * alpha[r] + sum;
+        st.l[r] += (ps[0] + ps[1]) + (ps[2] + ps[3]);
     }
-    softmax_rescale_and_pack<T>(s, alpha, o, p);
+    softmax_pack<T>(s, p);
 }
 
 // One pair: the graph kernels' step. bias: the pair's edge terms
