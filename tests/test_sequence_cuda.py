@@ -1,5 +1,5 @@
 """The sequence kernel against the fp32 reference (run on the GPU machine):
-every mask of test_sequence.py, fp16 and bf16, D in {64, 128}, H in {1, 8},
+every mask of test_sequence.py, fp16 and bf16, D in {32, 64, 128}, H in {1, 8},
 B in {1, 3}, forward and backward (the fused backward's gradients against
 the fp32 reference's); packed documents with gradients; a q of more than
 2^31 elements, forward and backward.
@@ -33,9 +33,9 @@ def check(out, q, k, v, mask, cu, dtype):
 
 
 def every_case(test):
-    """Every mask, fp16 and bf16, D 64 and 128, B1H8 and B3H1."""
+    """Every mask, fp16 and bf16, D 32, 64 and 128, B1H8 and B3H1."""
     for mark in (pytest.mark.parametrize("shape", [(1, 8), (3, 1)], ids=["B1H8", "B3H1"]),
-                 pytest.mark.parametrize("D", [64, 128]),
+                 pytest.mark.parametrize("D", [32, 64, 128]),
                  pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"]),
                  pytest.mark.parametrize("name", MASKS.keys())):
         test = mark(test)

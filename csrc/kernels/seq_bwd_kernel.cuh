@@ -65,6 +65,7 @@ struct SeqBwdConfig {
     static constexpr int kDsBytes = kSlices * DsTile::kBytes;
     static constexpr int kRowBytes = 2 * kBlockRows * 4;                 // lse (log2) and delta per query
     static constexpr int kSmemBytes = 2 * kStageBytes + kQdoBytes + kDsBytes + kRowBytes;
+    static constexpr bool kHoldKV = kHeadDim <= 64;   // K_w, V_w fragments held across m-tiles
 };
 
 template <typename T, int kHeadDim>
@@ -142,6 +143,19 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
         }
+        // K_w and V_w as A fragments are the same for every m-tile: at D <= 64
+        // they are read once per tile (a third of the warp's ldmatrix; the
+        // backward is bound by shared-memory reads), at D = 128 per m-tile
+        // (their 64 registers would spill)
+        constexpr int kHeld = Cfg::kHoldKV ? Cfg::kSteps : 1;
+        uint32_t ka[kHeld][4], va[kHeld][4];
+        if constexpr (Cfg::kHoldKV) {
+#pragma unroll
+            for (int step = 0; step < Cfg::kSteps; ++step) {
+                Tile::a_frag(ka[step], k_slice(stage, warp), step, lane);
+                Tile::a_frag(va[step], v_slice(stage, warp), step, lane);
+            }
+        }
 #pragma unroll 1
         for (int m = 0; m < Cfg::kMTiles; ++m) {
             uint32_t bits = 0xFFu;   // a full tile: every query of the block sees every key
@@ -152,15 +166,16 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
                 float s[2][4] = {}, dp[2][4] = {};
 #pragma unroll
                 for (int step = 0; step < Cfg::kSteps; ++step) {
-                    uint32_t a[4], b[4];
-                    Tile::a_frag(a, k_slice(stage, warp), step, lane);
+                    const int h = Cfg::kHoldKV ? step : 0;
+                    if constexpr (!Cfg::kHoldKV) Tile::a_frag(ka[0], k_slice(stage, warp), step, lane);
+                    uint32_t b[4];
                     Tile::bt_frags(b, q_slice(m), step, lane);
-                    mma_16816<T>(s[0], a, b[0], b[1]);
-                    mma_16816<T>(s[1], a, b[2], b[3]);
-                    Tile::a_frag(a, v_slice(stage, warp), step, lane);
+                    mma_16816<T>(s[0], ka[h], b[0], b[1]);
+                    mma_16816<T>(s[1], ka[h], b[2], b[3]);
+                    if constexpr (!Cfg::kHoldKV) Tile::a_frag(va[0], v_slice(stage, warp), step, lane);
                     Tile::bt_frags(b, do_slice(m), step, lane);
-                    mma_16816<T>(dp[0], a, b[0], b[1]);
-                    mma_16816<T>(dp[1], a, b[2], b[3]);
+                    mma_16816<T>(dp[0], va[h], b[0], b[1]);
+                    mma_16816<T>(dp[1], va[h], b[2], b[3]);
                 }
                 // element (b, i): key g (i < 2) or g + 8, query 16m + 8b + 2t + (i & 1)
                 float pv[2][4], dsv[2][4];
