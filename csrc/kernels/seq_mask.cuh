@@ -272,6 +272,38 @@ struct SeqTileCursor {
     }
 };
 
+// Element e = 4b + i of this thread in a pair's tile: key kc of the pair and
+// the query's position `row`; false when the key is past the segment's end
+// (kc >= valid) or the query past the sub-window. Forward: keys by column
+// (8b + 2t + (i & 1)), queries g, g + 8 by row; kKeyRows: keys g, g + 8 by
+// row, queries by column.
+template <bool kKeyRows>
+GT_SEQ_HD bool seq_pair_elem(const SeqWindow& win, int lane, int e, int32_t valid, int& kc, int32_t& row) {
+    const int g = lane >> 2, t = lane & 3, b = e >> 2, i = e & 3;
+    const int across = 8 * b + 2 * t + (i & 1), down = (i < 2) ? g : g + 8;
+    kc = kKeyRows ? down : across;
+    const int qr = kKeyRows ? across : down;
+    row = win.base + win.stride * qr;
+    return kc < valid && qr < win.rows;
+}
+
+// The 8 bits of a pair of a local part `own` with no earlier part near it
+// (the edge of a band: most masked pairs): one range test per element.
+template <bool kKeyRows>
+GT_SEQ_HD uint32_t seq_band_pair_bits(const SeqMask& mk, const SeqWindow& win, const SeqMaskPart& own,
+                                      const KeySeg& ks, int32_t n0, int32_t valid, int lane) {
+    uint32_t bits = 0u;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        int kc;
+        int32_t row;
+        const bool in = seq_pair_elem<kKeyRows>(win, lane, e, valid, kc, row);
+        const int32_t d = seg_key(mk, ks, n0 + kc) - row;
+        bits |= static_cast<uint32_t>(in && d >= -own.a && d <= own.b) << e;
+    }
+    return bits;
+}
+
 // This thread's 8 mask bits (online_softmax.cuh: bit 4b + i, b: TCB of
 // keys n0 .. n0+7 or n0+8 .. n0+15, i: rows g (0, 1), g + 8 (2, 3)) for the
 // pair of keys n0 .. n0+15 of segment ks of part `part`, over the queries of
@@ -298,29 +330,8 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
         bits = 0xFFu;
         return true;
     }
-    // Element e = 4b + i of this thread: key kc of the pair and query qr of
-    // the sub-window. Forward: keys by column (8b + 2t + (i & 1)), queries
-    // g, g + 8 by row; kKeyRows: keys g, g + 8 by row, queries by column.
-    const int g = lane >> 2, t = lane & 3;
-    auto coords = [&](int e, int& kc, int32_t& row) {
-        const int b = e >> 2, i = e & 3;
-        const int across = 8 * b + 2 * t + (i & 1), down = (i < 2) ? g : g + 8;
-        kc = kKeyRows ? down : across;
-        const int qr = kKeyRows ? across : down;
-        row = win.base + win.stride * qr;
-        return kc < valid && qr < win.rows;
-    };
     if (!overlap && own.kind == kSeqLocal) {
-        // the edge of a band with nothing before it (most masked pairs): one
-        // range test per element, unrolled
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            int kc;
-            int32_t row;
-            const bool in = coords(e, kc, row);
-            const int32_t d = seg_key(mk, ks, n0 + kc) - row;
-            bits |= static_cast<uint32_t>(in && d >= -own.a && d <= own.b) << e;
-        }
+        bits = seq_band_pair_bits<kKeyRows>(mk, win, own, ks, n0, valid, lane);
         return true;
     }
     // Everything else, element by element (a loop: unrolled, the switches of
@@ -329,7 +340,7 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
     for (int e = 0; e < 8; ++e) {
         int kc;
         int32_t row;
-        bool on = coords(e, kc, row);
+        bool on = seq_pair_elem<kKeyRows>(win, lane, e, valid, kc, row);
         const int32_t j = on ? seg_key(mk, ks, n0 + kc) : -1;
         // the own part: by construction for global and random segments
         if (on && own.kind != kSeqGlobal && own.kind != kSeqRandom) on = seq_part_allows(mk, own, row, j, win.len);
@@ -385,6 +396,30 @@ GT_SEQ_HD uint32_t seq_tile_bits(const SeqMask& mk, const SeqWindow& win, int pa
 #pragma unroll
         for (int sl = 0; sl < kPairs; ++sl) bits[sl] = 0xFFu;
         return (1u << kPairs) - 1u;
+    }
+    // A local part's tile with no earlier part near it (a band's edge: every
+    // masked tile of Longformer's and BigBird's windows) inline: the call
+    // to the slow path costs its registers' saves and restores.
+    const SeqMaskPart& own = mk.parts[part];
+    const int32_t tile_valid = seq_min(kSeqTileKeys, ks.count - n0);
+    if (own.kind == kSeqLocal && win.rows > 0 && tile_valid > 0) {
+        const int32_t jlo = seg_key(mk, ks, n0), jhi = seg_key(mk, ks, n0 + tile_valid - 1);
+        bool overlap = false;
+        for (int q = 0; q < part; ++q) overlap |= seq_part_may_reach(mk, mk.parts[q], win, jlo, jhi);
+        if (!overlap) {
+            uint32_t on = 0u;
+#pragma unroll
+            for (int sl = 0; sl < kPairs; ++sl) {
+                const int32_t p0 = n0 + 16 * sl, valid = seq_min(16, ks.count - p0);
+                bits[sl] = 0u;
+                if (valid <= 0 || !seq_part_may_reach(mk, own, win, seg_key(mk, ks, p0), seg_key(mk, ks, p0 + valid - 1))) {
+                    continue;   // warp-uniform
+                }
+                on |= 1u << sl;
+                bits[sl] = seq_band_pair_bits<false>(mk, win, own, ks, p0, valid, lane);
+            }
+            return on;
+        }
     }
     const uint64_t r = seq_tile_bits_slow(mk, win, part, ks, n0, lane);
 #pragma unroll
