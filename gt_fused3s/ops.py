@@ -879,15 +879,16 @@ def _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows) -> tuple[Ten
     return out[..., :q.size(-1)].to(q.dtype), lse
 
 
-def _seq_backward(grad_out, q, k, v, out, lse, cu, code, scale, need) -> tuple:
+def _seq_backward(grad_out, q, k, v, out, lse, cu, bwd_windows, code, scale, need) -> tuple:
     D = q.size(-1)
     # delta_i = sum_d dO_id O_id: the softmax's share of dP in dS = P (dP - delta)
     delta = (grad_out.float() * out.float()).sum(-1)
     gk, qk, kk, vk = _seq_operands(q, grad_out, q, k, v)
     rows, stride = seq_block_rows(qk.size(-1), backward=True), code[0]
     num_windows = (q.size(0) + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
-    grads = _op("seq_bwd")(gk, qk, kk, vk, lse, delta, cu, seq_windows(cu, stride, rows), code, scale,
-                           num_windows, rows)
+    if bwd_windows is None:
+        bwd_windows = seq_windows(cu, stride, rows)
+    grads = _op("seq_bwd")(gk, qk, kk, vk, lse, delta, cu, bwd_windows, code, scale, num_windows, rows)
     return tuple(g[..., :D].to(t.dtype) if n else None for g, t, n in zip(grads, (q, k, v), need))
 
 
@@ -895,51 +896,52 @@ class _SeqAttention(torch.autograd.Function):
     """Eager-mode twin of ``gt_fused3s::seq_attention``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, cu_windows, code, scale, num_windows):
+    def forward(ctx, q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows):
         out, lse = _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows)
-        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.save_for_backward(q, k, v, out, lse, cu, bwd_windows)
         ctx.code, ctx.scale = code, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         grads = _seq_backward(grad_out, *ctx.saved_tensors, ctx.code, ctx.scale, ctx.needs_input_grad[:3])
-        return grads + (None,) * 5
+        return grads + (None,) * 6
 
 
 @torch.library.custom_op("gt_fused3s::seq_attention", mutates_args=())
 def _seq_attention_op(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
-                      scale: float, num_windows: int) -> tuple[Tensor, Tensor]:
+                      scale: float, num_windows: int, bwd_windows: Tensor | None) -> tuple[Tensor, Tensor]:
     _build.load_extension()
     return _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows)
 
 
 @_seq_attention_op.register_fake
-def _(q, k, v, cu, cu_windows, code, scale, num_windows):
+def _(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows):
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 def _seq_setup_context(ctx, inputs, output):
-    q, k, v, cu, _cu_windows, code, scale, _num_windows = inputs
+    q, k, v, cu, _cu_windows, code, scale, _num_windows, bwd_windows = inputs
     ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu)
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu, bwd_windows)
     ctx.code, ctx.scale = code, scale
 
 
 def _seq_attention_backward(ctx, grad_out, _grad_lse):
     grads = _seq_backward(grad_out, *ctx.saved_tensors, ctx.code, ctx.scale, ctx.needs_input_grad[:3])
-    return grads + (None,) * 5
+    return grads + (None,) * 6
 
 
 _seq_attention_op.register_autograd(_seq_attention_backward, setup_context=_seq_setup_context)
 
 
 def seq_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
-                  scale: float, num_windows: int) -> Tensor:
+                  scale: float, num_windows: int, bwd_windows: Tensor | None = None) -> Tensor:
     """The sequence kernels on [T, H, D] (``gt_fused3s.sequence`` prepares the
     arguments: documents ``cu``, row blocks ``cu_windows`` of
-    :func:`seq_block_rows` queries, the mask's ``kernel_code``, scale >= 0):
-    the output, differentiable in q, k and v."""
+    :func:`seq_block_rows` queries, the mask's ``kernel_code``, scale >= 0;
+    ``bwd_windows``: the backward's cu_windows, if the caller has them made,
+    else the backward makes them): the output, differentiable in q, k and v."""
     if torch.compiler.is_compiling():
-        return _seq_attention_op(q, k, v, cu, cu_windows, code, scale, num_windows)[0]
-    return _SeqAttention.apply(q, k, v, cu, cu_windows, code, scale, num_windows)
+        return _seq_attention_op(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows)[0]
+    return _SeqAttention.apply(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows)

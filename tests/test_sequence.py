@@ -343,8 +343,33 @@ def test_opcheck_seq_ops(stand_in_kernels):
         (torch.ops.gt_fused3s.seq_fwd.default, (q, k, v, cu, fw, code, 0.125, 10, 64)),
         (torch.ops.gt_fused3s.seq_bwd.default, (do, q, k, v, lse, delta, cu, bw, code, 0.125, 10, 128)),
         (torch.ops.gt_fused3s.seq_attention.default,
-         (q.clone().requires_grad_(), k.clone().requires_grad_(), v, cu, fw, code, 0.125, 10)),
+         (q.clone().requires_grad_(), k.clone().requires_grad_(), v, cu, fw, code, 0.125, 10, None)),
+        (torch.ops.gt_fused3s.seq_attention.default,
+         (q.clone().requires_grad_(), k, v.clone().requires_grad_(), cu, fw, code, 0.125, 10, bw)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",
                                                     "test_autograd_registration"))
+
+
+def test_batched_call_makes_no_row_windows(stand_in_kernels):
+    """[B, L, H, D] inputs: the forward's and the backward's row-block offsets
+    are made once per shape (15 small ops of every backward before), so a
+    second call runs no cumsum."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    mask, q, k, v, g = _kernel_path_case("local-wider", seed=3)
+    torch.autograd.grad(sequence_attention(q, k, v, mask), (q, k, v), g)
+    with Ops() as seen:
+        torch.autograd.grad(sequence_attention(q, k, v, mask), (q, k, v), g)
+    assert "seq_fwd.default" in seen.names and "seq_bwd.default" in seen.names
+    assert not any(n.startswith("cumsum") for n in seen.names), seen.names

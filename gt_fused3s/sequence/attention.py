@@ -70,17 +70,20 @@ def _code_of(mask: Mask) -> list[int]:
     return kernel_code(mask)
 
 
-_OFFSETS: dict[tuple, tuple[Tensor, Tensor]] = {}
+_OFFSETS: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
 
 
-def _batch_offsets(B: int, L: int, stride: int, rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cu_seqlens and cu_windows of B sequences of L tokens, made once per
-    shape (a call then launches the kernel only)."""
-    key = (B, L, stride, rows, device)
+def _batch_offsets(B: int, L: int, stride: int, D: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """cu_seqlens, and cu_windows of the forward's and of the backward's row
+    blocks, of B sequences of L tokens (compiled head dim D), made once per
+    shape: a call then launches the kernels only (the backward's windows
+    were 15 small ops of each backward)."""
+    key = (B, L, stride, D, device)
     got = _OFFSETS.get(key)
     if got is None:
         cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * L
-        got = _OFFSETS[key] = (cu, ops.seq_windows(cu, stride, rows))
+        got = _OFFSETS[key] = (cu, ops.seq_windows(cu, stride, ops.seq_block_rows(D)),
+                               ops.seq_windows(cu, stride, ops.seq_block_rows(D, backward=True)))
         if len(_OFFSETS) > 256:
             _OFFSETS.pop(next(iter(_OFFSETS)))
     return got
@@ -245,16 +248,17 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
     code = kernel_code(umask) if torch.compiler.is_compiling() else _code_of(umask)
     stride, rows = code[0], ops.seq_block_rows(_kernel_dim(D))
     if batched:
-        cu, cu_windows = _batch_offsets(B, L, stride, rows, q.device)
+        cu, cu_windows, bwd_windows = _batch_offsets(B, L, stride, _kernel_dim(D), q.device)
         num_windows = B * stride * (((L + stride - 1) // stride + rows - 1) // rows)
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         cu_windows = ops.seq_windows(cu, stride, rows)
         num_windows = (T + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
+        bwd_windows = None   # the backward makes its own (not every call has one)
     # The kernel takes the row max on raw scores (the scale folded into the
     # exponent), so it needs scale >= 0: q . k * s == (-q) . k * (-s).
     qs, ss = (qf, scale) if scale >= 0 else (-qf, -scale)
-    out = ops.seq_attention(qs, kf, vf, cu, cu_windows, code, ss, num_windows)
+    out = ops.seq_attention(qs, kf, vf, cu, cu_windows, code, ss, num_windows, bwd_windows)
     global_rows = umask.global_rows(L if batched else 1 << 62)
     if global_rows and batched:
         return _global_rows_dense(q, k, v, out.reshape(q.shape), global_rows, scale, None)
