@@ -1,7 +1,8 @@
-"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``bwd``, ``probs``, the edge-term ops,
-``bsb_build`` and the sequence kernels ``seq_fwd`` / ``seq_bwd``, with their contracts, so that the CPU suite runs everything
-around the kernels: the plan, the registered ops and their fakes
-(``opcheck``), autograd, torch.compile tracing, casts and padding.
+"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``bwd``, ``probs``, the
+edge-term ops, ``bsb_build`` and the sequence kernels ``seq_fwd`` / ``seq_bwd``,
+with their contracts, so that the CPU suite runs everything around the
+kernels: the plan, the registered ops and their fakes (``opcheck``),
+autograd, torch.compile tracing, casts and padding.
 
 ``fwd`` and ``bwd`` decode the graph from the arrays they are given (the
 items' windows, ``cols`` and ``bitmap``; unused items of a schedule at
