@@ -845,6 +845,11 @@ def edge_scatter(w: Tensor, a: Tensor, idx: Tensor, num_nodes: int,
 SEQ_HEAD_DIMS = (32, 64, 128)   # the head dims the sequence kernels are compiled for
 
 
+def seq_head_dim(D: int) -> int:
+    """The compiled head dim a sequence head dim D <= 128 is zero-padded to."""
+    return next(d for d in SEQ_HEAD_DIMS if d >= D)
+
+
 def seq_block_rows(head_dim: int, backward: bool = False) -> int:
     """Queries per thread block of the sequence kernels for the compiled head
     dim (seq_params.h: seq_block_rows, seq_bwd_block_rows): the backward's are
@@ -867,8 +872,7 @@ def _seq_operands(q: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
     """The tensors in the kernels' dtype (q's if fp16 / bf16, else fp16) with
     the head dim zero-padded to a compiled one (32, 64, 128)."""
     cdt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16
-    Dp = next(d for d in SEQ_HEAD_DIMS if d >= q.size(-1))
-    return tuple(_kernel_operand(t, cdt, Dp) for t in tensors)
+    return tuple(_kernel_operand(t, cdt, seq_head_dim(q.size(-1))) for t in tensors)
 
 
 def _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows) -> tuple[Tensor, Tensor]:

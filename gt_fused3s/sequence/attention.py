@@ -60,11 +60,6 @@ def _host_offsets(cu_seqlens: Tensor, T: int) -> list[int]:
     return cu
 
 
-def _kernel_dim(D: int) -> int:
-    """The compiled head dim D is padded to."""
-    return next(d for d in _KERNEL_DIMS if d >= D)
-
-
 @functools.lru_cache(maxsize=64)
 def _code_of(mask: Mask) -> list[int]:
     return kernel_code(mask)
@@ -246,9 +241,10 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
 
     # (dynamo ignores an lru_cache and warns: traced code takes the function itself)
     code = kernel_code(umask) if torch.compiler.is_compiling() else _code_of(umask)
-    stride, rows = code[0], ops.seq_block_rows(_kernel_dim(D))
+    Dp = ops.seq_head_dim(D)
+    stride, rows = code[0], ops.seq_block_rows(Dp)
     if batched:
-        cu, cu_windows, bwd_windows = _batch_offsets(B, L, stride, _kernel_dim(D), q.device)
+        cu, cu_windows, bwd_windows = _batch_offsets(B, L, stride, Dp, q.device)
         num_windows = B * stride * (((L + stride - 1) // stride + rows - 1) // rows)
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
