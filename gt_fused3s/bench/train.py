@@ -191,7 +191,7 @@ _PYG_PEERS = ("pyg", "pyg@compile", "pyg@reduce-overhead")
 CPU_MODES = ("eager", "compile")
 #: why a partitioned graph's runs other than eager are skipped under torchrun
 PARTITIONED_SKIP = ("a partitioned graph trains eagerly under torchrun: its per-layer halo exchange "
-                    "(asynchronous all_to_all_single with host-side split sizes, inside an "
+                    "(an asynchronous point-to-point batch with host-side block sizes, inside an "
                     "autograd.Function) is neither traced by torch.compile nor captured in a CUDA graph")
 
 

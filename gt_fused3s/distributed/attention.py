@@ -1,10 +1,12 @@
 """Full-graph attention over a partitioned graph: each rank computes the rows
 it owns, after receiving the K and V rows of its halo from their owners.
 
-Per layer the ranks exchange, with ``all_to_all_single``, the rows each
-needs of the others (the send lists of :class:`~.partition.LocalGraph`); the
-backward returns the halo's dK and dV to the owners by the reverse exchange,
-where they are added to the local gradients. With the fused kernel the
+Per layer the ranks exchange the rows each needs of the others (the send
+lists of :class:`~.partition.LocalGraph`), as one batch of point-to-point
+sends and receives: rows a rank reads all of go as the local rows
+themselves, one tensor for every such rank, with no gather. The backward
+returns the halo's dK and dV to the owners by the reverse exchange, where
+they are added to the local gradients. With the fused kernel the
 exchange is pipelined over head chunks (``LocalGraph.head_chunks``): the
 attention of the chunks received overlaps the transfer of the next. The local attention runs on the
 local graph (rows: this rank's nodes; columns: its nodes, then the halo)
@@ -75,26 +77,20 @@ def exchange_timer() -> Iterator[ExchangeTimer]:
         _TIMER = None
 
 
-def _all_to_all(x: Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group) -> Tensor:
-    """Rows of ``x`` split ``in_splits`` over the ranks, received ``out_splits``
-    from them into a new [out_rows, ...] tensor, waited for."""
-    out = x.new_empty((out_rows, *x.shape[1:]))
-    _exchange(x, out, out_splits, in_splits, group).wait()
-    return out
-
-
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lg: LocalGraph, group):
         ctx.lg, ctx.group, ctx.rows = lg, group, x.size(0)
-        send = x.index_select(0, lg.send_index.to(x.device))
-        return _all_to_all(send, lg.halo.numel(), lg.halo_counts, lg.send_counts, group)
+        out = x.new_empty((lg.halo.numel(), *x.shape[1:]))
+        _exchange(_send_blocks(x, lg), _halo_blocks(out, lg), lg, group).wait()
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        lg = ctx.lg
-        back = _all_to_all(grad, lg.send_index.numel(), lg.send_counts, lg.halo_counts, ctx.group)
-        dx = grad.new_zeros((ctx.rows, *grad.shape[1:])).index_add_(0, lg.send_index.to(grad.device), back)
+        pending, back = _start_return([grad], ctx.lg, ctx.group)
+        pending.wait()
+        dx = grad.new_zeros((ctx.rows, *grad.shape[1:]))
+        _add_returned(dx, *back[0], ctx.lg)
         return dx, None, None
 
 
@@ -109,59 +105,128 @@ def exchange_halo(x: Tensor, lg: LocalGraph, group=None) -> Tensor:
 
 
 class _Pending:
-    """An exchange in flight (``async_op``): :meth:`wait` makes the current
-    stream wait for it, and the timer counts that wait, the part of the
-    exchange the compute did not hide."""
+    """An exchange in flight: :meth:`wait` makes the current stream wait
+    for it, and the timer counts that wait, the part of the exchange the
+    compute did not hide. Holds the tensors sent until then."""
 
-    def __init__(self, work, x: Tensor):
-        self.work, self.x = work, x
+    def __init__(self, works: list, ref: Tensor | None, tensors: list[Tensor]):
+        self.works, self.ref, self.tensors = works, ref, tensors
 
     def wait(self) -> None:
         timer = _TIMER
-        start = timer._record(self.x) if timer is not None else None
-        if self.work is not None:
-            self.work.wait()
-        if timer is not None:
-            timer._spans.append((start, timer._record(self.x)))
+        start = timer._record(self.ref) if timer is not None and self.works else None
+        for work in self.works:
+            work.wait()
+        if start is not None:
+            timer._spans.append((start, timer._record(self.ref)))
+        self.tensors = []
 
 
-def _exchange(x: Tensor, out: Tensor, out_splits: list[int], in_splits: list[int], group) -> _Pending:
-    """Start sending the rows of ``x`` (split ``in_splits`` over the ranks)
-    and receiving ``out_splits`` from them into ``out`` (contiguous rows)."""
+Blocks = list[tuple[int, Tensor]]     # (group rank of the peer, rows sent to it / received from it)
+
+
+def _exchange(sends: Blocks, recvs: Blocks, lg: LocalGraph, group) -> _Pending:
+    """Start sending and receiving row blocks, one batch of point-to-point
+    operations (one NCCL group): a block sent whole to several ranks is one
+    tensor, not a copy per rank (an ``all_to_all_single`` needs them laid
+    out one after another). Blocks of one peer and direction travel in
+    list order, so both sides list them alike. Receive buffers must be
+    contiguous."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:   # a collective: every rank calls
-        return _Pending(None, x)
-    if len(in_splits) != dist.get_world_size(group):
-        raise ValueError(f"the local graph was built for {len(in_splits)} parts but the process group "
+        return _Pending([], None, [])
+    if lg.parts != dist.get_world_size(group):
+        raise ValueError(f"the local graph was built for {lg.parts} parts but the process group "
                          f"has {dist.get_world_size(group)} ranks: pass parts=world_size to local_graph")
-    work = dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
-                                  input_split_sizes=in_splits, group=group, async_op=True)
+    _connect(group)
+    sends = [(r, t.contiguous()) for r, t in sends]
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=r) for r, t in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=r) for r, t in recvs]
+    works = dist.batch_isend_irecv(ops) if ops else []
     if _TIMER is not None:
         _TIMER.count += 1
-        _TIMER.bytes += x.numel() * x.element_size()
-    return _Pending(work, x)
+        _TIMER.bytes += sum(t.numel() * t.element_size() for _, t in sends)
+    ref = (sends or recvs)[0][1] if ops else None
+    return _Pending([w for w in works if w is not None], ref, [t for _, t in sends])
 
 
-def _send_rows(x: Tensor, lg: LocalGraph) -> Tensor:
-    """The rows of ``x`` [n_local, ...] this rank sends, grouped by
-    destination: ``x`` itself where one rank gets them all, in order."""
-    return x if lg.sends_all_rows else x.index_select(0, lg.send_index.to(x.device))
+_CONNECTED: set[int] = set()
 
 
-def _add_received(pairs: list[tuple[Tensor, Tensor]], lg: LocalGraph) -> None:
-    """``local[send rows] += received`` for each (local [n_local, ...],
-    received [n_send, ...]) pair: the halo gradients coming back. A block
-    of all rows is one addition; a row appears at most once per other
-    block, so no atomics are needed."""
-    index = lg.send_index.to(pairs[0][0].device)
-    start = 0
-    for count, full in zip(lg.send_counts, lg.send_full or [False] * len(lg.send_counts)):
-        for local, got in pairs:
-            part = got[start:start + count]
-            if count and full:
-                local.add_(part)
+def _connect(group) -> None:
+    """One barrier per process group before its first exchange: a rank with
+    nothing to send or receive (an empty part) issues no point-to-point
+    operation, but NCCL sets a communicator up only when every rank takes
+    part in its first call."""
+    key = id(group if group is not None else dist.group.WORLD)
+    if key not in _CONNECTED:
+        dist.barrier(group)
+        _CONNECTED.add(key)
+
+
+def _send_blocks(x: Tensor, lg: LocalGraph) -> Blocks:
+    """The rows of ``x`` [n_local, ...] each rank reads: ``x`` itself for a
+    rank that gets all of them (one tensor for every such rank: no gather),
+    a gather of its rows for the others."""
+    index = lg.send_index.to(x.device)
+    blocks, start = [], 0
+    for r, (count, full) in enumerate(zip(lg.send_counts, _flags(lg.send_full, lg.parts))):
+        if count:
+            blocks.append((r, x if full else x.index_select(0, index[start:start + count])))
+        start += count
+    return blocks
+
+
+def _halo_blocks(halo: Tensor, lg: LocalGraph) -> Blocks:
+    """``halo`` [n_halo, ...] (contiguous) as the owners' blocks: views."""
+    return [(r, b) for r, b in enumerate(torch.split(halo, lg.halo_counts)) if lg.halo_counts[r]]
+
+
+def _flags(flags: list[bool], parts: int) -> list[bool]:
+    return flags or [False] * parts
+
+
+def _start_return(halo_grads: list[Tensor], lg: LocalGraph, group) -> tuple[_Pending, list[tuple[Tensor, Tensor]]]:
+    """Start sending each gradient's halo rows [n_halo, ...] back to their
+    owners, and receiving the gradients of this rank's rows from the ranks
+    that read them: per gradient (full [F, n_local, ...]: one slot per rank
+    that read every row; part [rows, ...]: the other ranks' blocks, in
+    rank order), to be added by :func:`_add_returned` after the wait."""
+    n, sends, recvs, bufs = lg.num_local, [], [], []
+    flags = _flags(lg.send_full, lg.parts)
+    n_full = sum(1 for c, f in zip(lg.send_counts, flags) if c and f)
+    n_part = sum(c for c, f in zip(lg.send_counts, flags) if c and not f)
+    for g in halo_grads:
+        full = g.new_empty((n_full, n, *g.shape[1:]))
+        part = g.new_empty((n_part, *g.shape[1:]))
+        bufs.append((full, part))
+        sends += _halo_blocks(g, lg)
+        i = start = 0
+        for r, (count, is_full) in enumerate(zip(lg.send_counts, flags)):
+            if count and is_full:
+                recvs.append((r, full[i]))
+                i += 1
             elif count:
-                rows = index[start:start + count]
-                local.index_copy_(0, rows, local.index_select(0, rows) + part)
+                recvs.append((r, part[start:start + count]))
+                start += count
+    return _exchange(sends, recvs, lg, group), bufs
+
+
+def _add_returned(local: Tensor, full: Tensor, part: Tensor, lg: LocalGraph) -> None:
+    """``local`` [n_local, ...] += the gradients :func:`_start_return`
+    received: the full blocks summed first (one reduction, in fp32 inside),
+    the other blocks added to their rows (a row appears at most once per
+    block, so no atomics are needed)."""
+    if full.size(0):
+        local.add_(full.sum(0) if full.size(0) > 1 else full[0])
+    if not part.numel():
+        return
+    index = lg.send_index.to(local.device)
+    start = got = 0
+    for count, is_full in zip(lg.send_counts, _flags(lg.send_full, lg.parts)):
+        if count and not is_full:
+            rows = index[start:start + count]
+            local.index_copy_(0, rows, local.index_select(0, rows) + part[got:got + count])
+            got += count
         start += count
 
 
@@ -179,19 +244,19 @@ class _HaloKeysValues(torch.autograd.Function):
         kv = k.new_empty((lg.num_columns, H, 2 * D))
         kv[:n, :, :D] = k
         kv[:n, :, D:] = v
-        _exchange(_send_rows(kv[:n], lg), kv[n:], lg.halo_counts, lg.send_counts, group).wait()
-        ctx.lg, ctx.group, ctx.n, ctx.D = lg, group, n, D
+        _exchange(_send_blocks(kv[:n], lg), _halo_blocks(kv[n:], lg), lg, group).wait()
+        ctx.lg, ctx.group, ctx.n = lg, group, n
         return kv[..., :D], kv[..., D:]
 
     @staticmethod
     def backward(ctx, dk_all, dv_all):
-        lg, n, D = ctx.lg, ctx.n, ctx.D
-        halo = torch.cat([dk_all[n:], dv_all[n:]], -1)
-        back = halo.new_empty((lg.send_index.numel(), *halo.shape[1:]))
-        _exchange(halo, back, lg.send_counts, lg.halo_counts, ctx.group).wait()
+        lg, n = ctx.lg, ctx.n
+        pending, back = _start_return([dk_all[n:], dv_all[n:]], lg, ctx.group)
+        pending.wait()
         # written in place: dk_all, dv_all are the attention's fresh gradients, read by nothing else
         dk, dv = dk_all[:n], dv_all[:n]
-        _add_received([(dk, back[..., :D]), (dv, back[..., D:])], lg)
+        _add_returned(dk, *back[0], lg)
+        _add_returned(dv, *back[1], lg)
         return dk, dv, None, None
 
 
@@ -222,7 +287,7 @@ class _PipelinedFusedAttention(torch.autograd.Function):
             kv[:n, :, :D] = k[:, h0:h1]
             kv[:n, :, D:] = v[:, h0:h1]
             buffers.append(kv)
-            pending.append(_exchange(_send_rows(kv[:n], lg), kv[n:], lg.halo_counts, lg.send_counts, group))
+            pending.append(_exchange(_send_blocks(kv[:n], lg), _halo_blocks(kv[n:], lg), lg, group))
         slots = plan.bias_args() if bias is not None else ()
         outs, lses = [], []
         for (h0, h1), kv, wait in zip(heads, buffers, pending):
@@ -255,14 +320,13 @@ class _PipelinedFusedAttention(torch.autograd.Function):
                                                    plan.backward_args(hc, Dp), ctx.scale, None, edge)
             dqs.append(dq)
             dbs.append(db)
-            back = dk.new_empty((2, lg.send_index.numel(), hc, D))     # the halo rows' dK, dV, sent back
-            pending.append([_exchange(g[n:], back[i], lg.send_counts, lg.halo_counts, ctx.group)
-                            for i, g in enumerate((dk, dv))])
-            local.append((dk[:n], dv[:n], back))
-        for (dk, dv, back), waits in zip(local, pending):
-            for w in waits:
-                w.wait()
-            _add_received([(dk, back[0]), (dv, back[1])], lg)
+            # the halo rows' dK and dV go back to their owners while the next chunk's backward runs
+            pending.append(_start_return([dk[n:], dv[n:]], lg, ctx.group))
+            local.append((dk[:n], dv[:n]))
+        for (dk, dv), (wait, back) in zip(local, pending):
+            wait.wait()
+            _add_returned(dk, *back[0], lg)
+            _add_returned(dv, *back[1], lg)
         cat = (lambda ts: torch.cat(ts, 1)) if len(heads) > 1 else (lambda ts: ts[0])   # noqa: E731
         dk, dv = cat([t[0] for t in local]), cat([t[1] for t in local])
         return (cat(dqs), dk, dv, cat(dbs) if bias is not None and ctx.needs_input_grad[3] else None,
