@@ -320,7 +320,7 @@ def test_compiled_data_parallel_training_equals_one_process_on_the_same_global_b
 
 # ------------------------------------------------ the Graph Transformer, partitioned
 @_rank
-def _gt_worker(rank, world, init, exchange):
+def _gt_worker(rank, world, init):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     from gt_fused3s.models import GraphTransformer
     ei, n, _ = _graph("hub")
@@ -337,11 +337,7 @@ def _gt_worker(rank, world, init, exchange):
     model.zero_grad()
     # this rank's share; the parameters' gradients are summed over the ranks
     lg = local_graph(ei, n, partition_nodes(ei, n, world), rank, parts=world)
-    lg.exchange = exchange
-    with exchange_timer() as timer:
-        out = model(x[lg.nodes], None, graph=lg, edge_attr=ea[lg.edge_ids])
-    # per block: the halo's input rows (16 values a row), or K and V (2 x 16)
-    assert timer.bytes == 3 * lg.send_index.numel() * 16 * (1 if exchange == "inputs" else 2) * 8
+    out = model(x[lg.nodes], None, graph=lg, edge_attr=ea[lg.edge_ids])
     (out * w[lg.nodes]).sum().backward()
     torch.testing.assert_close(out, full[lg.nodes].detach())
     for k, p in model.named_parameters():
@@ -349,14 +345,12 @@ def _gt_worker(rank, world, init, exchange):
         torch.testing.assert_close(p.grad, want[k], msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("exchange", ["inputs", "keys_values"])
-def test_graph_transformer_on_a_partitioned_graph_equals_one_process(exchange):
+def test_graph_transformer_on_a_partitioned_graph_equals_one_process():
     """GraphTransformer(graph=LocalGraph): every block's attention exchanges
-    the halo (its input rows, K and V projected by the reader; or K and V);
-    each rank's rows and the parameters' gradients (summed over the ranks)
-    equal the whole graph's in one process (float64, edge features, a node
-    with neighbours on every rank)."""
-    _run_ranks(_gt_worker, 3, exchange)
+    the halo; each rank's rows and the parameters' gradients (summed over
+    the ranks) equal the whole graph's in one process (float64, edge
+    features, a node with neighbours on every rank)."""
+    _run_ranks(_gt_worker, 3)
 
 
 def _single_graph_cfg(**extra):
@@ -426,14 +420,3 @@ def _scaling_rank(rank, world, init, path):
     if rank == 0:
         from gt_fused3s.bench import common
         common.write_csv(rows, bench.SCALING_COLUMNS, path)
-
-
-def test_distributed_settings_are_checked():
-    """The train and infer configs' ``distributed`` section: each wrong
-    value is named."""
-    from gt_fused3s.distributed.single_graph import SETTINGS, check_settings
-    check_settings(dict(SETTINGS))
-    assert SETTINGS["exchange"] == "inputs"
-    for key, bad in (("exchange", "halo"), ("partitioner", "spectral"), ("head_chunks", 0)):
-        with pytest.raises(ValueError, match=f"distributed.{key}"):
-            check_settings({**SETTINGS, key: bad})

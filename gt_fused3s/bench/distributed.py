@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 from . import common
-from ..distributed.partition import EXCHANGES
 
 #: the graphs ``check`` runs on: dataset entries (``gt_fused3s.data.load_dataset``)
 CHECK_GRAPHS = {
@@ -57,7 +56,7 @@ CHECK_GRAPHS = {
 DEFAULT_CHECK = ["powerlaw-200k", "github"]
 CHECK_COLUMNS = ["graph", "N", "E", "ranks", "case", "what", "err_partitioned", "err_one_gpu",
                  "err_partitioned_vs_one_gpu", "device_name", "torch", "git_sha"]
-SCALING_COLUMNS = ["ranks", "N", "E", "exchange", "head_chunks", "status", "ms_step", "steps_per_s", "peak_mem_mb", "exchange_ms",
+SCALING_COLUMNS = ["ranks", "N", "E", "head_chunks", "status", "ms_step", "steps_per_s", "peak_mem_mb", "exchange_ms",
                    "exchange_share", "halo_rows", "loss_first", "note", "dtype", "device_name", "torch",
                    "git_sha"]
 
@@ -207,8 +206,7 @@ def run_scaling(cfg: dict, nodes: list[int], log, on_row=None) -> list[dict]:
         r = got[0]
         b = task.batches[0]        # partitioned: this rank's rows, which know the graph's edge count
         E = getattr(b, "graph_edges", b.edge_index.size(1))
-        row = {"ranks": world, "N": n, "E": E, "exchange": c["distributed"]["exchange"],
-               "head_chunks": c["distributed"]["head_chunks"],
+        row = {"ranks": world, "N": n, "E": E, "head_chunks": c["distributed"]["head_chunks"],
                "status": r["status"], "ms_step": r.get("ms_median"),
                "peak_mem_mb": r.get("peak_mem_mb"), "exchange_ms": r.get("exchange_ms"),
                "exchange_share": r.get("exchange_share"), "halo_rows": r.get("halo_rows"), "loss_first": r.get("loss_first"),
@@ -238,7 +236,7 @@ def scaling_report(paths: list[str]) -> str:
     by_size: dict[int, list[dict]] = {}
     for r in rows:
         by_size.setdefault(int(float(r["N"])), []).append(r)
-    out = [f"{'N':>10} {'E':>12} {'ranks':>5} {'sends':>7} {'status':>8} {'ms/step':>9} "
+    out = [f"{'N':>10} {'E':>12} {'ranks':>5} {'chunks':>6} {'status':>8} {'ms/step':>9} "
            f"{'peak GB/GPU':>11} {'exchange':>9} {'speedup':>8}"]
     for n in sorted(by_size):
         base = None
@@ -249,15 +247,12 @@ def scaling_report(paths: list[str]) -> str:
             speed = f"{base[1] / ms:.2f}x" if ms and base else "-"
             peak = f"{float(r['peak_mem_mb']) / 1024:.1f}" if r.get("peak_mem_mb") else "-"
             ex = f"{float(r['exchange_share']):.1%}" if r.get("exchange_share") else "-"
-            sends = "-"
-            if int(r["ranks"]) > 1:   # CSVs from before the inputs exchange: K and V
-                sends = "inputs" if r.get("exchange") == "inputs" else f"kv/{r.get('head_chunks') or '-'}"
-            out.append(f"{n:>10} {r.get('E') or '-':>12} {r['ranks']:>5} {sends:>7} {r['status']:>8} "
+            chunks = r.get("head_chunks") or "-" if int(r["ranks"]) > 1 else "-"
+            out.append(f"{n:>10} {r.get('E') or '-':>12} {r['ranks']:>5} {chunks:>6} {r['status']:>8} "
                        f"{(f'{ms:.1f}' if ms else '-'):>9} {peak:>11} {ex:>9} {speed:>8}")
     return "\n".join(out + ["speedup: step throughput over the fewest ranks that ran the size; "
                             "peak: the largest rank's; exchange: the share of a step spent waiting "
-                            "for the halo exchange; sends: what the exchange carries (inputs: "
-                            "each block's input rows; kv/C: K and V pipelined in C head chunks)"])
+                            "for the halo exchange (chunks: head chunks it is pipelined in)"])
 
 
 # -------------------------------------------------------------- ddp losses
@@ -325,8 +320,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graphs", nargs="+", default=DEFAULT_CHECK, choices=list(CHECK_GRAPHS),
                    help="check: the graphs")
     p.add_argument("--layers", type=int, default=10, help="check: Graph Transformer blocks")
-    p.add_argument("--exchange", choices=EXCHANGES, help="scaling: distributed.exchange (inputs: "
-                   "each block's input rows; keys_values: K and V, pipelined in head chunks)")
     p.add_argument("--head-chunks", type=int, help="scaling: distributed.head_chunks (1: the "
                    "exchange not overlapped)")
     p.add_argument("--quick", action="store_true", help="scaling, ddp-losses: the config's quick "
@@ -343,8 +336,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = train.quick_config(cfg)
     if cfg is not None and args.head_chunks is not None:
         cfg["distributed"]["head_chunks"] = args.head_chunks
-    if cfg is not None and args.exchange is not None:
-        cfg["distributed"]["exchange"] = args.exchange
     device = common.resolve_device(cfg["device"] if cfg else "auto")
     world, rank, device = data_parallel.init(device)
     if not dist.is_initialized():            # one process: a group of one, so every mode runs

@@ -45,7 +45,7 @@ the process group from torchrun's environment, NCCL on GPUs, Gloo on CPUs,
 dataset, and:
 
 * a single graph (``readout: node``) is partitioned as ``gt-fused3s train``
-  partitions it (``distributed: {partitioner, exchange, head_chunks}``,
+  partitions it (``distributed: {partitioner, head_chunks}``,
   :func:`gt_fused3s.distributed.single_graph.split_graph`): each rank keeps
   its nodes' rows and computes them, every attention layer exchanging the
   K and V halo. Runs are eager (other modes get a ``skipped`` row; no CUDA
@@ -84,11 +84,9 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
             out_channels: null, self_loops: false,   # hidden: a size or a list of sizes
             edge_features: false}   # an attention bias per block from the data's bond types
                                     # (dense and flex take none: skipped)
-    distributed: {partitioner: contiguous, exchange: inputs, head_chunks: 4}   # under torchrun,
-                          # a single graph's nodes are partitioned over the ranks (contiguous |
-                          # metis); its halo exchange carries each block's input rows (inputs:
-                          # K, V projected by the reader, half the bytes) or K and V
-                          # (keys_values: pipelined in head_chunks chunks, 1: no overlap)
+    distributed: {partitioner: contiguous, head_chunks: 4}   # under torchrun, a single graph's
+                          # nodes are partitioned over the ranks (contiguous | metis); the K/V
+                          # halo exchange is pipelined in head_chunks chunks (1: no overlap)
     datasets:             # each: see gt_fused3s.data.load_dataset
       - name: molecules
         kind: molecules   # molecules | random_graphs | powerlaw | npz | ogb | lrgb | pyg

@@ -103,11 +103,9 @@ Config schema (YAML; defaults in :data:`DEFAULTS`)::
     quick: {steps: 6, warmup: 1}   # overrides of these keys under --quick
     checkpoint: null      # a folder: each run's weights and optimizer state, saved after it
     resume: null          # a checkpoint file: every run starts from its weights
-    distributed: {partitioner: contiguous, exchange: inputs, head_chunks: 4}   # under torchrun,
-                          # a single graph's nodes are partitioned over the ranks (contiguous |
-                          # metis); its halo exchange carries each block's input rows (inputs:
-                          # K, V projected by the reader, half the bytes) or K and V
-                          # (keys_values: pipelined in head_chunks chunks, 1: no overlap)
+    distributed: {partitioner: contiguous, head_chunks: 4}   # under torchrun, a single graph's
+                          # nodes are partitioned over the ranks (contiguous | metis); the K/V
+                          # halo exchange is pipelined in head_chunks chunks (1: no overlap)
     dataset:              # one entry, see gt_fused3s.data.load_dataset
       name: zinc
       kind: npz           # molecules | random_graphs | powerlaw | npz | ogb | lrgb | pyg

@@ -4,10 +4,8 @@ the ranks, and full-graph attention computed per rank with a halo exchange
 and the gather of its rows, as ``gt-fused3s train`` and ``infer`` run it
 under torchrun (:mod:`.single_graph`); data-parallel helpers
 (:mod:`.data_parallel`)."""
-from .attention import (ExchangeTimer, exchange_halo, exchange_timer, partitioned_attention,
-                        partitioned_attention_from_inputs)
+from .attention import ExchangeTimer, exchange_halo, exchange_timer, partitioned_attention
 from .partition import LocalGraph, local_graph, partition_nodes, partition_stats
 
 __all__ = ["ExchangeTimer", "LocalGraph", "exchange_halo", "exchange_timer", "local_graph",
-           "partition_nodes", "partition_stats", "partitioned_attention",
-           "partitioned_attention_from_inputs"]
+           "partition_nodes", "partition_stats", "partitioned_attention"]

@@ -343,16 +343,6 @@ def _local_plan(lg: LocalGraph, device: torch.device) -> GraphPlan:
     return plans[device]
 
 
-def _check_operands(q: Tensor, k: Tensor, v: Tensor, lg: LocalGraph) -> None:
-    n = lg.num_local
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3 or t.size(0) != n:
-            raise ValueError(f"{name} must be [n_local, H, D] = [{n}, H, D] on rank {lg.rank} "
-                             f"(got {tuple(t.shape)})")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape (got {tuple(k.shape)} and {tuple(v.shape)})")
-
-
 def partitioned_attention(q: Tensor, k: Tensor, v: Tensor, lg: LocalGraph, scale: float | None = None,
                           group=None, *, edge_bias: Tensor | None = None, attention=None) -> Tensor:
     """This rank's rows [n_local, H, D] of the attention over the whole graph.
@@ -368,10 +358,15 @@ def partitioned_attention(q: Tensor, k: Tensor, v: Tensor, lg: LocalGraph, scale
     attention, ``(q, k, v, graph, scale, edge_bias)`` with ``graph`` the
     local graph as an :class:`~gt_fused3s.backends.AttentionGraph` (a
     backend of :data:`gt_fused3s.backends.BACKENDS`), given q padded to the
-    columns. Where K and V are projections of rows the ranks can exchange
-    instead (fewer bytes), :func:`partitioned_attention_from_inputs`.
+    columns.
     """
-    _check_operands(q, k, v, lg)
+    n = lg.num_local
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3 or t.size(0) != n:
+            raise ValueError(f"{name} must be [n_local, H, D] = [{n}, H, D] on rank {lg.rank} "
+                             f"(got {tuple(t.shape)})")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape (got {tuple(k.shape)} and {tuple(v.shape)})")
     fused = attention is None and _ops.kernel_available(q.device)
     if fused and q.dtype in (torch.float16, torch.bfloat16) and _ops.kernel_accepts(q.size(-1), q.dtype):
         if edge_bias is not None and edge_bias.shape != (lg.edge_ids.numel(), q.size(1)):
@@ -382,52 +377,10 @@ def partitioned_attention(q: Tensor, k: Tensor, v: Tensor, lg: LocalGraph, scale
         return _PipelinedFusedAttention.apply(q, k.to(q.dtype), v.to(q.dtype), bias, lg,
                                               _local_plan(lg, q.device), scale, group)
     k_all, v_all = _HaloKeysValues.apply(k, v, lg, group)
-    return _local_attention(q, k_all, v_all, lg, scale, edge_bias, attention)
-
-
-def partitioned_attention_from_inputs(x: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_weight: Tensor,
-                                      kv_bias: Tensor | None, lg: LocalGraph, scale: float | None = None,
-                                      group=None, *, edge_bias: Tensor | None = None,
-                                      attention=None) -> Tensor:
-    """:func:`partitioned_attention` where K and V are a projection of
-    per-node input rows: the ranks exchange the halo's input rows ``x``
-    (C values a row) and each projects its halo's K and V itself, instead of
-    receiving K and V (2 H D values a row: twice the bytes where C = H D, as
-    in a Transformer block). The projection of the halo is recomputed on
-    the reader (a GEMM of n_halo x C x 2HD, small beside the attention),
-    and its gradient returns as dx, the parameters' gradients summed over
-    the ranks as usual. The exchange is not overlapped with the attention
-    (every local row may read any halo row).
-
-    ``x`` [n_local, C]: the rows the projection reads (sent in q's dtype,
-    the dtype the projection computes in under autocast); ``kv_weight``
-    [2 H D, C], ``kv_bias`` [2 H D] or None: the projection, K rows first,
-    as ``F.linear(x, kv_weight, kv_bias).view(n, 2, H, D)`` gives this rank's
-    ``k`` and ``v``. The rest as :func:`partitioned_attention`.
-    """
-    _check_operands(q, k, v, lg)
-    n, H, D = q.shape
-    if x.dim() != 2 or x.size(0) != n:
-        raise ValueError(f"x must be [n_local, C] = [{n}, C] on rank {lg.rank} (got {tuple(x.shape)})")
-    if kv_weight.shape != (2 * H * D, x.size(1)):
-        raise ValueError(f"kv_weight must be [2 H D, C] = [{2 * H * D}, {x.size(1)}] (got {tuple(kv_weight.shape)})")
-    dtype = q.dtype
-    halo = exchange_halo(x.to(dtype), lg, group)
-    kv = torch.nn.functional.linear(halo, kv_weight.to(dtype), None if kv_bias is None else kv_bias.to(dtype))
-    kv = kv.view(-1, 2, H, D)
-    k_all, v_all = torch.cat([k.to(dtype), kv[:, 0]]), torch.cat([v.to(dtype), kv[:, 1]])
-    return _local_attention(q, k_all, v_all, lg, scale, edge_bias, attention)
-
-
-def _local_attention(q: Tensor, k_all: Tensor, v_all: Tensor, lg: LocalGraph, scale, edge_bias,
-                     attention) -> Tensor:
-    """This rank's rows of the attention on its local graph, given K and V of
-    every column (its rows, then the halo)."""
-    n = lg.num_local
     if attention is not None:
         q_all = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, lg.halo.numel()))   # no edge reaches a halo row
         return attention(q_all, k_all, v_all, _attention_graph(lg, q.device), scale, edge_bias)[:n]
-    if _ops.kernel_available(q.device):   # fp32 (cast for the kernel), or the rest fused3s_attention accepts
+    if fused:                     # fp32 (cast for the kernel), or the rest fused3s_attention accepts
         return _ops.fused3s_attention(q, k_all, v_all, _local_plan(lg, q.device), scale, edge_bias=edge_bias)
     exact = torch.float64 if q.dtype == torch.float64 else torch.float32
     return attention_reference(q, k_all, v_all, lg.edge_index.to(q.device), scale, edge_bias=edge_bias,

@@ -59,10 +59,6 @@ def partition_nodes(edge_index: Tensor, num_nodes: int, parts: int, method: str 
     return torch.as_tensor(membership, dtype=torch.long, device=edge_index.device)
 
 
-#: the halo exchanges a model can run (:attr:`LocalGraph.exchange`)
-EXCHANGES = ("inputs", "keys_values")
-
-
 @dataclass(eq=False)
 class LocalGraph:
     """One rank's share of a partitioned graph.
@@ -89,11 +85,6 @@ class LocalGraph:
     #: the K/V halo exchange is pipelined in this many head chunks (the
     #: attention of a chunk overlaps the next one's exchange); 1: one exchange
     head_chunks: int = 4
-    #: what a model whose K and V are projections exchanges (see
-    #: :data:`EXCHANGES`): ``inputs``, the rows the projection reads (half
-    #: the bytes of K and V in a Transformer block, not overlapped), or
-    #: ``keys_values``, K and V (pipelined in ``head_chunks``)
-    exchange: str = "inputs"
 
     @property
     def sends_all_rows(self) -> bool:

@@ -17,14 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .partition import EXCHANGES, METHODS, LocalGraph, local_graph, partition_nodes
+from .partition import METHODS, LocalGraph, local_graph, partition_nodes
 
 #: the ``distributed`` section of the train and infer configs, with its
 #: defaults: the partitioner of a single graph's nodes (``contiguous`` |
-#: ``metis``), what the halo exchange carries (``inputs``: each block's
-#: input rows, the halo's K and V projected by the reader; ``keys_values``:
-#: K and V) and the head chunks the K/V exchange is pipelined in
-SETTINGS: dict[str, Any] = {"partitioner": "contiguous", "exchange": "inputs", "head_chunks": 4}
+#: ``metis``) and the head chunks the K/V halo exchange is pipelined in
+SETTINGS: dict[str, Any] = {"partitioner": "contiguous", "head_chunks": 4}
 
 
 def check_settings(section: dict) -> None:
@@ -33,9 +31,6 @@ def check_settings(section: dict) -> None:
     if section["partitioner"] not in METHODS:
         raise ValueError(f"distributed.partitioner must be one of {', '.join(METHODS)} "
                          f"(got {section['partitioner']!r})")
-    if section["exchange"] not in EXCHANGES:
-        raise ValueError(f"distributed.exchange must be one of {', '.join(EXCHANGES)} "
-                         f"(got {section['exchange']!r})")
     chunks = section["head_chunks"]
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"distributed.head_chunks must be an int >= 1 (got {chunks!r})")
@@ -59,12 +54,11 @@ def split_graph(data, world: int, rank: int, settings: dict) -> tuple[LocalGraph
     """Rank ``rank``'s share of ``data`` (one graph: ``x``, ``edge_index``,
     optional ``y`` and ``edge_attr``) with its nodes partitioned over
     ``world`` ranks as ``settings`` (a ``distributed`` config section,
-    :data:`SETTINGS`) says: its :class:`LocalGraph` (``exchange`` and
-    ``head_chunks`` set)
+    :data:`SETTINGS`) says: its :class:`LocalGraph` (``head_chunks`` set)
     and its rows of the graph's tensors."""
     part = partition_nodes(data.edge_index, data.num_nodes, world, settings["partitioner"])
     lg = local_graph(data.edge_index, data.num_nodes, part, rank, parts=world)
-    lg.exchange, lg.head_chunks = settings["exchange"], settings["head_chunks"]
+    lg.head_chunks = settings["head_chunks"]
     y = getattr(data, "y", None)
     edge_attr = getattr(data, "edge_attr", None)
     return lg, LocalBatch(data.x[lg.nodes], y[lg.nodes] if y is not None else None,

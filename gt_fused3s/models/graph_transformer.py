@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ..backends import AttentionGraph, get_backend
-from ..distributed import LocalGraph, partitioned_attention, partitioned_attention_from_inputs
+from ..distributed import LocalGraph, partitioned_attention
 from ..graph import BSBGraph, check_int
 from ..plan import GraphPlan
 
@@ -335,13 +335,10 @@ class GraphTransformer(nn.Module):
 def _forward_partitioned_impl(model: "GraphTransformer", x: Tensor, lg, batch, num_graphs, edge_attr) -> Tensor:
     """The forward of this rank's rows of a graph partitioned over a process
     group (``x``: the rows of ``lg.nodes``; ``edge_attr``: the rows
-    ``lg.edge_ids`` of the graph's). Every block's attention exchanges the
-    halo's block inputs and projects their K and V here
-    (:func:`~gt_fused3s.distributed.partitioned_attention_from_inputs`; half
-    the bytes), or K and V themselves (``lg.exchange = "keys_values"``,
-    :func:`~gt_fused3s.distributed.partitioned_attention`), and runs the
-    model's backend on the local graph; the rest of a block is per node. A
-    collective: every rank calls it."""
+    ``lg.edge_ids`` of the graph's). Every block's attention exchanges the K
+    and V halo (:func:`~gt_fused3s.distributed.partitioned_attention`) and
+    runs the model's backend on the local graph; the rest of a block is per
+    node. A collective: every rank calls it."""
     if x.size(0) != lg.num_local:
         raise ValueError(f"x has {x.size(0)} rows but rank {lg.rank} owns {lg.num_local} nodes")
     if model.readout != "node":
@@ -350,25 +347,15 @@ def _forward_partitioned_impl(model: "GraphTransformer", x: Tensor, lg, batch, n
         raise ValueError("self_loops: add the loops to the graph before partitioning it")
     model._check_edge_attr(edge_attr, lg.edge_ids.numel())
 
-    other = None if model.backend == "fused3s" else model._attention_fn
-
-    def attend_of(block: GraphTransformerBlock, h: Tensor):
-        inner = block.heads * block.head_dim
-
-        def attend(q, k, v, scale, bias):
-            with model._span("attention", x.device):
-                # fused3s: the partitioned attention's own (no padded rows); others through their backend
-                if lg.exchange == "inputs":      # the halo's block inputs: K, V projected here
-                    w, b = block.qkv.weight[inner:], block.qkv.bias
-                    b = b[inner:] if b is not None else None
-                    return partitioned_attention_from_inputs(h, q, k, v, w, b, lg, scale, edge_bias=bias,
-                                                             attention=other)
-                return partitioned_attention(q, k, v, lg, scale, edge_bias=bias, attention=other)
-        return attend
+    def attend(q, k, v, scale, bias):
+        with model._span("attention", x.device):
+            # fused3s: partitioned_attention's own (no padded rows); others through their backend
+            other = None if model.backend == "fused3s" else model._attention_fn
+            return partitioned_attention(q, k, v, lg, scale, edge_bias=bias, attention=other)
 
     h = model.embed(x)
     for block in model.blocks:
-        h = block(h, attend_of(block, h), edge_attr)
+        h = block(h, attend, edge_attr)
     return model.head(h)
 
 
