@@ -287,10 +287,29 @@ GT_SEQ_HD bool seq_pair_elem(const SeqWindow& win, int lane, int e, int32_t vali
     return kc < valid && qr < win.rows;
 }
 
-// The 8 bits of a pair of a local part `own` with no earlier part near it
-// (the edge of a band: most masked pairs): one range test per element.
+// Is part `own` a band over this segment: a local part, or a dilated one
+// whose rows and keys are compacted to one residue (row stride and key step
+// both the rate), so that j - i is a multiple of the rate by construction?
+// Its offsets j - i then lie in [lo, hi].
+GT_SEQ_HD bool seq_part_band(const SeqMaskPart& own, const SeqWindow& win, const KeySeg& ks, int32_t& lo, int32_t& hi) {
+    if (own.kind == kSeqLocal) {
+        lo = -own.a;
+        hi = own.b;
+        return true;
+    }
+    if (own.kind == kSeqDilated && ks.step == own.c && win.stride == own.c) {
+        lo = -own.a * own.c;
+        hi = own.b * own.c;
+        return true;
+    }
+    return false;
+}
+
+// The 8 bits of a pair of a band part (seq_part_band: offsets in [lo, hi])
+// with no earlier part near it (the edge of a band: most masked pairs): one
+// range test per element.
 template <bool kKeyRows>
-GT_SEQ_HD uint32_t seq_band_pair_bits(const SeqMask& mk, const SeqWindow& win, const SeqMaskPart& own,
+GT_SEQ_HD uint32_t seq_band_pair_bits(const SeqMask& mk, const SeqWindow& win, int32_t lo, int32_t hi,
                                       const KeySeg& ks, int32_t n0, int32_t valid, int lane) {
     uint32_t bits = 0u;
 #pragma unroll
@@ -299,7 +318,7 @@ GT_SEQ_HD uint32_t seq_band_pair_bits(const SeqMask& mk, const SeqWindow& win, c
         int32_t row;
         const bool in = seq_pair_elem<kKeyRows>(win, lane, e, valid, kc, row);
         const int32_t d = seg_key(mk, ks, n0 + kc) - row;
-        bits |= static_cast<uint32_t>(in && d >= -own.a && d <= own.b) << e;
+        bits |= static_cast<uint32_t>(in && d >= lo && d <= hi) << e;
     }
     return bits;
 }
@@ -330,8 +349,9 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
         bits = 0xFFu;
         return true;
     }
-    if (!overlap && own.kind == kSeqLocal) {
-        bits = seq_band_pair_bits<kKeyRows>(mk, win, own, ks, n0, valid, lane);
+    int32_t lo, hi;
+    if (!overlap && seq_part_band(own, win, ks, lo, hi)) {
+        bits = seq_band_pair_bits<kKeyRows>(mk, win, lo, hi, ks, n0, valid, lane);
         return true;
     }
     // Everything else, element by element (a loop: unrolled, the switches of
@@ -397,12 +417,14 @@ GT_SEQ_HD uint32_t seq_tile_bits(const SeqMask& mk, const SeqWindow& win, int pa
         for (int sl = 0; sl < kPairs; ++sl) bits[sl] = 0xFFu;
         return (1u << kPairs) - 1u;
     }
-    // A local part's tile with no earlier part near it (a band's edge: every
-    // masked tile of Longformer's and BigBird's windows) inline: the call
-    // to the slow path costs its registers' saves and restores.
+    // A band part's tile with no earlier part near it (a band's edge: every
+    // masked tile of Longformer's and BigBird's windows, and of compacted
+    // dilated ones) inline: the call to the slow path costs its registers'
+    // saves and restores.
     const SeqMaskPart& own = mk.parts[part];
     const int32_t tile_valid = seq_min(kSeqTileKeys, ks.count - n0);
-    if (own.kind == kSeqLocal && win.rows > 0 && tile_valid > 0) {
+    int32_t lo, hi;
+    if (win.rows > 0 && tile_valid > 0 && seq_part_band(own, win, ks, lo, hi)) {
         const int32_t jlo = seg_key(mk, ks, n0), jhi = seg_key(mk, ks, n0 + tile_valid - 1);
         bool overlap = false;
         for (int q = 0; q < part; ++q) overlap |= seq_part_may_reach(mk, mk.parts[q], win, jlo, jhi);
@@ -416,7 +438,7 @@ GT_SEQ_HD uint32_t seq_tile_bits(const SeqMask& mk, const SeqWindow& win, int pa
                     continue;   // warp-uniform
                 }
                 on |= 1u << sl;
-                bits[sl] = seq_band_pair_bits<false>(mk, win, own, ks, p0, valid, lane);
+                bits[sl] = seq_band_pair_bits<false>(mk, win, lo, hi, ks, p0, valid, lane);
             }
             return on;
         }
