@@ -25,7 +25,6 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
     constexpr int kPerRow = Tile::kChunksPerRow, kRowsApart = 32 / kPerRow;
     const int ch = lane % kPerRow, r0 = lane / kPerRow;
     const int32_t n0 = c.tile * kSeqTileKeys + 16 * warp + r0;
-    const uint32_t at0 = Tile::at(r0, 8 * ch), at_step = Tile::at(kRowsApart, 0);
     if (c.ks.step != 0) {   // uniform: keys start + step n, rows of a progression
         const int64_t tok0 = blk.doc_start + c.ks.start + static_cast<int64_t>(c.ks.step) * n0;
         const uint16_t* kp = k + tok0 * k_stride + 8 * ch;
@@ -35,8 +34,9 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
 #pragma unroll
         for (int i = 0; i < Tile::kChunksPerLane; ++i) {   // past the segment: zeros, nothing read
             const bool valid = n0 + kRowsApart * i < c.ks.count;
-            cp_async_16(k_dst + at0 + i * at_step, kp + i * dk, valid);
-            cp_async_16(v_dst + at0 + i * at_step, vp + i * dv, valid);
+            const uint32_t at = Tile::at(r0 + kRowsApart * i, 8 * ch);   // linear, or swizzled (Sw128Tile)
+            cp_async_16(k_dst + at, kp + i * dk, valid);
+            cp_async_16(v_dst + at, vp + i * dv, valid);
         }
     } else {   // the global list: its own rows
 #pragma unroll
@@ -44,8 +44,9 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
             const int32_t n = n0 + kRowsApart * i;
             const bool valid = n < c.ks.count;
             const int64_t tok = blk.doc_start + (valid ? mk.global_idx[n] : 0);
-            cp_async_16(k_dst + at0 + i * at_step, k + tok * k_stride + 8 * ch, valid);
-            cp_async_16(v_dst + at0 + i * at_step, v + tok * v_stride + 8 * ch, valid);
+            const uint32_t at = Tile::at(r0 + kRowsApart * i, 8 * ch);
+            cp_async_16(k_dst + at, k + tok * k_stride + 8 * ch, valid);
+            cp_async_16(v_dst + at, v + tok * v_stride + 8 * ch, valid);
         }
     }
     cp_async_commit();
@@ -56,7 +57,8 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
 // block barriers (every warp's copy has landed before it; every warp is done
 // with the stage before it is refilled); full: seq_tile_full for the whole
 // block of `rows` queries (no mask bits needed). Uniform across the block.
-template <typename LoadKV, typename Body>
+// kAsyncReads: the body reads the stage through the async proxy (wgmma).
+template <bool kAsyncReads = false, typename LoadKV, typename Body>
 __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindow& blk, int32_t rows, LoadKV&& load_kv,
                                                Body&& body) {
     SeqTileCursor cur;
@@ -72,6 +74,7 @@ __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindo
         } else {
             cp_async_wait<0>();
         }
+        if constexpr (kAsyncReads) fence_proxy_async_shared();
         const bool full = seq_tile_full(mk, blk, rows, cur.part, cur.ks, cur.tile * kSeqTileKeys);
         __syncthreads();
         body(cur, stage, full);

@@ -40,6 +40,15 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Shared memory written by this thread's ordinary stores (cp.async
+// included), made visible to the async proxy, through which Hopper's wgmma
+// reads its shared-memory operands: before the barrier that precedes them.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 // Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8, row l % 8.
 // Without .trans, lane (g, t) receives (row g, cols 2t, 2t+1) of each matrix;
 // with .trans, (rows 2t, 2t+1, col g).
@@ -57,8 +66,33 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                  : "memory");
 }
 
+// The three m16n8k16 operand reads (ldmatrix) of a 16-row tile whose byte
+// offsets Tile::at(row, col) gives (RowTile, Sw128Tile).
+template <typename Tile>
+struct TileReads {
+    // A fragment (rows = M, cols = K) for k-step `step`: a0..a3 of m16n8k16.
+    static __device__ __forceinline__ void a_frag(uint32_t (&a)[4], uint32_t tile, int step, int lane) {
+        const int m = lane >> 3;
+        ldmatrix_x4(a, tile + Tile::at((m & 1) * 8 + (lane & 7), 16 * step + 8 * (m >> 1)));
+    }
+
+    // B fragments of X^T for X = this tile (rows = N, cols = K), k-step `step`,
+    // for both 8-row halves: b[0], b[1] of rows 0..7, b[2], b[3] of rows 8..15.
+    static __device__ __forceinline__ void bt_frags(uint32_t (&b)[4], uint32_t tile, int step, int lane) {
+        const int m = lane >> 3;
+        ldmatrix_x4(b, tile + Tile::at((m >> 1) * 8 + (lane & 7), 16 * step + 8 * (m & 1)));
+    }
+
+    // B fragments of X for X = this tile (rows = K, cols = N), n-tiles 2jj and
+    // 2jj + 1: b[0], b[1] of n-tile 2jj, b[2], b[3] of n-tile 2jj + 1.
+    static __device__ __forceinline__ void b_frags(uint32_t (&b)[4], uint32_t tile, int jj, int lane) {
+        const int m = lane >> 3;
+        ldmatrix_x4_trans(b, tile + Tile::at((m & 1) * 8 + (lane & 7), 8 * (2 * jj + (m >> 1))));
+    }
+};
+
 template <int kDW>
-struct RowTile {
+struct RowTile : TileReads<RowTile<kDW>> {
     static_assert(kDW == 16 || kDW == 32 || kDW == 64 || kDW == 128, "tile slice must be 16, 32, 64 or 128 wide");
     static constexpr int kRowElems = kDW + 8;             // padded row
     static constexpr int kBytes = 16 * kRowElems * 2;
@@ -86,25 +120,22 @@ struct RowTile {
             cp_async_16(tile2 + at(r, ch * 8), src2 + safe * stride2 + ch * 8, row >= 0);
         }
     }
+};
 
-    // A fragment (rows = M, cols = K) for k-step `step`: a0..a3 of m16n8k16.
-    static __device__ __forceinline__ void a_frag(uint32_t (&a)[4], uint32_t tile, int step, int lane) {
-        const int m = lane >> 3;
-        ldmatrix_x4(a, tile + at((m & 1) * 8 + (lane & 7), 16 * step + 8 * (m >> 1)));
-    }
-
-    // B fragments of X^T for X = this tile (rows = N, cols = K), k-step `step`,
-    // for both 8-row halves: b[0], b[1] of rows 0..7, b[2], b[3] of rows 8..15.
-    static __device__ __forceinline__ void bt_frags(uint32_t (&b)[4], uint32_t tile, int step, int lane) {
-        const int m = lane >> 3;
-        ldmatrix_x4(b, tile + at((m >> 1) * 8 + (lane & 7), 16 * step + 8 * (m & 1)));
-    }
-
-    // B fragments of X for X = this tile (rows = K, cols = N), n-tiles 2jj and
-    // 2jj + 1: b[0], b[1] of n-tile 2jj, b[2], b[3] of n-tile 2jj + 1.
-    static __device__ __forceinline__ void b_frags(uint32_t (&b)[4], uint32_t tile, int jj, int lane) {
-        const int m = lane >> 3;
-        ldmatrix_x4_trans(b, tile + at((m & 1) * 8 + (lane & 7), 8 * (2 * jj + (m >> 1))));
+// A [16, 64] slice of 16-bit rows of 128 bytes, unpadded, with the 128-byte
+// swizzle of Hopper's wgmma operands (wgmma.cuh: 16-byte chunk c of row r at
+// chunk c ^ (r % 8)), so that wgmma reads consecutive slices as one operand
+// straight from shared memory; ldmatrix reads it too (the 8 rows of one 8x8
+// matrix hit 8 distinct 16-byte bank groups). Slices start 1024-byte aligned
+// (the swizzle is of address bits). RowTile's interface, as the sequence
+// forward uses it.
+struct Sw128Tile : TileReads<Sw128Tile> {
+    static constexpr int kDW = 64;
+    static constexpr int kBytes = 16 * 128;
+    static constexpr int kChunksPerRow = 8;
+    static constexpr int kChunksPerLane = 16 * kChunksPerRow / 32;
+    static __device__ __forceinline__ uint32_t at(int row, int col) {
+        return static_cast<uint32_t>(row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2);
     }
 };
 

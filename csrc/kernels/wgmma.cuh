@@ -1,0 +1,108 @@
+// Hopper's warpgroup MMA (wgmma, sm_90a): the pieces the sequence forward's
+// full tiles use. A warpgroup (4 warps, 128 threads) computes
+// D[64, N] (+)= A[64, 16] B[16, N]: A from registers, in the m16n8k16 A
+// fragment layout per warp (warp w: rows 16w .. 16w+15), B from shared memory
+// through a descriptor; D in registers, per warp the m16n8 C layout repeated
+// over the N / 8 column tiles (d[4j .. 4j+3]: column tile j). So the 3S
+// tiles' fragments (mma_utils.cuh) are wgmma's, four warps at a time.
+//
+// B's shared memory: rows of 128 bytes (64 16-bit elements) with the
+// 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8); Sw128Tile
+// in smem_tile.cuh), 8-row groups 1024 bytes apart, 1024-byte aligned.
+// K-major B (rows = N, the row holds K: the key tile of Q K^T) or N-major B
+// (rows = K, the row holds N: the value tile of P V, imm-trans-b = 1).
+//
+// Everything here compiles to nothing but a trap outside sm_90a
+// (__CUDA_ARCH_FEAT_SM90_ALL): callers test kSeqWgmma first.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace gt_fused3s {
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GT_WGMMA 1
+#else
+#define GT_WGMMA 0
+#endif
+
+// Descriptor of a 128-byte-swizzled operand starting at shared address
+// `addr` (1024-byte aligned, or advanced along K inside a row: + 32 bytes a
+// k-step of 16 for K-major B). SBO: the 8-row groups' stride (1024 bytes);
+// LBO: unused by swizzled K-major layouts, the stride between 64-element
+// column panels of N-major ones (one panel at N = 64): 1024 for both.
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
+    uint64_t d = static_cast<uint64_t>((addr & 0x3FFFFu) >> 4);
+    d |= static_cast<uint64_t>(1024 >> 4) << 16;   // LBO
+    d |= static_cast<uint64_t>(1024 >> 4) << 32;   // SBO
+    d |= static_cast<uint64_t>(1) << 62;           // 128-byte swizzle
+    return d;
+}
+
+// Registers written by other instructions before a wgmma reads them, or
+// read after: wgmma.fence orders them; the empty asm keeps the compiler from
+// moving accumulator accesses across the asynchronous MMA.
+__device__ __forceinline__ void wgmma_fence() {
+#if GT_WGMMA
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if GT_WGMMA
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+#if GT_WGMMA
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[32]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+#define GT_WGMMA_D32                                                                                                   \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31}"
+#define GT_WGMMA_D32_OPERANDS(d)                                                                                     \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),      \
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),     \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// D[64, 64] (+)= A[64, 16] B[16, 64], fp32 accumulators; accumulate == false:
+// D = A B. kTransB: B N-major (rows = K).
+template <typename T, bool kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                                bool accumulate) {
+#if GT_WGMMA
+    if constexpr (std::is_same<T, __half>::value) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " GT_WGMMA_D32
+            ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+            : GT_WGMMA_D32_OPERANDS(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)),
+              "n"(static_cast<int>(kTransB)));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " GT_WGMMA_D32
+            ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+            : GT_WGMMA_D32_OPERANDS(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)),
+              "n"(static_cast<int>(kTransB)));
+    }
+#else
+    __trap();
+#endif
+}
+
+#undef GT_WGMMA_D32
+#undef GT_WGMMA_D32_OPERANDS
+
+}  // namespace gt_fused3s
