@@ -22,7 +22,7 @@
 //   fp32, log2 domain, -inf masking (full tiles: online_softmax_full)
 //   O [16, D] += P V              (P from registers, V: ldmatrix.trans)
 // Global rows (a few queries that attend to every key) are computed apart.
-// At D = 64 on sm_90a a full tile's two products are Hopper's warpgroup MMA
+// At D = 64 on sm_90a a tile's two products are Hopper's warpgroup MMA
 // instead (wgmma.cuh): the block's 4 warps are one warpgroup, its 64 queries
 // the M = 64 of S = Q K^T (Q from registers, K straight from shared memory)
 // and of O += P V (P from registers, V from shared memory); the fragments in
@@ -153,7 +153,9 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p) {
             }
         }
         float s[kM][Cfg::kSlices][2][4];
-        if constexpr (kFull && Cfg::kWgmma) {   // S [64, 64] = Q K^T: one warpgroup MMA a k-step
+        // wgmma: every pair of the tile (a pair no query of a warp sees has
+        // bits 0: its P is 0); mma.sync: the pairs the warp's queries see
+        if constexpr (Cfg::kWgmma) {   // S [64, 64] = Q K^T: one warpgroup MMA a k-step
             float (&d)[32] = *reinterpret_cast<float (*)[32]>(&s[0][0][0][0]);
             wgmma_fence();
 #pragma unroll
@@ -198,7 +200,7 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p) {
                                                            pa[i]);
             }
         }
-        if constexpr (kFull && Cfg::kWgmma) {   // O [64, 64] += P V: a k-step per slice of 16 keys
+        if constexpr (Cfg::kWgmma) {   // O [64, 64] += P V: a k-step per slice of 16 keys
             float (&d)[32] = *reinterpret_cast<float (*)[32]>(&o[0][0][0]);
             wgmma_fence();
 #pragma unroll
