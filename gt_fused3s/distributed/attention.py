@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -149,7 +150,7 @@ def _exchange(sends: Blocks, recvs: Blocks, lg: LocalGraph, group) -> _Pending:
     return _Pending([w for w in works if w is not None], ref, [t for _, t in sends])
 
 
-_CONNECTED: set[int] = set()
+_CONNECTED: weakref.WeakSet = weakref.WeakSet()   # process groups past their first exchange
 
 
 def _connect(group) -> None:
@@ -157,10 +158,10 @@ def _connect(group) -> None:
     nothing to send or receive (an empty part) issues no point-to-point
     operation, but NCCL sets a communicator up only when every rank takes
     part in its first call."""
-    key = id(group if group is not None else dist.group.WORLD)
-    if key not in _CONNECTED:
+    pg = group if group is not None else dist.group.WORLD
+    if pg not in _CONNECTED:
         dist.barrier(group)
-        _CONNECTED.add(key)
+        _CONNECTED.add(pg)
 
 
 def _send_blocks(x: Tensor, lg: LocalGraph) -> Blocks:

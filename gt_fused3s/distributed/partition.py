@@ -87,13 +87,6 @@ class LocalGraph:
     head_chunks: int = 4
 
     @property
-    def sends_all_rows(self) -> bool:
-        """One destination, which gets every row in order: the send buffer
-        is the local rows themselves."""
-        sending = [c > 0 for c in self.send_counts]
-        return sum(sending) == 1 and all(f for f, on in zip(self.send_full, sending) if on)
-
-    @property
     def num_local(self) -> int:
         return self.nodes.numel()
 
