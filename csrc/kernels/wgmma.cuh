@@ -75,33 +75,30 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[32]) {
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
 // D[64, 64] (+)= A[64, 16] B[16, 64], fp32 accumulators; accumulate == false:
-// D = A B. kTransB: B N-major (rows = K).
+// D = A B. kTransB: B N-major (rows = K). TY: the PTX type of A and B.
+#define GT_WGMMA_M64N64K16_RS(TY)                                                                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                 \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " GT_WGMMA_D32                       \
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                                              \
+                 : GT_WGMMA_D32_OPERANDS(d)                                                                    \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), \
+                   "n"(static_cast<int>(kTransB)))
+
 template <typename T, bool kTransB>
 __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
                                                 bool accumulate) {
 #if GT_WGMMA
     if constexpr (std::is_same<T, __half>::value) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " GT_WGMMA_D32
-            ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-            : GT_WGMMA_D32_OPERANDS(d)
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)),
-              "n"(static_cast<int>(kTransB)));
+        GT_WGMMA_M64N64K16_RS("f16");
     } else {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " GT_WGMMA_D32
-            ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-            : GT_WGMMA_D32_OPERANDS(d)
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)),
-              "n"(static_cast<int>(kTransB)));
+        GT_WGMMA_M64N64K16_RS("bf16");
     }
 #else
     __trap();
 #endif
 }
 
+#undef GT_WGMMA_M64N64K16_RS
 #undef GT_WGMMA_D32
 #undef GT_WGMMA_D32_OPERANDS
 
