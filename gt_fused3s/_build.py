@@ -38,8 +38,9 @@ _OPS = None            # torch.ops.gt_fused3s once loaded
 _FAILURE: str | None = None   # reason of the first failed attempt
 _ORIGIN: str | None = None    # "prebuilt <path>" or "jit <path>" once loaded
 
-#: compiler flags of both builds (the JIT adds -gencode for the visible GPUs;
-#: the ahead-of-time build takes them from TORCH_CUDA_ARCH_LIST)
+#: compiler flags of both builds (the JIT adds -gencode for the visible GPUs
+#: or $GT_FUSED3S_JIT_ARCH; the ahead-of-time build takes them from
+#: TORCH_CUDA_ARCH_LIST)
 CUDA_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
 CFLAGS = ["-O3"]
 #: the ahead-of-time build: module name (in the package) and its stamp file
@@ -162,13 +163,32 @@ def _prebuilt(torch, package: Path | None = None) -> Path | None:
 
 
 def _arch_flags(torch) -> list[str]:
-    """-gencode for every visible GPU (sm_90a on Hopper for its own instructions)."""
+    """-gencode for every visible GPU (sm_90a on Hopper for its own
+    instructions), or for ``$GT_FUSED3S_JIT_ARCH`` (``TORCH_CUDA_ARCH_LIST``
+    entries: "8.0+PTX" builds the sm_80 code paths as PTX, which the driver
+    compiles for a newer GPU: Ampere's kernels tested on a Hopper GPU)."""
     caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-    flags = []
     for major, minor in caps:
         if (major, minor) < _MIN_CAPABILITY:
             raise RuntimeError(f"gt_fused3s: the fused kernel needs a GPU of compute capability >= "
                                f"{_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]} (found {major}.{minor})")
+    override = os.environ.get("GT_FUSED3S_JIT_ARCH")
+    if override:
+        archs = parse_arch_list(override)
+        missing = [f"{a}.{b}" for a, b in caps if not _runs_on(archs, (a, b))]
+        if missing:
+            raise RuntimeError(f"gt_fused3s: GT_FUSED3S_JIT_ARCH={override!r} builds no code that runs on "
+                               f"compute capability {', '.join(missing)} (add +PTX to run an older "
+                               f"architecture's code through the driver)")
+        flags = []
+        for major, minor, suffix in archs:
+            arch = f"{major}{minor}" + ("a" if suffix.startswith("a") else "")
+            flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+            if suffix.endswith("+PTX"):
+                flags.append(f"-gencode=arch=compute_{arch},code=compute_{arch}")
+        return flags
+    flags = []
+    for major, minor in caps:
         arch = f"{major}{minor}" + ("a" if major == 9 and minor == 0 else "")
         flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
     return flags

@@ -119,6 +119,23 @@ def _pretend_gpus(monkeypatch, *caps):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: caps[i])
 
 
+def test_jit_arch_override(monkeypatch):
+    """GT_FUSED3S_JIT_ARCH: the sm_80 code paths as PTX for a Hopper GPU (the
+    driver compiles them), refused where nothing built would run."""
+    _pretend_gpus(monkeypatch, (9, 0))
+    assert _build._arch_flags(torch) == ["-gencode=arch=compute_90a,code=sm_90a"]
+    monkeypatch.setenv("GT_FUSED3S_JIT_ARCH", "8.0+PTX")
+    assert _build._arch_flags(torch) == ["-gencode=arch=compute_80,code=sm_80",
+                                         "-gencode=arch=compute_80,code=compute_80"]
+    monkeypatch.setenv("GT_FUSED3S_JIT_ARCH", "9.0a")
+    assert _build._arch_flags(torch) == ["-gencode=arch=compute_90a,code=sm_90a"]
+    monkeypatch.setenv("GT_FUSED3S_JIT_ARCH", "8.6+PTX;9.0a")     # every entry built
+    assert len(_build._arch_flags(torch)) == 3
+    monkeypatch.setenv("GT_FUSED3S_JIT_ARCH", "8.0")             # sm_80 machine code only
+    with pytest.raises(RuntimeError, match="builds no code that runs on compute capability 9.0"):
+        _build._arch_flags(torch)
+
+
 def test_a_prebuilt_library_is_used_only_where_its_stamp_fits(tmp_path, monkeypatch):
     _pretend_gpus(monkeypatch, (9, 0), (8, 6))
     assert _build._prebuilt(torch, tmp_path) is None                 # none built: no word
