@@ -168,11 +168,13 @@ def _send_blocks(x: Tensor, lg: LocalGraph) -> Blocks:
     """The rows of ``x`` [n_local, ...] each rank reads: ``x`` itself for a
     rank that gets all of them (one tensor for every such rank: no gather),
     a gather of its rows for the others."""
-    index = lg.send_index.to(x.device)
-    blocks, start = [], 0
+    blocks, start, index = [], 0, None
     for r, (count, full) in enumerate(zip(lg.send_counts, _flags(lg.send_full, lg.parts))):
-        if count:
-            blocks.append((r, x if full else x.index_select(0, index[start:start + count])))
+        if count and full:
+            blocks.append((r, x))
+        elif count:   # (the index moved to x's device only where a block is gathered)
+            index = lg.send_index.to(x.device) if index is None else index
+            blocks.append((r, x.index_select(0, index[start:start + count])))
         start += count
     return blocks
 
