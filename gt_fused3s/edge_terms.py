@@ -86,12 +86,98 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     # key term projects the queries by W_e (scaled), the value term the
     # weighted feature sums by W_e^T
     blocks = block_diagonal(w_e)
-    edge_bias = edge_dot(project_heads(q, blocks * scale), edge_attr, dst, csr)
-    out, alpha = fused3s_attention(q, k, v, graph, scale, edge_bias=edge_bias, return_weights=True,
-                                   dropout_p=dropout_p, dropout_seed=dropout_seed)
-    used = alpha
-    if dropout_p:     # the kernel's mask (same seed, same hash)
-        used = alpha * ops.dropout_keep(dropout_seed, dropout_p, *alpha.shape, alpha.device)
-    agg = edge_scatter(used, edge_attr, dst, out.size(0), csr)
+    qe = project_heads(q, blocks * scale)
+    if csr is not None and plan.order is None and not torch.compiler.is_compiling():
+        # eager on the kernel: the three terms as one autograd node
+        ops._check_plan_for(plan, q, k)
+        ops._check_kernel_inputs(q, k, v)
+        drop = ops._dropout(dropout_p, dropout_seed)
+        out, agg, alpha = _EdgeFeatureTerms.apply(q, k, v, qe, edge_attr, plan, dst, csr, scale, drop)
+    else:
+        edge_bias = edge_dot(qe, edge_attr, dst, csr)
+        out, alpha = fused3s_attention(q, k, v, graph, scale, edge_bias=edge_bias, return_weights=True,
+                                       dropout_p=dropout_p, dropout_seed=dropout_seed)
+        used = alpha
+        if dropout_p:     # the kernel's mask (same seed, same hash)
+            used = alpha * ops.dropout_keep(dropout_seed, dropout_p, *alpha.shape, alpha.device)
+        agg = edge_scatter(used, edge_attr, dst, out.size(0), csr)
     value_term = project_heads(agg, blocks.t().to(agg.dtype))
     return out + value_term.to(out.dtype), alpha
+
+
+class _EdgeFeatureTerms(torch.autograd.Function):
+    """The attention with a key term (the bias ``<qe_i, a_e>``) and a value
+    sum (``agg_i = sum_e used_e a_e``, ``used`` the weights after dropout)
+    on the kernels, as one autograd node: (out, agg, alpha) from q, k, v,
+    qe [N, H, F] (the queries projected by W_e, scaled) and a [E, F].
+
+    Its backward is the composed one's (edge_dot, the attention, edge_scatter)
+    with what the composition recomputed or added up folded: the value sum's
+    share of delta = rowsum(dO * O) is ``<dagg_i, agg_i>`` per node (no
+    scatter of P dP over the edges), and the gradient of ``a`` is one pass
+    over the edges for both terms (the weights and dS side by side, [E, 2H],
+    against qe and dagg, [N, 2H, F]), where the composition added two [E, F]
+    tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, qe, a, plan, dst, csr, scale, drop):
+        H, D = q.size(1), q.size(2)
+        Dp = ops.padded_head_dim(D)
+        fwd_args, slots = plan.forward_args(H, Dp), plan.bias_args()
+        in_dtype, cdt = q.dtype, ops._compute_dtype(q, None)
+        if in_dtype != cdt and D in ops._KERNEL_DIMS:   # fp32 inputs: cast once (as _FusedAttention)
+            q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+        else:
+            in_dtype = None
+        bias = ops._edge_dot(qe, a, dst).float()
+        out, lse, alpha = ops._kernel_forward(q, k, v, fwd_args, scale, in_dtype or q.dtype, None, bias,
+                                              slots, True, drop)
+        # the kernel's dropout factors (same seed, same hash): 0 or 1 / (1 - p)
+        keep = ops.dropout_keep(drop[1], drop[0], *alpha.shape, alpha.device) if drop[0] else None
+        used = alpha if keep is None else alpha * keep
+        agg = ops._edge_scatter(used, a, dst, q.size(0), csr)
+        ctx.save_for_backward(q, k, v, qe, a, out, lse, bias, alpha, keep, agg)
+        ctx.plan, ctx.fwd_args, ctx.slots = plan, fwd_args, slots
+        ctx.dst, ctx.csr, ctx.scale, ctx.drop, ctx.in_dtype = dst, csr, scale, drop, in_dtype
+        ctx.set_materialize_grads(False)
+        return out, agg, alpha
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_agg, grad_alpha):
+        if torch.is_grad_enabled():
+            raise RuntimeError("gt_fused3s: double backward through the edge-feature attention is not "
+                               "supported (the fused backward kernels are not differentiable)")
+        q, k, v, qe, a, out, lse, bias, alpha, keep, agg = ctx.saved_tensors
+        used = alpha if keep is None else alpha * keep
+        dst = ctx.dst
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        # dP of each edge beyond dO.v: the value sum's <dagg_i, a_e> (times
+        # the dropout factor: it weighs `used`) and the weights' own gradient
+        dp_bias = delta_extra = None
+        if grad_agg is not None:
+            dp_bias = ops._edge_dot(grad_agg, a, dst).float()
+            if keep is not None:
+                dp_bias = dp_bias * keep
+            delta_extra = (grad_agg.float() * agg.float()).sum(-1)
+        if grad_alpha is not None:
+            grad_alpha = grad_alpha.float()
+            dp_bias = grad_alpha if dp_bias is None else dp_bias + grad_alpha
+            extra = torch.zeros_like(lse).index_add_(0, dst, alpha * grad_alpha)
+            delta_extra = extra if delta_extra is None else delta_extra + extra
+        edge = (bias, *ctx.slots, dp_bias, delta_extra, *ctx.drop)
+        bwd_args = ctx.plan.backward_args(q.size(1), ops.padded_head_dim(q.size(2)))
+        dq, dk, dv, ds = ops._kernel_backward(grad_out, q, k, v, out, lse, ctx.fwd_args, bwd_args,
+                                              ctx.scale, None, edge, ctx.in_dtype)
+        need = ctx.needs_input_grad
+        dqe = ops._edge_scatter(ds, a, dst, qe.size(0), ctx.csr).to(qe.dtype) if need[3] else None
+        da = None
+        if need[4]:
+            if grad_agg is None:
+                da = ops._edge_weighted_rows(ds, qe, dst)
+            else:       # both terms in one pass over the edges
+                da = ops._edge_weighted_rows(torch.cat([ds, used.to(ds.dtype)], 1),
+                                             torch.cat([qe.to(grad_agg.dtype), grad_agg], 1), dst)
+            da = da.to(a.dtype)
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dqe, da,
+                None, None, None, None, None)

@@ -113,12 +113,15 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor,
 
 
 def edge_feature_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor, edge_attr: Tensor,
-                           w_e: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                           w_e: Tensor, scale: float, dropout_mask: Tensor | None = None
+                           ) -> tuple[Tensor, Tensor]:
     """TransformerConv's attention with edge features as TransformerConv
     computes it, ``e_ij = W_e a_ij`` materialised [E, H, C] and added to the
     key and the value: the specification of
     :func:`~gt_fused3s.edge_terms.edge_feature_attention`. q, k, v [N, H, C],
-    edge_attr [E, F], w_e [H, C, F]; returns ``(out [N, H, C], alpha [E, H])``."""
+    edge_attr [E, F], w_e [H, C, F]; ``dropout_mask`` [E, H] multiplies the
+    weights of the sum (``ops.dropout_keep``: 0 or 1 / (1 - p)); returns
+    ``(out [N, H, C], alpha [E, H])``, alpha before dropout."""
     src, dst = edge_index.long()
     n, H, C = q.shape
     e = torch.einsum("hcf,ef->ehc", w_e, edge_attr)
@@ -127,8 +130,9 @@ def edge_feature_reference(q: Tensor, k: Tensor, v: Tensor, edge_index: Tensor, 
         0, dst[:, None].expand_as(s), s, "amax")
     p = torch.exp(s - mx[dst])
     alpha = p / torch.zeros(n, H, dtype=s.dtype, device=s.device).index_add(0, dst, p)[dst]
+    used = alpha if dropout_mask is None else alpha * dropout_mask.to(alpha.dtype)
     out = torch.zeros(n, H, C, dtype=s.dtype, device=s.device).index_add(
-        0, dst, alpha.unsqueeze(-1) * (v[src] + e))
+        0, dst, used.unsqueeze(-1) * (v[src] + e))
     return out, alpha
 
 

@@ -10,6 +10,7 @@ import torch
 from gt_fused3s import GraphPlan
 from gt_fused3s.edge_terms import edge_dot, edge_feature_attention, edge_scatter
 from gt_fused3s.graph import node_csr
+from gt_fused3s.ops import dropout_keep
 from gt_fused3s.reference import edge_feature_reference
 
 try:
@@ -120,6 +121,48 @@ def test_edge_feature_attention_plan_equals_edge_index(stand_in_kernels):
     out, grads = _grads(fused, q.float(), k.float(), v.float())     # fp16 in the (stand-in) kernel
     assert "edge_scatter" in stand_in_kernels.calls
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    for gr, g_ref in zip(grads, ref_grads):
+        torch.testing.assert_close(gr.double(), g_ref, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.4])
+@pytest.mark.parametrize("use_weights", [False, True])
+def test_edge_feature_terms_node_equals_composition(stand_in_kernels, dropout_p, use_weights):
+    """On a plan, eager, the kernel path runs the three terms as one autograd
+    node (_EdgeFeatureTerms, its own backward); on an edge_index, the
+    composition of edge_dot, the attention and edge_scatter in float64. Same
+    outputs, weights and gradients of q, k, v, the features and W_e, with
+    dropout (same seed: same mask) and with or without a loss on the
+    weights (their gradient enters the fused backward beside the value sum's)."""
+    from gt_fused3s import edge_terms
+    edge_index, n = GRAPH_CASES["duplicates"]()
+    E, H, C, F = edge_index.size(1), 3, 16, 6
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, H, C, generator=g, dtype=torch.float64) for _ in range(3))
+    a = torch.randn(E, F, generator=g, dtype=torch.float64)
+    w_e = torch.randn(H, C, F, generator=g, dtype=torch.float64) * 0.3
+    plan = GraphPlan.from_edge_index(edge_index, n)
+
+    def cat(out, alpha):
+        return torch.cat([out.flatten()] + ([alpha.flatten()] if use_weights else [])).double()
+
+    def fused(q, k, v, a, w_e):
+        return cat(*edge_feature_attention(q, k, v, plan, a, w_e, 0.25, dropout_p=dropout_p, dropout_seed=9))
+
+    mask = dropout_keep(9, dropout_p, E, H).double() if dropout_p else None
+
+    def materialised(q, k, v, a, w_e):
+        return cat(*edge_feature_reference(q, k, v, edge_index, a, w_e, 0.25, dropout_mask=mask))
+    nodes = []
+    orig = edge_terms._EdgeFeatureTerms.apply
+    edge_terms._EdgeFeatureTerms.apply = lambda *args: nodes.append(1) or orig(*args)
+    try:
+        out, grads = _grads(fused, *(t.float() for t in (q, k, v, a, w_e)))
+    finally:
+        edge_terms._EdgeFeatureTerms.apply = orig
+    assert nodes == [1] and "edge_rows" in stand_in_kernels.calls
+    ref, ref_grads = _grads(materialised, q, k, v, a, w_e)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     for gr, g_ref in zip(grads, ref_grads):
         torch.testing.assert_close(gr.double(), g_ref, atol=5e-2, rtol=5e-2)
 

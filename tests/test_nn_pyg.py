@@ -34,6 +34,7 @@ def fused_calls(count_calls):
     """Calls of the fused attention from the layer, with or without edge
     features (0 = the layer took TransformerConv's unfused path)."""
     calls = count_calls(pyg_mod, "fused3s_attention")
+    count_calls(edge_terms._EdgeFeatureTerms, "apply", calls)   # eager on the kernel path
     return count_calls(edge_terms, "fused3s_attention", calls)
 
 
