@@ -62,8 +62,8 @@ def head_project(x: Tensor, w: Tensor, scale: float = 1.0) -> Tensor:
 
 
 def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Tensor, w_e: Tensor,
-                           scale: float, *, dropout_p: float = 0.0, dropout_seed: int | None = None
-                           ) -> tuple[Tensor, Tensor]:
+                           scale: float, *, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                           return_weights: bool = True) -> tuple[Tensor, Tensor | None]:
     """TransformerConv's attention with edge features, without an [E, H, C]
     tensor: ``e_ij = W_e a_ij`` is added to the key and to the value,
 
@@ -77,7 +77,9 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     path), ``edge_attr`` [E, F] in the order of the graph's edges, ``w_e``
     [H, C, F] (``lin_edge.weight`` viewed per head). Dropout acts on the
     weights of both terms with one mask. Returns ``(out [N, H, C], alpha [E, H])``
-    (the softmax weights, before dropout, differentiable)."""
+    (the softmax weights, before dropout, differentiable); alpha is None
+    with ``return_weights=False`` (the weights are computed all the same:
+    the value term sums them)."""
     plan = graph if isinstance(graph, GraphPlan) else None
     edges = plan.edge_index if plan is not None else graph
     dst = edges[1].long()
@@ -92,7 +94,8 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
         ops._check_plan_for(plan, q, k)
         ops._check_kernel_inputs(q, k, v)
         drop = ops._dropout(dropout_p, dropout_seed)
-        out, agg, alpha = _EdgeFeatureTerms.apply(q, k, v, qe, edge_attr, plan, dst, csr, scale, drop)
+        out, agg, alpha = _EdgeFeatureTerms.apply(q, k, v, qe, edge_attr, plan, dst, csr, scale, drop,
+                                                  return_weights)
     else:
         edge_bias = edge_dot(qe, edge_attr, dst, csr)
         out, alpha = fused3s_attention(q, k, v, graph, scale, edge_bias=edge_bias, return_weights=True,
@@ -102,13 +105,13 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
             used = alpha * ops.dropout_keep(dropout_seed, dropout_p, *alpha.shape, alpha.device)
         agg = edge_scatter(used, edge_attr, dst, out.size(0), csr)
     value_term = project_heads(agg, blocks.t().to(agg.dtype))
-    return out + value_term.to(out.dtype), alpha
+    return out + value_term.to(out.dtype), (alpha if return_weights else None)
 
 
 class _EdgeFeatureTerms(torch.autograd.Function):
     """The attention with a key term (the bias ``<qe_i, a_e>``) and a value
     sum (``agg_i = sum_e used_e a_e``, ``used`` the weights after dropout)
-    on the kernels, as one autograd node: (out, agg, alpha) from q, k, v,
+    on the kernels, as one autograd node: (out, agg, alpha or None) from q, k, v,
     qe [N, H, F] (the queries projected by W_e, scaled) and a [E, F].
 
     Its backward is the composed one's (edge_dot, the attention, edge_scatter)
@@ -120,7 +123,7 @@ class _EdgeFeatureTerms(torch.autograd.Function):
     tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, qe, a, plan, dst, csr, scale, drop):
+    def forward(ctx, q, k, v, qe, a, plan, dst, csr, scale, drop, return_weights):
         H, D = q.size(1), q.size(2)
         Dp = ops.padded_head_dim(D)
         fwd_args, slots = plan.forward_args(H, Dp), plan.bias_args()
@@ -140,7 +143,7 @@ class _EdgeFeatureTerms(torch.autograd.Function):
         ctx.plan, ctx.fwd_args, ctx.slots = plan, fwd_args, slots
         ctx.dst, ctx.csr, ctx.scale, ctx.drop, ctx.in_dtype = dst, csr, scale, drop, in_dtype
         ctx.set_materialize_grads(False)
-        return out, agg, alpha
+        return out, agg, alpha if return_weights else None
 
     @staticmethod
     def backward(ctx, grad_out, grad_agg, grad_alpha):
@@ -180,4 +183,4 @@ class _EdgeFeatureTerms(torch.autograd.Function):
                                              torch.cat([qe.to(grad_agg.dtype), grad_agg], 1), dst)
             da = da.to(a.dtype)
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dqe, da,
-                None, None, None, None, None)
+                None, None, None, None, None, None)

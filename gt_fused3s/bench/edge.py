@@ -95,11 +95,12 @@ def attention_rows(graphs=GRAPHS, settings=ATTENTION_SETTINGS, seed: int = 0) ->
 
             def fwd_edges():
                 with torch.no_grad():
-                    return edge_feature_attention(q, k, v, plan, attr, w_e, 1 / math.sqrt(D))
+                    return edge_feature_attention(q, k, v, plan, attr, w_e, 1 / math.sqrt(D), return_weights=False)
 
             def fb_edges():
                 fresh_grads()
-                out, _ = edge_feature_attention(*leaves[:3], plan, *leaves[4:], 1 / math.sqrt(D))
+                out, _ = edge_feature_attention(*leaves[:3], plan, *leaves[4:], 1 / math.sqrt(D),
+                                                return_weights=False)
                 out.backward(do)
 
             row = {"graph": name, "N": n, "E": E, "H": H, "D": D, "edge_dim": EDGE_DIM, **_env()}

@@ -320,7 +320,8 @@ class Fused3SConv(TransformerConv):
                 _check_range("edge_index", edge_index, 0, n)
             w_e = self.lin_edge.weight.view(H, C, -1)      # e_ij = W_e a_ij, per head [C, edge_dim]
             out, alpha = edge_feature_attention(query, key, value, graph, edge_attr, w_e, scale,
-                                                dropout_p=drop_p, dropout_seed=seed)
+                                                dropout_p=drop_p, dropout_seed=seed,
+                                                return_weights=want_weights)
         else:
             out = fused3s_attention(query, key, value, graph, scale, return_weights=want_weights,
                                     dropout_p=drop_p, dropout_seed=seed)

@@ -1,0 +1,118 @@
+"""The attention with edge features on the kernels (edge_terms._EdgeFeatureTerms:
+the bias pass, the attention with its weights, the node sums, and its own
+backward) on the GPU machine, against
+TransformerConv's materialised form in float64 (``edge_feature_reference``:
+[E, H, C] edge embeddings added to keys and values): output, weights and
+the gradients of q, k, v, the edge features and W_e; fp16 and bf16, H in
+{1, 2, 4, 8}, head dims 16 to 256 (and a padded 24), edge_dim 5, 16, 20,
+32; every graph of graph_cases.py (duplicates, a pair of more than 64
+non-zeros, no edges, ...), windows split over several chunks, dropout
+(against the reference given the kernels' mask), fp32 inputs.
+
+Tolerance: max abs error at most 1e-2 (fp16) / 4e-2 (bf16) times the
+tensor's largest magnitude (at least 1): q, k, v and P are rounded to the
+low precision in the tensor-core products, the edge terms are fp32."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gt_fused3s import GraphPlan
+from gt_fused3s.edge_terms import edge_feature_attention
+from gt_fused3s.ops import dropout_keep
+from gt_fused3s.plan import padded_head_dim
+from gt_fused3s.reference import edge_feature_reference
+
+from cuda_marks import GPU_TESTS, LOW
+from graph_cases import GRAPH_CASES
+
+pytestmark = GPU_TESTS
+
+DEV = "cuda"
+
+
+def _hubs():
+    """A window of 600 + 50 in-edges (split over chunks in the forward) and
+    one of 600 out-edges, with duplicates into the hub."""
+    n = 1003
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randperm(n, generator=g)[:600], torch.randperm(n, generator=g)[:600]
+    src = torch.cat([torch.randint(0, n, (3 * n,), generator=g), a, torch.full_like(b, 29), a[:50]])
+    dst = torch.cat([torch.randint(0, n, (3 * n,), generator=g), torch.full_like(a, 17), b, torch.full((50,), 17)])
+    return torch.stack([src, dst]), n
+
+
+def _grads(fn, leaves, seed):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    # the same upstream gradient for both sides: drawn on the CPU
+    g = torch.Generator().manual_seed(seed)
+    out.backward(torch.randn(out.shape, generator=g, dtype=torch.float64).to(out))
+    return out.detach().double().cpu(), [t.grad.double().cpu() for t in leaves]
+
+
+def _check(ei, n, h, c, f, dtype, seed, *, weights=True, dropout=0.0, in_dtype=None, label=""):
+    """The fused edge-feature attention on a plan against the float64
+    materialised reference, on the same rounded inputs."""
+    E = ei.size(1)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(n, h, c, generator=g, dtype=torch.float64).to(dtype).double() for _ in range(3))
+    a = torch.randn(E, f, generator=g, dtype=torch.float64).float().double()
+    w_e = (torch.randn(h, c, f, generator=g, dtype=torch.float64) * 0.3).float().double()
+    scale = 1 / math.sqrt(c)
+    mask = dropout_keep(seed, dropout, E, h).double() if dropout else None
+    plan = GraphPlan.from_edge_index(ei.to(DEV), n)
+
+    def cat(out, alpha):
+        return torch.cat([out.flatten()] + ([alpha.flatten()] if weights else []))
+
+    def materialised(q, k, v, a, w_e):
+        return cat(*edge_feature_reference(q, k, v, ei, a, w_e, scale, dropout_mask=mask))
+
+    def fused(q, k, v, a, w_e):
+        out, alpha = edge_feature_attention(q, k, v, plan, a, w_e, scale, dropout_p=dropout, dropout_seed=seed,
+                                            return_weights=weights)
+        assert (alpha is not None) == weights
+        return cat(out.float(), alpha) if weights else cat(out.float(), None)
+
+    want, want_grads = _grads(materialised, (q, k, v, a, w_e), seed)
+    qkv = (t.to(in_dtype or dtype).to(DEV) for t in (q, k, v))
+    got, got_grads = _grads(fused, (*qkv, a.float().to(DEV), w_e.float().to(DEV)), seed)
+    tol = 1e-2 if dtype == torch.float16 else 4e-2
+    for what, x, y in [("out/alpha", got, want)] + [
+            (f"grad {name}", gx, gy) for name, gx, gy in zip(("q", "k", "v", "a", "W_e"), got_grads, want_grads)]:
+        assert torch.isfinite(x).all(), f"{label}: non-finite {what}"
+        err = (x - y).abs().max().item() if x.numel() else 0.0
+        assert err <= tol * max(y.abs().max().item() if y.numel() else 0.0, 1.0), \
+            f"{label}: {what} max abs error {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", sorted(GRAPH_CASES))
+def test_graph_cases(name, dtype):
+    ei, n = GRAPH_CASES[name]()
+    for h, c, f in ((1, 64, 16), (4, 16, 16), (8, 32, 32), (2, 16, 5)):
+        _check(ei, n, h, c, f, LOW[dtype], seed=h + c + f, weights=h != 4, label=f"{name} H={h} C={c} F={f}")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("c", [16, 24, 32, 64, 128, 256])
+@pytest.mark.parametrize("h,f", [(1, 16), (4, 32), (8, 20)])
+def test_heads_head_dims_and_widths_with_split_windows(h, c, f, dtype):
+    ei, n = _hubs()
+    plan = GraphPlan.from_edge_index(ei.to(DEV), n)
+    assert plan.forward_args(h, padded_head_dim(c))[5].size(0) > 0, "the in-hub window should be split"
+    _check(ei, n, h, c, f, LOW[dtype], seed=c + f, weights=h == 1, label=f"hubs H={h} C={c} F={f}")
+
+
+@pytest.mark.parametrize("h", [1, 4])
+def test_dropout_weights_and_fp32_inputs(h):
+    """Dropout (one mask for both terms and the backward), the weights'
+    gradient in the loss, fp32 inputs (cast once, fp32 outputs)."""
+    ei, n = GRAPH_CASES["random_1003"]()
+    _check(ei, n, h, 32, 16, torch.float16, seed=7, dropout=0.3, label=f"dropout H={h}")
+    _check(ei, n, h, 32, 16, torch.float16, seed=8, in_dtype=torch.float32, label=f"fp32 inputs H={h}")
+    ei, n = _hubs()
+    _check(ei, n, h, 16, 32, torch.bfloat16, seed=9, dropout=0.5, weights=False, label=f"hubs dropout H={h}")
