@@ -9,6 +9,7 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -23,6 +24,7 @@
 #include "kernels/edge_terms.h"
 #include "kernels/fused3s_bwd_params.h"
 #include "kernels/fused3s_params.h"
+#include "kernels/gather_rows.h"
 #include "kernels/seq_params.h"
 
 namespace gt_fused3s {
@@ -854,6 +856,26 @@ at::Tensor edge_scatter_cuda(const at::Tensor& w, const at::Tensor& a, const at:
     return out;
 }
 
+// out[i] = x[index[i]] along dim 0, any dtype (gather_rows.h: torch's
+// index_select is slow for rows of 16 to 512 bytes); x's rows contiguous.
+at::Tensor gather_rows_cuda(const at::Tensor& x_in, const at::Tensor& index) {
+    TORCH_CHECK(x_in.defined() && x_in.is_cuda() && x_in.dim() >= 1, "x must be a CUDA tensor with a row dimension");
+    TORCH_CHECK(index.device() == x_in.device(), "index must be on the device of x (", x_in.device().str(), "), got ",
+                index.device().str());
+    TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1, "index must be a 1-D int64 tensor (got ",
+                dtype_name(index.scalar_type()), " ", shape(index.sizes()), ")");
+    const at::Tensor x = x_in.contiguous();
+    const at::Tensor idx = index.contiguous();
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes[0] = idx.size(0);
+    const c10::cuda::CUDAGuard device_guard(x.device());
+    auto out = at::empty(sizes, x.options());
+    const int64_t row_bytes = x.size(0) ? x.nbytes() / x.size(0) : 0;
+    C10_CUDA_CHECK(run_gather_rows(x.data_ptr(), x.size(0), row_bytes, idx.data_ptr<int64_t>(), idx.size(0),
+                                   out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()));
+    return out;
+}
+
 }  // namespace
 }  // namespace gt_fused3s
 
@@ -869,4 +891,5 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("edge_dot", &gt_fused3s::edge_dot_cuda);
     m.impl("edge_rows", &gt_fused3s::edge_rows_cuda);
     m.impl("edge_scatter", &gt_fused3s::edge_scatter_cuda);
+    m.impl("gather_rows", &gt_fused3s::gather_rows_cuda);
 }

@@ -66,14 +66,17 @@ def relabel_edge_index(edge_index: Tensor, inv: Tensor) -> Tensor:
 
 
 def permute_rows(x: Tensor, perm: Tensor) -> Tensor:
-    """Rows of ``x`` [N, ...] in the new order: ``out[p] = x[perm[p]]``."""
-    return x.index_select(0, perm)
+    """Rows of ``x`` [N, ...] in the new order: ``out[p] = x[perm[p]]``
+    (``ops.gather_rows``: one kernel of ours on a GPU; not differentiable)."""
+    from .ops import gather_rows
+    return gather_rows(x, perm)
 
 
 def unpermute_rows(y: Tensor, perm: Tensor, inv: Tensor | None = None) -> Tensor:
     """Rows of ``y`` [N, ...] (new order) back in the caller's order:
     ``out[perm[p]] = y[p]``, exactly (a gather, no arithmetic)."""
-    return y.index_select(0, invert(perm) if inv is None else inv)
+    from .ops import gather_rows
+    return gather_rows(y, invert(perm) if inv is None else inv)
 
 
 def _undirected_csr(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,4 +1,4 @@
-"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``bwd``, ``probs``, the
+"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``bwd``, ``probs``, ``gather_rows``, the
 edge-term ops, ``bsb_build`` and the sequence kernels ``seq_fwd`` / ``seq_bwd``,
 with their contracts, so that the CPU suite runs everything around the
 kernels: the plan, the registered ops and their fakes (``opcheck``),
@@ -217,6 +217,11 @@ class StandIns:
         return torch.zeros(N, w.size(1), a.size(1)).index_add_(
             0, node, w[order].unsqueeze(-1) * a[order].unsqueeze(1))
 
+    def gather_rows(self, x, index):
+        assert index.dtype == torch.int64 and index.dim() == 1
+        self.calls.append("gather_rows")
+        return x.index_select(0, index)
+
     def bsb_build(self, edge_index, num_nodes):
         self.calls.append("bsb_build")
         E = edge_index.size(1)
@@ -319,8 +324,8 @@ def install(monkeypatch) -> StandIns:
 
     stand_ins = StandIns()
     lib = torch.library.Library("gt_fused3s", "IMPL")
-    for name in ("fwd", "bwd", "bsb_build", "probs", "edge_dot", "edge_rows", "edge_scatter", "seq_fwd",
-                 "seq_bwd"):
+    for name in ("fwd", "bwd", "bsb_build", "probs", "edge_dot", "edge_rows", "edge_scatter", "gather_rows",
+                 "seq_fwd", "seq_bwd"):
         lib.impl(name, getattr(stand_ins, name), "CPU")
     monkeypatch.setattr(ops_mod, "kernel_available", lambda device: True)
     monkeypatch.setattr(ops_mod, "_use_kernel", lambda q: True)

@@ -174,7 +174,7 @@ def _send_blocks(x: Tensor, lg: LocalGraph) -> Blocks:
             blocks.append((r, x))
         elif count:   # (the index moved to x's device only where a block is gathered)
             index = lg.send_index.to(x.device) if index is None else index
-            blocks.append((r, x.index_select(0, index[start:start + count])))
+            blocks.append((r, _ops.gather_rows(x, index[start:start + count])))
         start += count
     return blocks
 
@@ -228,7 +228,7 @@ def _add_returned(local: Tensor, full: Tensor, part: Tensor, lg: LocalGraph) -> 
     for count, is_full in zip(lg.send_counts, _flags(lg.send_full, lg.parts)):
         if count and not is_full:
             rows = index[start:start + count]
-            local.index_copy_(0, rows, local.index_select(0, rows) + part[got:got + count])
+            local.index_copy_(0, rows, _ops.gather_rows(local, rows) + part[got:got + count])
             got += count
         start += count
 
