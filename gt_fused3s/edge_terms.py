@@ -151,7 +151,6 @@ class _EdgeFeatureTerms(torch.autograd.Function):
             raise RuntimeError("gt_fused3s: double backward through the edge-feature attention is not "
                                "supported (the fused backward kernels are not differentiable)")
         q, k, v, qe, a, out, lse, bias, alpha, keep, agg = ctx.saved_tensors
-        used = alpha if keep is None else alpha * keep
         dst = ctx.dst
         if grad_out is None:
             grad_out = torch.zeros_like(out)
@@ -172,6 +171,9 @@ class _EdgeFeatureTerms(torch.autograd.Function):
         bwd_args = ctx.plan.backward_args(q.size(1), ops.padded_head_dim(q.size(2)))
         dq, dk, dv, ds = ops._kernel_backward(grad_out, q, k, v, out, lse, ctx.fwd_args, bwd_args,
                                               ctx.scale, None, edge, ctx.in_dtype)
+        # per-edge temporaries [E, H] go as soon as they are used: this node
+        # holds its saved tensors to the end (peak memory, README)
+        del edge, dp_bias
         need = ctx.needs_input_grad
         dqe = ops._edge_scatter(ds, a, dst, qe.size(0), ctx.csr).to(qe.dtype) if need[3] else None
         da = None
@@ -179,8 +181,9 @@ class _EdgeFeatureTerms(torch.autograd.Function):
             if grad_agg is None:
                 da = ops._edge_weighted_rows(ds, qe, dst)
             else:       # both terms in one pass over the edges
-                da = ops._edge_weighted_rows(torch.cat([ds, used.to(ds.dtype)], 1),
-                                             torch.cat([qe.to(grad_agg.dtype), grad_agg], 1), dst)
+                w = torch.cat([ds, alpha if keep is None else alpha * keep], 1)
+                del ds
+                da = ops._edge_weighted_rows(w, torch.cat([qe.to(grad_agg.dtype), grad_agg], 1), dst)
             da = da.to(a.dtype)
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dqe, da,
                 None, None, None, None, None, None)
