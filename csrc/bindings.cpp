@@ -192,14 +192,15 @@ void launch_for_head_dim(int64_t d, const Fused3SParams& params, cudaStream_t st
     }
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                            const at::Tensor& rw_offset, const at::Tensor& cols,
-                                            const at::Tensor& bitmap, const at::Tensor& window_order,
-                                            const at::Tensor& items, const at::Tensor& slots, double scale,
-                                            bool out_fp32, const std::optional<at::Tensor>& edge_bias,
-                                            const std::optional<at::Tensor>& nnz_offset,
-                                            const std::optional<at::Tensor>& slot_edge, double dropout_p,
-                                            int64_t dropout_seed) {
+// The forward: out, lse and (return_scores, which needs the edge slots)
+// each edge's raw dot product q_i.k_j [E, H] fp32 in the caller's edge order
+// (else an empty tensor).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
+        const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& rw_offset,
+        const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& window_order, const at::Tensor& items,
+        const at::Tensor& slots, double scale, bool out_fp32, const std::optional<at::Tensor>& edge_bias,
+        const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge, double dropout_p,
+        int64_t dropout_seed, bool return_scores) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
     const at::Tensor q = kernel_input(q_in, "q", q_in);
@@ -243,11 +244,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                 "an edge_bias or dropout needs the graph's nnz_offset and slot_edge (GraphPlan.bias_args)");
     if (has_bias) check_edge_array(edge_bias, "edge_bias", slot_edge->numel(), q);
     check_dropout(dropout_p);
+    TORCH_CHECK(has_bias || !return_scores, "scores need the graph's nnz_offset and slot_edge (GraphPlan.bias_args)");
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     auto out = at::empty({Nq, H, D}, q.options().dtype(out_fp32 ? at::kFloat : q.scalar_type()));
     auto lse = at::empty({Nq, H}, q.options().dtype(at::kFloat));
-    if (Nq == 0) return {out, lse};
+    auto scores = at::empty({return_scores ? slot_edge->numel() : 0, H}, q.options().dtype(at::kFloat));
+    if (Nq == 0) return {out, lse, scores};
     // Workspace of split windows only (most batches split none: no allocation).
     const int64_t S = slots.size(0);
     const auto f32 = q.options().dtype(at::kFloat);
@@ -284,16 +287,45 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
     p.bias = edge_args(nnz_offset, slot_edge, H, edge_bias, nullptr, std::nullopt);
     if (has_bias) set_dropout(p.bias, dropout_p, dropout_seed);
+    p.scores_ptr = return_scores ? scores.data_ptr<float>() : nullptr;
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     const bool half = q.scalar_type() == at::kHalf;
-    switch (edge_mode(has_bias, dropout_p)) {
+    // the instances with scores are kEdges 3, 4 (edge terms, and dropout)
+    switch (edge_mode(has_bias, dropout_p) + (return_scores ? 2 : 0)) {
         case 0: half ? launch_for_head_dim<__half, 0>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, 0>(D, p, stream); break;
         case 1: half ? launch_for_head_dim<__half, 1>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, 1>(D, p, stream); break;
-        default: half ? launch_for_head_dim<__half, 2>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, 2>(D, p, stream);
+        case 2: half ? launch_for_head_dim<__half, 2>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, 2>(D, p, stream); break;
+        case 3: half ? launch_for_head_dim<__half, 3>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, 3>(D, p, stream); break;
+        default: half ? launch_for_head_dim<__half, 4>(D, p, stream) : launch_for_head_dim<__nv_bfloat16, 4>(D, p, stream);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {out, lse, scores};
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const at::Tensor& rw_offset, const at::Tensor& cols,
+                                            const at::Tensor& bitmap, const at::Tensor& window_order,
+                                            const at::Tensor& items, const at::Tensor& slots, double scale,
+                                            bool out_fp32, const std::optional<at::Tensor>& edge_bias,
+                                            const std::optional<at::Tensor>& nnz_offset,
+                                            const std::optional<at::Tensor>& slot_edge, double dropout_p,
+                                            int64_t dropout_seed) {
+    auto [out, lse, scores] = fwd_impl(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale,
+                                       out_fp32, edge_bias, nnz_offset, slot_edge, dropout_p, dropout_seed, false);
     return {out, lse};
+}
+
+// The forward that also returns each edge's raw dot product q_i.k_j (the
+// attention weights are then exp(scale q_i.k_j + bias - lse_i), with no
+// score pass of their own).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_scores_cuda(
+        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rw_offset,
+        const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& window_order, const at::Tensor& items,
+        const at::Tensor& slots, double scale, bool out_fp32, const std::optional<at::Tensor>& edge_bias,
+        const at::Tensor& nnz_offset, const at::Tensor& slot_edge, double dropout_p, int64_t dropout_seed) {
+    return fwd_impl(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32, edge_bias,
+                    nnz_offset, slot_edge, dropout_p, dropout_seed, true);
 }
 
 // ---- Backward ------------------------------------------------------------------
@@ -491,70 +523,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                                         : launch(std::integral_constant<int, 2>{});
     C10_CUDA_CHECK(err);
     return {dq, dk, dv, grad_bias};
-}
-
-// ---- Probabilities per edge ------------------------------------------------------
-
-// P [E, H] fp32 in the caller's edge order: exp(scale q_i.k_j + bias_e - lse_i)
-// for every edge e = j -> i, from the forward's lse, over the forward's BSB
-// and schedule and the graph's edge slots.
-at::Tensor probs_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& lse,
-                      const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& items,
-                      const at::Tensor& nnz_offset, const at::Tensor& slot_edge, double scale,
-                      const std::optional<at::Tensor>& edge_bias) {
-    TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
-    TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
-    const at::Tensor q = kernel_input(q_in, "q", q_in);
-    TORCH_CHECK(k_in.defined() && k_in.dim() == 3, "k must have shape [N, H, D]");
-    const at::Tensor k = kernel_input(k_in, "k", q, k_in.size(0));
-    TORCH_CHECK(q.size(0) <= k.size(0), "q has more rows than k");
-    const int64_t N = k.size(0), Nq = q.size(0), H = q.size(1), D = q.size(2);
-    TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256,
-                "head dim D must be 16, 32, 64, 128 or 256 (got ", num(D), "); pad other multiples of 8");
-    TORCH_CHECK(lse.defined() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
-                    lse.dim() == 2 && lse.size(0) == Nq && lse.size(1) == H,
-                "lse must be a float32 [N, H] = ", shape({Nq, H}), " tensor on the device of q");
-    const at::Tensor slots_unused = at::empty({0, 4}, items.options());
-    check_pass("graph", cols, bitmap, items, slots_unused, q, N);
-    check_slots(nnz_offset, slot_edge, bitmap, q, "");
-    const int64_t E = slot_edge.numel();
-    check_edge_array(edge_bias, "edge_bias", E, q);
-    TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
-
-    const c10::cuda::CUDAGuard device_guard(q.device());
-    auto probs = at::empty({E, H}, q.options().dtype(at::kFloat));   // every edge written once
-    if (Nq == 0 || E == 0) return probs;
-    Fused3SParams p{};
-    p.q_ptr = q.data_ptr();
-    p.k_ptr = k.data_ptr();
-    p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
-    p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
-    p.lse_ptr = const_cast<float*>(lse.data_ptr<float>());   // read only in this pass
-    p.lse_row_stride = lse.stride(0); p.lse_head_stride = lse.stride(1);
-    p.cols_ptr = cols.data_ptr<int32_t>();
-    p.bitmap_ptr = reinterpret_cast<const uint64_t*>(bitmap.data_ptr<int64_t>());
-    p.items_ptr = reinterpret_cast<const Fused3SItem*>(items.data_ptr<int32_t>());
-    p.num_items = static_cast<int32_t>(items.size(0));
-    p.num_nodes = static_cast<int32_t>(Nq);
-    p.num_heads = static_cast<int32_t>(H);
-    p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-    p.bias = edge_args(nnz_offset, slot_edge, H, edge_bias, nullptr, std::nullopt);
-    p.probs_ptr = probs.data_ptr<float>();
-
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-    auto launch = [&](auto tag) {
-        using T = decltype(tag);
-        switch (D) {
-            case 16: run_fused3s_probs<T, 16>(p, stream); break;
-            case 32: run_fused3s_probs<T, 32>(p, stream); break;
-            case 64: run_fused3s_probs<T, 64>(p, stream); break;
-            case 128: run_fused3s_probs<T, 128>(p, stream); break;
-            default: run_fused3s_probs<T, 256>(p, stream); break;
-        }
-    };
-    if (q.scalar_type() == at::kHalf) launch(__half{}); else launch(__nv_bfloat16{});
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return probs;
 }
 
 // ---- BSB builder -------------------------------------------------------------
@@ -821,6 +789,29 @@ at::Tensor edge_dot_cuda(const at::Tensor& x, const at::Tensor& a, const at::Ten
     return out;
 }
 
+// P[e, h] = exp(scale scores[e, h] + bias[e, h] - lse[idx[e], h]): the
+// attention weights from fwd_scores' raw scores, bias optional
+at::Tensor edge_probs_cuda(const at::Tensor& scores, const std::optional<at::Tensor>& bias, const at::Tensor& lse,
+                           const at::Tensor& idx, double scale) {
+    check_f32(scores, "scores", 2, scores);
+    check_f32(lse, "lse", 2, scores);
+    TORCH_CHECK(lse.size(1) == scores.size(1), "lse must have shape [N, H] with scores' H = ", num(scores.size(1)),
+                " (got ", shape(lse.sizes()), ")");
+    if (bias.has_value()) {
+        check_f32(*bias, "bias", 2, scores);
+        TORCH_CHECK(bias->sizes() == scores.sizes(), "bias must have the shape of scores ", shape(scores.sizes()),
+                    " (got ", shape(bias->sizes()), ")");
+    }
+    check_edge_index_array(idx, "idx", scores.size(0), scores);
+    const c10::cuda::CUDAGuard device_guard(scores.device());
+    auto out = at::empty_like(scores);
+    const EdgeTermsShape s = edge_shape(scores.size(0), lse.size(0), scores.size(1), 1);
+    C10_CUDA_CHECK(run_edge_probs(scores.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                                  lse.data_ptr<float>(), idx.data_ptr<int64_t>(), static_cast<float>(scale),
+                                  out.data_ptr<float>(), s, c10::cuda::getCurrentCUDAStream().stream()));
+    return out;
+}
+
 // out[e, f] = sum_h w[e, h] x[idx[e], h, f]
 at::Tensor edge_rows_cuda(const at::Tensor& w, const at::Tensor& x, const at::Tensor& idx) {
     check_f32(x, "x", 3, x);
@@ -883,13 +874,14 @@ at::Tensor gather_rows_cuda(const at::Tensor& x_in, const at::Tensor& index) {
 // Python, gt_fused3s/ops.py, at import; this file only implements them.
 TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("fwd", &gt_fused3s::fwd_cuda);
+    m.impl("fwd_scores", &gt_fused3s::fwd_scores_cuda);
     m.impl("bwd", &gt_fused3s::bwd_cuda);
     m.impl("bsb_build", &gt_fused3s::bsb_build_cuda);
-    m.impl("probs", &gt_fused3s::probs_cuda);
     m.impl("seq_fwd", &gt_fused3s::seq_fwd_cuda);
     m.impl("seq_bwd", &gt_fused3s::seq_bwd_cuda);
     m.impl("edge_dot", &gt_fused3s::edge_dot_cuda);
     m.impl("edge_rows", &gt_fused3s::edge_rows_cuda);
+    m.impl("edge_probs", &gt_fused3s::edge_probs_cuda);
     m.impl("edge_scatter", &gt_fused3s::edge_scatter_cuda);
     m.impl("gather_rows", &gt_fused3s::gather_rows_cuda);
 }

@@ -134,7 +134,7 @@ class _EdgeFeatureTerms(torch.autograd.Function):
             in_dtype = None
         bias = ops._edge_dot(qe, a, dst).float()
         out, lse, alpha = ops._kernel_forward(q, k, v, fwd_args, scale, in_dtype or q.dtype, None, bias,
-                                              slots, True, drop)
+                                              slots, dst, drop)
         # the kernel's dropout factors (same seed, same hash): 0 or 1 / (1 - p)
         keep = ops.dropout_keep(drop[1], drop[0], *alpha.shape, alpha.device) if drop[0] else None
         used = alpha if keep is None else alpha * keep

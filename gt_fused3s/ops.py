@@ -52,9 +52,12 @@ _LIB.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tens
             "Tensor? t_nnz_offset=None, Tensor? t_slot_edge=None, Tensor? dp_bias=None, "
             "Tensor? delta_extra=None, float dropout_p=0.0, int dropout_seed=0) "
             "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_bias)")
-_LIB.define("probs(Tensor q, Tensor k, Tensor lse, Tensor cols, Tensor bitmap, Tensor items, "
-            "Tensor nnz_offset, Tensor slot_edge, float scale, Tensor? edge_bias=None) "
-            "-> Tensor")
+# The forward that also returns each edge's raw dot product q_i.k_j [E, H]
+# fp32 in the caller's edge order (the weights follow from it and lse).
+_LIB.define("fwd_scores(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
+            "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32, "
+            "Tensor? edge_bias, Tensor nnz_offset, Tensor slot_edge, "
+            "float dropout_p=0.0, int dropout_seed=0) -> (Tensor out, Tensor lse, Tensor scores)")
 _LIB.define("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor rw_offset, Tensor cols, "
             "Tensor bitmap, Tensor window_order, Tensor edges, Tensor counters)")
 _LIB.define("seq_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, int[] mask, "
@@ -64,6 +67,7 @@ _LIB.define("seq_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, 
             "int block_rows) -> (Tensor dq, Tensor dk, Tensor dv)")
 _LIB.define("edge_dot(Tensor x, Tensor a, Tensor idx) -> Tensor")
 _LIB.define("edge_rows(Tensor w, Tensor x, Tensor idx) -> Tensor")
+_LIB.define("edge_probs(Tensor scores, Tensor? bias, Tensor lse, Tensor idx, float scale) -> Tensor")
 _LIB.define("edge_scatter(Tensor w, Tensor a, Tensor rowptr, Tensor order) -> Tensor")
 _LIB.define("gather_rows(Tensor x, Tensor index) -> Tensor")
 
@@ -88,9 +92,11 @@ def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t
             grad_bias)
 
 
-@torch.library.register_fake("gt_fused3s::probs")
-def _probs_fake(q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, scale, edge_bias=None):
-    return q.new_empty((slot_edge.size(0), q.size(1)), dtype=torch.float32)
+@torch.library.register_fake("gt_fused3s::fwd_scores")
+def _fwd_scores_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
+                     edge_bias, nnz_offset, slot_edge, dropout_p=0.0, dropout_seed=0):
+    return (*_fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32),
+            q.new_empty((slot_edge.size(0), q.size(1)), dtype=torch.float32))
 
 
 @torch.library.register_fake("gt_fused3s::seq_fwd")
@@ -123,6 +129,11 @@ def _edge_dot_fake(x, a, idx):
 @torch.library.register_fake("gt_fused3s::edge_rows")
 def _edge_rows_fake(w, x, idx):
     return x.new_empty((w.size(0), x.size(2)))
+
+
+@torch.library.register_fake("gt_fused3s::edge_probs")
+def _edge_probs_fake(scores, bias, lse, idx, scale):
+    return torch.empty_like(scores)
 
 
 @torch.library.register_fake("gt_fused3s::edge_scatter")
@@ -280,7 +291,7 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
                                            out_dtype, compute_dtype, drop)
     else:
         out, _, probs = _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype, bias, slots,
-                                        return_weights, drop)
+                                        dst, drop)
     if order is not None:
         out = _permute_rows(out, order.inv, order.perm)
     return (out, probs) if return_weights else out
@@ -510,7 +521,7 @@ def _kernel_operand(t: Tensor, cdt: torch.dtype, Dp: int) -> Tensor:
 def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: float,
                     out_dtype: torch.dtype, compute_dtype: torch.dtype | None,
                     bias: Tensor | None = None, slots: tuple = (),
-                    return_probs: bool = False, drop: tuple = (0.0, 0)) -> tuple[Tensor, Tensor, Tensor | None]:
+                    dst: Tensor | None = None, drop: tuple = (0.0, 0)) -> tuple[Tensor, Tensor, Tensor | None]:
     """Run the forward kernel on validated inputs: (out [N, H, D] in
     ``out_dtype``, lse [N, H] fp32, probabilities [E, H] fp32 or None).
 
@@ -518,7 +529,12 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: flo
     than 16/32/64/128/256 are zero-padded up to the next one (the scale is the
     caller's, so padding changes nothing) and sliced back. ``bias``: None or
     the fp32 [E, H] edge bias; ``slots``: the plan's ``bias_args()`` (needed
-    by a bias, by ``return_probs`` and by dropout); ``drop``: (p, seed).
+    by a bias, by the probabilities and by dropout); ``dst``: the row of
+    each edge (the plan's ``kernel_edge_index[1]``), given to return the
+    probabilities: the kernel then writes each edge's q_i.k_j
+    (``fwd_scores``) and P = exp(scale q_i.k_j + bias - lse_i) is one
+    elementwise pass over [E, H] (``edge_probs``), where a pass of its own
+    (``probs``) recomputed the scores; ``drop``: (p, seed).
     """
     cdt = _compute_dtype(q, compute_dtype)
     D = q.size(-1)
@@ -526,11 +542,12 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: flo
     if q.dtype != cdt or D != Dp:
         q, k, v = (_kernel_operand(t, cdt, Dp) for t in (q, k, v))
     edge = (bias, *slots[:2], *drop) if slots else ()
-    out, lse = _op("fwd")(q, k, v, *fwd_args, scale, out_dtype != cdt, *edge)
     probs = None
-    if return_probs:
-        _, cols, bitmap, _, items, _ = fwd_args
-        probs = _op("probs")(q, k, lse, cols, bitmap, items, *slots[:2], scale, bias)
+    if dst is None:
+        out, lse = _op("fwd")(q, k, v, *fwd_args, scale, out_dtype != cdt, *edge)
+    else:
+        out, lse, scores = _op("fwd_scores")(q, k, v, *fwd_args, scale, out_dtype != cdt, *edge)
+        probs = _op("edge_probs")(scores, bias, lse, dst if dst.dtype == torch.int64 else dst.long(), scale)
     if Dp != D:
         out = out[..., :D].contiguous()
     return (out if out.dtype == out_dtype else out.to(out_dtype)), lse, probs
@@ -617,7 +634,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, fwd_graph: list[Tensor], bwd_
                   dst: Tensor | None, dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor, Tensor]:
     _build.load_extension()
     out, lse, probs = _kernel_forward(q, k, v, fwd_graph, scale, out_dtype, compute_dtype, edge_bias,
-                                      tuple(edge_slots), dst is not None, (dropout_p, dropout_seed))
+                                      tuple(edge_slots), dst, (dropout_p, dropout_seed))
     return out, lse, probs if probs is not None else lse.new_empty((0, q.size(1)))
 
 
@@ -663,7 +680,7 @@ class _FusedAttention(torch.autograd.Function):
         else:
             in_dtype = None
         out, lse, probs = _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype, bias, slots,
-                                          dst is not None, drop)
+                                          dst, drop)
         _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dtype, drop, out, lse, probs,
               in_dtype)
         ctx.set_materialize_grads(False)      # an unused output's gradient stays None

@@ -1,4 +1,4 @@
-"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``bwd``, ``probs``, ``gather_rows``, the
+"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``fwd_scores``, ``bwd``, ``edge_probs``, ``gather_rows``, the
 edge-term ops, ``bsb_build`` and the sequence kernels ``seq_fwd`` / ``seq_bwd``,
 with their contracts, so that the CPU suite runs everything around the
 kernels: the plan, the registered ops and their fakes (``opcheck``),
@@ -144,6 +144,17 @@ class StandIns:
         out = attention_reference(q, k, v, ei, scale, edge_bias=bias, dropout_mask=mask, out_dtype=torch.float32)
         return (out if out_fp32 else out.to(q.dtype)), _lse(q, k, ei, scale, bias)
 
+    def fwd_scores(self, q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
+                   edge_bias, nnz_offset, slot_edge, dropout_p=0.0, dropout_seed=0):
+        out, lse = self.fwd(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
+                            edge_bias, nnz_offset, slot_edge, dropout_p, dropout_seed)
+        self.calls[-1] = "fwd_scores"
+        _check_permutation(slot_edge)
+        ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge)
+        scores = torch.empty(slot_edge.numel(), q.size(1))
+        scores[ids] = _scores(q, k, ei, 1.0)          # raw q_i.k_j, the caller's edge order
+        return out, lse, scores
+
     def bwd(self, do, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items, t_slots,
             scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None,
             t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None, dropout_p=0.0,
@@ -183,17 +194,6 @@ class StandIns:
             grad_bias[ids] = ds
         return (*(g if grad_fp32 else g.to(q.dtype) for g in grads), grad_bias)
 
-    def probs(self, q, k, lse, cols, bitmap, items, nnz_offset, slot_edge, scale, edge_bias=None):
-        _check_operands(q, k)
-        _check_permutation(slot_edge)
-        self.calls.append("probs")
-        ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge)
-        bias = edge_bias[ids] if edge_bias is not None else None
-        torch.testing.assert_close(lse, _lse(q, k, ei, scale, bias))   # the forward's lse
-        out = torch.empty(slot_edge.numel(), q.size(1))
-        out[ids] = torch.exp(_scores(q, k, ei, scale, bias) - lse[ei[1]])
-        return out
-
     # The edge-feature products (csrc/kernels/edge_terms.h): fp32 operands,
     # the sum over a node's edges read through rowptr / order as the kernel
     # reads it (a wrong grouping gives a wrong sum).
@@ -216,6 +216,13 @@ class StandIns:
         node = torch.repeat_interleave(torch.arange(N), rowptr.diff())
         return torch.zeros(N, w.size(1), a.size(1)).index_add_(
             0, node, w[order].unsqueeze(-1) * a[order].unsqueeze(1))
+
+    def edge_probs(self, scores, bias, lse, idx, scale):
+        _check_f32(scores, lse, *([bias] if bias is not None else []))
+        assert idx.dtype == torch.int64 and idx.shape == scores.shape[:1] and lse.size(1) == scores.size(1)
+        self.calls.append("edge_probs")
+        x = scores * scale - lse[idx]
+        return torch.exp(x if bias is None else x + bias)
 
     def gather_rows(self, x, index):
         assert index.dtype == torch.int64 and index.dim() == 1
@@ -324,8 +331,8 @@ def install(monkeypatch) -> StandIns:
 
     stand_ins = StandIns()
     lib = torch.library.Library("gt_fused3s", "IMPL")
-    for name in ("fwd", "bwd", "bsb_build", "probs", "edge_dot", "edge_rows", "edge_scatter", "gather_rows",
-                 "seq_fwd", "seq_bwd"):
+    for name in ("fwd", "fwd_scores", "bwd", "bsb_build", "edge_dot", "edge_rows", "edge_scatter",
+                 "edge_probs", "gather_rows", "seq_fwd", "seq_bwd"):
         lib.impl(name, getattr(stand_ins, name), "CPU")
     monkeypatch.setattr(ops_mod, "kernel_available", lambda device: True)
     monkeypatch.setattr(ops_mod, "_use_kernel", lambda q: True)

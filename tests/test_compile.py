@@ -92,7 +92,7 @@ def test_layer_edge_features_fullgraph_reference_path():
 
 def test_layer_edge_features_fullgraph_kernel_path(stand_in_kernels):
     _check_layer_edge_features()
-    assert {"fwd", "bwd", "edge_dot", "edge_scatter", "edge_rows"} <= set(stand_in_kernels.calls)
+    assert {"fwd_scores", "bwd", "edge_dot", "edge_scatter", "edge_rows"} <= set(stand_in_kernels.calls)
 
 
 def test_graph_transformer_fullgraph_reference_path():
@@ -127,7 +127,8 @@ def test_opcheck_on_registered_ops(stand_in_kernels):
         (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out, lse, *bwd_graph, 0.3, False)),
         (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out_b, lse_b, *bwd_graph, 0.3, False, bias, *slots)),
         (torch.ops.gt_fused3s.bsb_build.default, (ei, N)),
-        (torch.ops.gt_fused3s.probs.default, (q, k, lse_b, fwd[1], fwd[2], fwd[4], *slots[:2], 0.3, bias)),
+        (torch.ops.gt_fused3s.fwd_scores.default, (q, k, v, *fwd, 0.3, False, bias, *slots[:2])),
+        (torch.ops.gt_fused3s.edge_probs.default, (bias, None, lse_b, ei[1].long(), 0.3)),
         (torch.ops.gt_fused3s.attention.default,       # the differentiable one
          (q.clone().requires_grad_(), k.clone().requires_grad_(), v, fwd, bwd, 0.3, torch.float16, None, None,
           [], None, 0.0, 0)),

@@ -180,7 +180,7 @@ def test_weights_and_their_gradient_on_the_kernel_path(stand_in_kernels, with_bi
     leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([bias.clone().requires_grad_()] if with_bias else [])
     out, w = fused3s_attention(*leaves[:3], graph, 0.3, edge_bias=leaves[3] if with_bias else None,
                                return_weights=True)
-    assert "probs" in stand_in_kernels.calls and w.shape == (ei.size(1), H) and w.dtype == torch.float32
+    assert "fwd_scores" in stand_in_kernels.calls and w.shape == (ei.size(1), H) and w.dtype == torch.float32
     ((out.float() * do.float()).sum() + (w * dw).sum()).backward()
     ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
     ref_out, ref_w = attention_reference(*ref_leaves[:3], ei, 0.3, return_weights=True,

@@ -174,12 +174,14 @@ def test_bad_edge_inputs_through_the_ops(ops):
     call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias.half(), nnz_offset, slot_edge), "edge_bias must be float32")
     call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset.long(), slot_edge), "nnz_offset must be int32")
     call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset[:-1], slot_edge), r"nnz_offset must have T \+ 1")
-    out, lse = ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge)
-    call(lambda: ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge.long(), 0.1, bias),
+    call(lambda: ops.fwd_scores(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge.long()),
          "slot_edge must be int32")
-    call(lambda: ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge, 0.1, bias[:-1]),
-         r"edge_bias must have shape \[E, H\]")
-    probs = ops.probs(q, k, lse, fwd[1], fwd[2], fwd[4], nnz_offset, slot_edge, 0.1, bias)
+    out, lse, scores = ops.fwd_scores(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge)
+    dst = ei[1].long()
+    call(lambda: ops.edge_probs(scores, bias[:-1], lse, dst, 0.1), "bias must have the shape of scores")
+    call(lambda: ops.edge_probs(scores, bias, lse, dst.int(), 0.1), "idx")
+    call(lambda: ops.edge_probs(scores, bias, lse[:, :1].contiguous(), dst, 0.1), r"lse must have shape \[N, H\]")
+    probs = ops.edge_probs(scores, bias, lse, dst, 0.1)
     torch.cuda.synchronize()
     assert probs.shape == bias.shape and torch.isfinite(probs).all()
 

@@ -1,6 +1,6 @@
 """The attention with edge features on the kernels (edge_terms._EdgeFeatureTerms:
-the bias pass, the attention with its weights, the node sums, and its own
-backward) on the GPU machine, against
+the bias pass, the forward that writes each edge's score (``fwd_scores``),
+the node sums, and its own backward) on the GPU machine, against
 TransformerConv's materialised form in float64 (``edge_feature_reference``:
 [E, H, C] edge embeddings added to keys and values): output, weights and
 the gradients of q, k, v, the edge features and W_e; fp16 and bf16, H in
@@ -116,3 +116,26 @@ def test_dropout_weights_and_fp32_inputs(h):
     _check(ei, n, h, 32, 16, torch.float16, seed=8, in_dtype=torch.float32, label=f"fp32 inputs H={h}")
     ei, n = _hubs()
     _check(ei, n, h, 16, 32, torch.bfloat16, seed=9, dropout=0.5, weights=False, label=f"hubs dropout H={h}")
+
+
+def test_fwd_scores_op():
+    """fwd_scores: out and lse as fwd's, and each edge's raw q_i.k_j in the
+    caller's edge order (every edge written once: NaN-filled memory shows
+    up), with and without a bias and dropout, on split windows."""
+    ei, n = _hubs()
+    ei = ei[:, torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(1))].to(DEV)
+    h, d = 4, 32
+    plan = GraphPlan.from_edge_index(ei, n)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, h, d, generator=g).half().to(DEV) for _ in range(3))
+    bias = torch.randn(ei.size(1), h, generator=g).to(DEV)
+    src, dst = ei
+    want = (q.double()[dst] * k.double()[src]).sum(-1)
+    for b, p in ((None, 0.0), (bias, 0.0), (bias, 0.3)):
+        torch.full((3 * ei.size(1), h), float("nan"), device=DEV)     # a reused block shows as NaN
+        args = (q, k, v, *plan.forward_args(h, d), 0.2, False, b, *plan.bias_args()[:2], p, 5)
+        out, lse, scores = torch.ops.gt_fused3s.fwd_scores(*args)
+        out2, lse2 = torch.ops.gt_fused3s.fwd(*args)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+        assert scores.shape == (ei.size(1), h) and torch.isfinite(scores).all()
+        assert (scores.double() - want).abs().max() <= 1e-5 * want.abs().max()

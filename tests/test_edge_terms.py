@@ -92,8 +92,10 @@ def test_half_operands_compute_in_fp32(stand_in_kernels):
 def test_opcheck_edge_ops(stand_in_kernels):
     idx, X, a, w = _operands(64, 12, 3, 4, dtype=torch.float32)
     rowptr, order = node_csr(idx, 12)
+    lse = torch.randn(12, 3)
     for name, args in (("edge_dot", (X, a, idx)), ("edge_rows", (w, X, idx)),
-                       ("edge_scatter", (w, a, rowptr, order))):
+                       ("edge_scatter", (w, a, rowptr, order)), ("edge_probs", (w, w * 0.5, lse, idx, 0.3)),
+                       ("edge_probs", (w, None, lse, idx, 0.3))):
         torch.library.opcheck(getattr(torch.ops.gt_fused3s, name).default, args)
 
 

@@ -84,6 +84,27 @@ def test_index_out_of_range_gives_nan():
     assert rows[7].isnan().all() and not rows[8:].isnan().any()
 
 
+@pytest.mark.parametrize("H", [1, 4, 7])
+def test_edge_probs(H):
+    """edge_probs: exp(scale s + bias - lse[idx]) per edge and head, with and
+    without a bias, against float64; an index out of range gives NaN there
+    only."""
+    g = torch.Generator().manual_seed(H)
+    E, N = 5000, 300
+    s, b = (torch.randn(E, H, generator=g) for _ in range(2))
+    lse = torch.randn(N, H, generator=g) + 3
+    idx = torch.randint(0, N, (E,), generator=g)
+    for bias in (b, None):
+        want = torch.exp(s.double() * 0.7 + (0 if bias is None else bias.double()) - lse.double()[idx])
+        got = torch.ops.gt_fused3s.edge_probs(s.cuda(), None if bias is None else bias.cuda(), lse.cuda(),
+                                              idx.cuda(), 0.7)
+        _close(got.double().cpu(), want, "edge_probs", torch.float32)
+    bad = idx.clone().cuda()
+    bad[11] = N
+    out = torch.ops.gt_fused3s.edge_probs(s.cuda(), b.cuda(), lse.cuda(), bad, 0.7)
+    assert out[11].isnan().all() and not out[:11].isnan().any()
+
+
 @pytest.mark.parametrize("F", [16, 5])
 def test_edge_scatter_bad_edge_id_gives_nan_rows(F):
     """An edge id outside [0, E) in the grouping gives NaN in its node's

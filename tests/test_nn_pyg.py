@@ -190,7 +190,7 @@ def test_sparse_adjacency_with_edge_features_and_weights_is_fused(fmt, bipartite
         torch.testing.assert_close(mine, theirs, atol=tol, rtol=max(tol, 1e-4))
     assert len(fused_calls) == 1
     if kernel_path:
-        assert {"fwd", "probs", "bwd", "edge_dot", "edge_scatter"} <= set(stand_ins.calls)
+        assert {"fwd_scores", "bwd", "edge_dot", "edge_scatter"} <= set(stand_ins.calls)
 
 
 @pytest.mark.parametrize("edge_dim", [None, 16])
@@ -205,9 +205,9 @@ def test_layer_step_runs_no_more_ops_than_transformer_conv(edge_dim, monkeypatch
     9ef07c7)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from gt_fused3s import ops
-    fakes = {"fwd": ops._fwd_fake, "bwd": ops._bwd_fake, "probs": ops._probs_fake,
+    fakes = {"fwd": ops._fwd_fake, "fwd_scores": ops._fwd_scores_fake, "bwd": ops._bwd_fake,
              "edge_dot": ops._edge_dot_fake, "edge_rows": ops._edge_rows_fake,
-             "edge_scatter": ops._edge_scatter_fake}
+             "edge_scatter": ops._edge_scatter_fake, "edge_probs": ops._edge_probs_fake}
     monkeypatch.setattr(ops, "_op", fakes.__getitem__)
     monkeypatch.setattr(ops, "kernel_available", lambda device: True)
     monkeypatch.setattr(ops, "_use_kernel", lambda t: True)
@@ -476,7 +476,7 @@ def test_edge_features_and_weights_on_the_kernel_path(stand_in_kernels, fused_ca
     edge_attr = torch.randn(edge_index.size(1), 4, generator=torch.Generator().manual_seed(4))
     out_ref, alpha_ref, g_ref = _loss_grads(ref, x, edge_index, edge_attr, return_attention_weights=True)
     out, alpha, g = _loss_grads(ours, x, edge_index, edge_attr, return_attention_weights=True)
-    assert {"fwd", "probs", "bwd"} <= set(stand_in_kernels.calls)
+    assert {"fwd_scores", "bwd"} <= set(stand_in_kernels.calls)
     torch.testing.assert_close(out, out_ref, atol=3e-3, rtol=3e-3)       # fp16 operands
     torch.testing.assert_close(alpha, alpha_ref, atol=3e-3, rtol=3e-3)
     for name in g_ref:

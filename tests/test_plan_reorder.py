@@ -69,7 +69,7 @@ def test_reordered_plan_equals_plain_plan_and_reference(stand_in_kernels, name, 
     stand_in_kernels.calls.clear()
     out, w, grads = _run(plan, q, k, v, do, bias, dw)
     calls = stand_in_kernels.calls
-    assert [c for c in calls if c != "gather_rows"] == ["fwd", "probs", "bwd"]   # the kernel path ran
+    assert [c for c in calls if c != "gather_rows"] == ["fwd_scores", "edge_probs", "bwd"]   # the kernel path
     assert calls.count("gather_rows") == 8       # q, k, v in, out back; dO in, dq, dk, dv back
     out0, w0, grads0 = _run(plain, q, k, v, do, bias, dw)
     torch.testing.assert_close(out, out0, atol=1e-3, rtol=0)
@@ -179,7 +179,7 @@ def test_edge_feature_attention_on_a_reordered_plan(stand_in_kernels):
 
     stand_in_kernels.calls.clear()
     got = run(plan)
-    assert {"fwd", "probs", "bwd", "edge_dot", "edge_scatter"} <= set(stand_in_kernels.calls)
+    assert {"fwd_scores", "bwd", "edge_dot", "edge_scatter"} <= set(stand_in_kernels.calls)
     for x, y in zip(got, run(plain)):
         torch.testing.assert_close(x, y, atol=2e-3, rtol=1e-3)
 
@@ -213,7 +213,7 @@ def test_fused3sconv_with_a_reordered_plan_equals_transformer_conv(stand_in_kern
 
     stand_in_kernels.calls.clear()
     out, edges, alpha, grads = run(ours, plan)
-    assert {"fwd", "probs", "bwd"} <= set(stand_in_kernels.calls)
+    assert {"fwd_scores", "bwd"} <= set(stand_in_kernels.calls)
     out_ref, edges_ref, alpha_ref, grads_ref = run(ref, ei)
     assert torch.equal(edges, ei)
     torch.testing.assert_close(out, out_ref, atol=3e-3, rtol=3e-3)       # fp16 operands

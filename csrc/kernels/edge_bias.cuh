@@ -1,6 +1,6 @@
 // Terms per edge: an additive attention bias, score_ij = scale q_i.k_j +
 // bias_e,h for the edge e = j -> i (and, in the backward, its gradient dS and
-// an additive dP term; the probability pass writes P per edge).
+// an additive dP term; the forward instances with scores write q_i.k_j per edge).
 //
 // Each non-zero of a BSB is one edge (a duplicate has a column of its own).
 // Its place in the format's non-zero order (TCBs in order; inside a TCB,
@@ -121,7 +121,7 @@ struct PairBias {
     float lb[2];
     float lc[kDpBias ? 2 : 1];
     // Expanded: per element (x, i) of this thread; edge ids only for a pair
-    // beyond kPairLaneNnz.
+    // beyond kPairLaneNnz (for its dropout hashes and bias loads).
     float b2[2][4];
     float c[kDpBias ? 2 : 1][4];
     int32_t edge[2][4];
@@ -226,7 +226,7 @@ struct PairBias {
     // expand; the whole warp calls it). xfer: 64 floats of shared memory of
     // this warp, where the values go from their rank's thread to its lane.
     __device__ __forceinline__ void store_all(float* out, int num_heads, int head, const float (&v)[2][4],
-                                              float* xfer, int lane) const {
+                                              float* xfer, int lane, const EdgeBiasArgs& eb) const {
         if (n <= kPairLaneNnz) {
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
@@ -241,12 +241,15 @@ struct PairBias {
                 if (le[h] >= 0) out[static_cast<int64_t>(le[h]) * num_heads + head] = xfer[lane + 32 * h];
             }
             __syncwarp();   // xfer is free for the next pair
-        } else {
+        } else {   // edge ids read again (not kept in registers from expand)
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    if (edge[x][i] >= 0) out[static_cast<int64_t>(edge[x][i]) * num_heads + head] = v[x][i];
+                    if (has(x, i)) {
+                        const int e = __ldg(eb.slot_edge + off + rank_of(x, i));
+                        out[static_cast<int64_t>(e) * num_heads + head] = v[x][i];
+                    }
                 }
             }
         }

@@ -324,7 +324,38 @@ edge_scatter_kernel(const float* __restrict__ w, const float* __restrict__ a,
     }
 }
 
+// P[e, h] = exp(scale s[e, h] + bias[e, h] - lse[idx[e], h]) (bias optional)
+template <typename I>
+__global__ void __launch_bounds__(kThreads)
+edge_probs_kernel(const float* __restrict__ scores, const float* __restrict__ bias, const float* __restrict__ lse,
+                  const int64_t* __restrict__ idx, float scale, float* __restrict__ out, EdgeTermsShape s,
+                  FastDiv by_heads) {
+    const I total = static_cast<I>(s.num_edges * s.heads);
+    for (I t = blockIdx.x * I(kThreads) + threadIdx.x; t < total; t += I(gridDim.x) * kThreads) {
+        const I e = by_heads.div(t);
+        const int h = static_cast<int>(t - e * static_cast<I>(s.heads));
+        const int64_t n = idx[e];
+        if (!node_ok(n, s.num_nodes)) { out[t] = NAN; continue; }
+        const float x = fmaf(scale, scores[t], bias != nullptr ? bias[t] : 0.f) - lse[n * s.heads + h];
+        out[t] = expf(x);
+    }
+}
+
 }  // namespace
+
+cudaError_t run_edge_probs(const float* scores, const float* bias, const float* lse, const int64_t* idx, float scale,
+                           float* out, const EdgeTermsShape& s, cudaStream_t stream) {
+    const int64_t total = s.num_edges * s.heads;
+    if (total == 0) return cudaSuccess;
+    const dim3 grid(static_cast<unsigned>(blocks_for(total)));
+    const FastDiv by_heads(s.heads);
+    if (narrow(total)) {
+        edge_probs_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(scores, bias, lse, idx, scale, out, s, by_heads);
+    } else {
+        edge_probs_kernel<int64_t><<<grid, kThreads, 0, stream>>>(scores, bias, lse, idx, scale, out, s, by_heads);
+    }
+    return cudaGetLastError();
+}
 
 cudaError_t run_edge_dot(const float* x, const float* a, const int64_t* idx, float* out,
                          const EdgeTermsShape& s, cudaStream_t stream) {

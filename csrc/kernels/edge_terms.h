@@ -34,6 +34,11 @@ cudaError_t run_edge_dot(const float* x, const float* a, const int64_t* idx, flo
                          const EdgeTermsShape& s, cudaStream_t stream);
 cudaError_t run_edge_rows(const float* w, const float* x, const int64_t* idx, float* out,
                           const EdgeTermsShape& s, cudaStream_t stream);
+// The attention weights from the forward's raw scores (fwd_scores):
+// out[e, h] = exp(scale scores[e, h] + bias[e, h] - lse[idx[e], h]), [E, H]
+// (bias may be null; lse [N, H], the features count F unused).
+cudaError_t run_edge_probs(const float* scores, const float* bias, const float* lse, const int64_t* idx, float scale,
+                           float* out, const EdgeTermsShape& s, cudaStream_t stream);
 cudaError_t run_edge_scatter(const float* w, const float* a, const int64_t* rowptr,
                              const int64_t* order, float* out, const EdgeTermsShape& s,
                              cudaStream_t stream);

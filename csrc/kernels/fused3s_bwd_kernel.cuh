@@ -335,7 +335,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             if constexpr (kBias && !kDKV) {
                 // d loss / d bias_e = dS_ij: each edge is one score of one chunk, written once.
                 if (p.bias.grad != nullptr && part == 0) {   // warp-uniform
-                    bcur.store_all(p.bias.grad, p.bias.num_heads, head, ds, s_edge_xfer, lane);
+                    bcur.store_all(p.bias.grad, p.bias.num_heads, head, ds, s_edge_xfer, lane, p.bias);
                 }
             }
             // As A operands [16, 16]: k 0..7 = TCB a's columns, k 8..15 = TCB b's.

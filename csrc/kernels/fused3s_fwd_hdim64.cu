@@ -1,13 +1,18 @@
 // Explicit instantiations of the fused 3S forward pass for head dim 64,
-// without edge terms, with them, and with them and attention dropout (one
-// file per head dim so that the JIT build compiles them in parallel).
+// without edge terms, with them, with them and attention dropout, and both
+// of those writing each edge's score (one file per head dim so that the JIT
+// build compiles them in parallel).
 #include "fused3s_fwd_kernel.cuh"
 
 namespace gt_fused3s {
 template void run_fused3s_fwd<__half, 64, 0>(const Fused3SParams&, cudaStream_t);
 template void run_fused3s_fwd<__half, 64, 1>(const Fused3SParams&, cudaStream_t);
 template void run_fused3s_fwd<__half, 64, 2>(const Fused3SParams&, cudaStream_t);
+template void run_fused3s_fwd<__half, 64, 3>(const Fused3SParams&, cudaStream_t);
+template void run_fused3s_fwd<__half, 64, 4>(const Fused3SParams&, cudaStream_t);
 template void run_fused3s_fwd<__nv_bfloat16, 64, 0>(const Fused3SParams&, cudaStream_t);
 template void run_fused3s_fwd<__nv_bfloat16, 64, 1>(const Fused3SParams&, cudaStream_t);
 template void run_fused3s_fwd<__nv_bfloat16, 64, 2>(const Fused3SParams&, cudaStream_t);
+template void run_fused3s_fwd<__nv_bfloat16, 64, 3>(const Fused3SParams&, cudaStream_t);
+template void run_fused3s_fwd<__nv_bfloat16, 64, 4>(const Fused3SParams&, cudaStream_t);
 }  // namespace gt_fused3s

@@ -48,13 +48,21 @@ struct FwdConfig {
 };
 
 // kEdges: 0 none, 1 edge terms (bias, non-zero offsets), 2 edge terms and
-// attention dropout. The edge terms carry a few registers per pair (6 since
-// the warp loads them lane by lane, edge_bias.cuh): at D = 16 they ask for
-// 3/4 of the resident blocks (1/2 with dropout), the most without spills
-// (ptxas, sm_90a); wider head dims keep the plain kernel's occupancy.
+// attention dropout; 3 and 4: 1 and 2 that also write each edge's score
+// (the attention weights follow from it and lse, with no pass of their own).
+// The edge terms carry a few registers per pair (6 since the warp loads
+// them lane by lane, edge_bias.cuh): at D = 16 they ask for 3/4 of the
+// resident blocks (1/2 with dropout), the most without spills (ptxas,
+// sm_90a); wider head dims keep the plain kernel's occupancy. The scores
+// are instances of their own: storing them from the instances without cost
+// 8% on the bias forward (200k power-law graph, H = 4, H100).
+__host__ __device__ constexpr bool edge_dropout(int kEdges) { return kEdges == 2 || kEdges == 4; }
+__host__ __device__ constexpr bool edge_scores(int kEdges) { return kEdges >= 3; }
+
 template <int kEdges, int kMinBlocks, int kDW>
 constexpr int edge_min_blocks() {
-    return (kEdges == 0 || kDW >= 32) ? kMinBlocks : (kEdges == 1 ? (kMinBlocks * 3 + 3) / 4 : (kMinBlocks + 1) / 2);
+    return (kEdges == 0 || kDW >= 32) ? kMinBlocks
+                                      : (!edge_dropout(kEdges) ? (kMinBlocks * 3 + 3) / 4 : (kMinBlocks + 1) / 2);
 }
 
 template <typename T, int kHeadDim, int kEdges>
@@ -76,6 +84,8 @@ fused3s_fwd_kernel(const Fused3SParams p) {
     // [double buffer][part][8 values][32 lanes] fp32.
     __shared__ float s_xchg[2][kSplit][8][32];
     __shared__ int s_bcast;
+    // Per-edge scores on their way from their rank's thread to its lane (PairBias::store_all).
+    __shared__ float s_edge_xfer[edge_scores(kEdges) ? kPairLaneNnz : 1];
 
     // Synchronise the warps of the team (a warp alone: __syncwarp).
     auto team_sync = [&]() {
@@ -130,7 +140,7 @@ fused3s_fwd_kernel(const Fused3SParams p) {
             if constexpr (kBias) ec.start(p.bias, tcb_begin, tcb_end, lane);
             load_raw(tcb_begin);
             PairMeta cur = decode_pair(raw, lane);
-            PairBias<kBias, false, kEdges == 2> bcur, bnxt;
+            PairBias<kBias, false, edge_dropout(kEdges)> bcur, bnxt;
             bcur.load(raw, ec, p.bias, lane, head);
             if (tcb_begin + 2 < tcb_end) load_raw(tcb_begin + 2);
 
@@ -184,6 +194,10 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                     if (base + 4 < tcb_end) load_raw(base + 4);
                 }
                 uint32_t pa[4];
+                if constexpr (edge_scores(kEdges)) {
+                    // the raw dot products q_i.k_j (the caller adds scale and bias)
+                    if (part == 0) bcur.store_all(p.scores_ptr, p.num_heads, head, s, s_edge_xfer, lane, p.bias);
+                }
                 bcur.expand(p.bias, head);   // this pair's bias (and dropout mask) per score
                 online_softmax_pair<T, kNT>(s, cur.mask, p.scale_log2, bcur, p.bias, st, o, pa);
                 spmm_pair<T, kDW>(o, pa, vf);

@@ -101,22 +101,17 @@ struct Fused3SParams {
     // without ignores them).
     EdgeBiasArgs bias;
 
-    // Probability pass only (run_fused3s_probs): lse is read, not written,
-    // and P is written as [E, H] fp32 in the caller's edge order.
-    float* probs_ptr;
+    // Forward instances with scores (kEdges 3, 4): each edge's raw q_i.k_j
+    // written as [E, H] fp32 in the caller's edge order, so that
+    // P = exp(scale q_i.k_j + bias - lse_i) needs no score pass.
+    float* scores_ptr;
 };
 
 // Zeroes the arrival counters and launches the forward kernel on `stream`.
 // T is __half or __nv_bfloat16; HeadDim in {16, 32, 64, 128, 256}; kEdges:
-// 0 none, 1 the edge terms of params.bias, 2 those and attention dropout.
+// 0 none, 1 the edge terms of params.bias, 2 those and attention dropout,
+// 3 and 4 as 1 and 2, writing each edge's q_i.k_j to params.scores_ptr.
 template <typename T, int HeadDim, int kEdges>
 void run_fused3s_fwd(const Fused3SParams& params, cudaStream_t stream);
-
-// The attention probabilities P_e = exp(scale q_i.k_j + bias_e - lse_i) of
-// every edge e = j -> i, from the forward's lse, into params.probs_ptr (one
-// score pass over the forward's schedule; needs the edge slots, the bias is
-// optional). Same T and HeadDim as the forward.
-template <typename T, int HeadDim>
-void run_fused3s_probs(const Fused3SParams& params, cudaStream_t stream);
 
 }  // namespace gt_fused3s
