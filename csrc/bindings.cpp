@@ -812,17 +812,28 @@ at::Tensor edge_probs_cuda(const at::Tensor& scores, const std::optional<at::Ten
     return out;
 }
 
-// out[e, f] = sum_h w[e, h] x[idx[e], h, f]
-at::Tensor edge_rows_cuda(const at::Tensor& w, const at::Tensor& x, const at::Tensor& idx) {
+// out[e, f] = sum_h w[e, h] x[idx[e], h, f] (+ the same over w2, x2)
+at::Tensor edge_rows_cuda(const at::Tensor& w, const at::Tensor& x, const at::Tensor& idx,
+                          const std::optional<at::Tensor>& w2, const std::optional<at::Tensor>& x2) {
     check_f32(x, "x", 3, x);
     check_f32(w, "w", 2, x);
     TORCH_CHECK(w.size(1) == x.size(1), "w must have shape [E, H] with x's H = ", num(x.size(1)), " (got ",
                 shape(w.sizes()), ")");
     check_edge_index_array(idx, "idx", w.size(0), x);
+    TORCH_CHECK(w2.has_value() == x2.has_value(), "w2 and x2 come together");
+    if (w2.has_value()) {
+        check_f32(*w2, "w2", 2, x);
+        check_f32(*x2, "x2", 3, x);
+        TORCH_CHECK(w2->sizes() == w.sizes() && x2->sizes() == x.sizes(), "w2 and x2 must have the shapes of w ",
+                    shape(w.sizes()), " and x ", shape(x.sizes()), " (got ", shape(w2->sizes()), ", ",
+                    shape(x2->sizes()), ")");
+    }
     const c10::cuda::CUDAGuard device_guard(x.device());
     auto out = at::empty({w.size(0), x.size(2)}, x.options());
     const EdgeTermsShape s = edge_shape(w.size(0), x.size(0), x.size(1), x.size(2));
-    C10_CUDA_CHECK(run_edge_rows(w.data_ptr<float>(), x.data_ptr<float>(), idx.data_ptr<int64_t>(),
+    C10_CUDA_CHECK(run_edge_rows(w.data_ptr<float>(), x.data_ptr<float>(),
+                                 w2.has_value() ? w2->data_ptr<float>() : nullptr,
+                                 x2.has_value() ? x2->data_ptr<float>() : nullptr, idx.data_ptr<int64_t>(),
                                  out.data_ptr<float>(), s, c10::cuda::getCurrentCUDAStream().stream()));
     return out;
 }

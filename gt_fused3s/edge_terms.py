@@ -118,9 +118,9 @@ class _EdgeFeatureTerms(torch.autograd.Function):
     with what the composition recomputed or added up folded: the value sum's
     share of delta = rowsum(dO * O) is ``<dagg_i, agg_i>`` per node (no
     scatter of P dP over the edges), and the gradient of ``a`` is one pass
-    over the edges for both terms (the weights and dS side by side, [E, 2H],
-    against qe and dagg, [N, 2H, F]), where the composition added two [E, F]
-    tensors."""
+    over the edges for both terms (dS against qe and the weights against
+    dagg: ``edge_rows`` with two terms), where the composition added two
+    [E, F] tensors."""
 
     @staticmethod
     def forward(ctx, q, k, v, qe, a, plan, dst, csr, scale, drop, return_weights):
@@ -181,9 +181,7 @@ class _EdgeFeatureTerms(torch.autograd.Function):
             if grad_agg is None:
                 da = ops._edge_weighted_rows(ds, qe, dst)
             else:       # both terms in one pass over the edges
-                w = torch.cat([ds, alpha if keep is None else alpha * keep], 1)
-                del ds
-                da = ops._edge_weighted_rows(w, torch.cat([qe.to(grad_agg.dtype), grad_agg], 1), dst)
+                da = ops._edge_weighted_rows(ds, qe, dst, alpha if keep is None else alpha * keep, grad_agg)
             da = da.to(a.dtype)
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dqe, da,
                 None, None, None, None, None, None)

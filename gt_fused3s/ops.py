@@ -66,7 +66,7 @@ _LIB.define("seq_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, 
             "Tensor cu_seqlens, Tensor cu_windows, int[] mask, float scale, int num_windows, "
             "int block_rows) -> (Tensor dq, Tensor dk, Tensor dv)")
 _LIB.define("edge_dot(Tensor x, Tensor a, Tensor idx) -> Tensor")
-_LIB.define("edge_rows(Tensor w, Tensor x, Tensor idx) -> Tensor")
+_LIB.define("edge_rows(Tensor w, Tensor x, Tensor idx, Tensor? w2=None, Tensor? x2=None) -> Tensor")
 _LIB.define("edge_probs(Tensor scores, Tensor? bias, Tensor lse, Tensor idx, float scale) -> Tensor")
 _LIB.define("edge_scatter(Tensor w, Tensor a, Tensor rowptr, Tensor order) -> Tensor")
 _LIB.define("gather_rows(Tensor x, Tensor index) -> Tensor")
@@ -127,7 +127,7 @@ def _edge_dot_fake(x, a, idx):
 
 
 @torch.library.register_fake("gt_fused3s::edge_rows")
-def _edge_rows_fake(w, x, idx):
+def _edge_rows_fake(w, x, idx, w2=None, x2=None):
     return x.new_empty((w.size(0), x.size(2)))
 
 
@@ -750,15 +750,21 @@ def _edge_scatter(w: Tensor, a: Tensor, idx: Tensor, num_nodes: int,
     return out
 
 
-def _edge_weighted_rows(w: Tensor, X: Tensor, idx: Tensor) -> Tensor:
-    """[E, F]: ``sum_h w[e, h] X[idx[e], h, :]`` (the gradient with respect to ``a``)."""
+def _edge_weighted_rows(w: Tensor, X: Tensor, idx: Tensor, w2: Tensor | None = None,
+                        X2: Tensor | None = None) -> Tensor:
+    """[E, F]: ``sum_h w[e, h] X[idx[e], h, :]`` (the gradient with respect to
+    ``a``), plus the same sum over ``(w2, X2)`` if given (one pass, no
+    [E, 2H] concatenation)."""
     E, H, F = w.size(0), X.size(1), X.size(2)
     if _edge_kernel(w, X):
-        return _op("edge_rows")(_f32(w), _f32(X), idx.long().contiguous()).to(
+        second = (_f32(w2), _f32(X2)) if w2 is not None else ()
+        return _op("edge_rows")(_f32(w), _f32(X), idx.long().contiguous(), *second).to(
             torch.promote_types(w.dtype, X.dtype))
     out = w.new_empty((E, F), dtype=torch.promote_types(w.dtype, X.dtype))
     for s, e in _chunks(E, H * F):
         out[s:e] = (w[s:e].unsqueeze(-1) * X.index_select(0, idx[s:e])).sum(1)
+        if w2 is not None:
+            out[s:e] += (w2[s:e].unsqueeze(-1) * X2.index_select(0, idx[s:e])).sum(1)
     return out
 
 

@@ -202,10 +202,11 @@ class StandIns:
         self.calls.append("edge_dot")
         return (x[idx] * a.unsqueeze(1)).sum(-1)
 
-    def edge_rows(self, w, x, idx):
-        _check_f32(w, x)
+    def edge_rows(self, w, x, idx, w2=None, x2=None):
+        _check_f32(w, x, *([w2, x2] if w2 is not None else []))
         self.calls.append("edge_rows")
-        return (w.unsqueeze(-1) * x[idx]).sum(1)
+        out = (w.unsqueeze(-1) * x[idx]).sum(1)
+        return out if w2 is None else out + (w2.unsqueeze(-1) * x2[idx]).sum(1)
 
     def edge_scatter(self, w, a, rowptr, order):
         _check_f32(w, a)

@@ -94,6 +94,7 @@ def test_opcheck_edge_ops(stand_in_kernels):
     rowptr, order = node_csr(idx, 12)
     lse = torch.randn(12, 3)
     for name, args in (("edge_dot", (X, a, idx)), ("edge_rows", (w, X, idx)),
+                       ("edge_rows", (w, X, idx, w * 2, X * 0.5)),
                        ("edge_scatter", (w, a, rowptr, order)), ("edge_probs", (w, w * 0.5, lse, idx, 0.3)),
                        ("edge_probs", (w, None, lse, idx, 0.3))):
         torch.library.opcheck(getattr(torch.ops.gt_fused3s, name).default, args)

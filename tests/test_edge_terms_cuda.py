@@ -84,6 +84,18 @@ def test_index_out_of_range_gives_nan():
     assert rows[7].isnan().all() and not rows[8:].isnan().any()
 
 
+@pytest.mark.parametrize("F", [16, 5])
+def test_edge_rows_two_terms(F):
+    """edge_rows with a second (w2, x2): both sums in one pass, against
+    float64; the vector and the scalar loads."""
+    idx, X, a, w = _operands(3000, 211, 3, F, seed=F)
+    X2, w2 = X.flip(0) * 0.5, w.flip(1) - 1
+    want = (w.unsqueeze(-1) * X[idx]).sum(1) + (w2.unsqueeze(-1) * X2[idx]).sum(1)
+    got = torch.ops.gt_fused3s.edge_rows(*(t.float().cuda() for t in (w, X)), idx.cuda(),
+                                         *(t.float().contiguous().cuda() for t in (w2, X2)))
+    _close(got.double().cpu(), want, "edge_rows two terms", torch.float32)
+
+
 @pytest.mark.parametrize("H", [1, 4, 7])
 def test_edge_probs(H):
     """edge_probs: exp(scale s + bias - lse[idx]) per edge and head, with and

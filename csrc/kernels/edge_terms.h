@@ -8,6 +8,7 @@
 // and w [E, H]:
 //   edge_dot      out[e, h]    = sum_f X[idx[e], h, f] a[e, f]            [E, H]
 //   edge_rows     out[e, f]    = sum_h w[e, h] X[idx[e], h, f]            [E, F]
+//                 (+ the same sum over a second pair w2, X2)
 //   edge_scatter  out[n, h, f] = sum_{e: idx[e] = n} w[e, h] a[e, f]      [N, H, F]
 // edge_scatter reads the edges grouped by node (rowptr [N + 1], order [E]:
 // the edges of node n are order[rowptr[n] .. rowptr[n + 1])), so each output
@@ -32,8 +33,11 @@ struct EdgeTermsShape {
 
 cudaError_t run_edge_dot(const float* x, const float* a, const int64_t* idx, float* out,
                          const EdgeTermsShape& s, cudaStream_t stream);
-cudaError_t run_edge_rows(const float* w, const float* x, const int64_t* idx, float* out,
-                          const EdgeTermsShape& s, cudaStream_t stream);
+// w2, x2 (null: none): a second term of the same shapes added to the sum,
+// out[e, f] += sum_h w2[e, h] x2[idx[e], h, f] (the edge features' gradient
+// from the key and the value term in one pass)
+cudaError_t run_edge_rows(const float* w, const float* x, const float* w2, const float* x2, const int64_t* idx,
+                          float* out, const EdgeTermsShape& s, cudaStream_t stream);
 // The attention weights from the forward's raw scores (fwd_scores):
 // out[e, h] = exp(scale scores[e, h] + bias[e, h] - lse[idx[e], h]), [E, H]
 // (bias may be null; lse [N, H], the features count F unused).
