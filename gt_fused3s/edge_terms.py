@@ -127,11 +127,7 @@ class _EdgeFeatureTerms(torch.autograd.Function):
         H, D = q.size(1), q.size(2)
         Dp = ops.padded_head_dim(D)
         fwd_args, slots = plan.forward_args(H, Dp), plan.bias_args()
-        in_dtype, cdt = q.dtype, ops._compute_dtype(q, None)
-        if in_dtype != cdt and D in ops._KERNEL_DIMS:   # fp32 inputs: cast once (as _FusedAttention)
-            q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
-        else:
-            in_dtype = None
+        q, k, v, in_dtype = ops._cast_once(q, k, v, None)
         bias = ops._edge_dot(qe, a, dst).float()
         out, lse, alpha = ops._kernel_forward(q, k, v, fwd_args, scale, in_dtype or q.dtype, None, bias,
                                               slots, dst, drop)
@@ -165,7 +161,7 @@ class _EdgeFeatureTerms(torch.autograd.Function):
         if grad_alpha is not None:
             grad_alpha = grad_alpha.float()
             dp_bias = grad_alpha if dp_bias is None else dp_bias + grad_alpha
-            extra = torch.zeros_like(lse).index_add_(0, dst, alpha * grad_alpha)
+            extra = ops.weights_delta(lse, dst, alpha, grad_alpha)
             delta_extra = extra if delta_extra is None else delta_extra + extra
         edge = (bias, *ctx.slots, dp_bias, delta_extra, *ctx.drop)
         bwd_args = ctx.plan.backward_args(q.size(1), ops.padded_head_dim(q.size(2)))

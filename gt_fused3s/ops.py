@@ -584,6 +584,25 @@ def _kernel_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     return (*grads, grad_bias)
 
 
+def _cast_once(q: Tensor, k: Tensor, v: Tensor, compute_dtype: torch.dtype | None
+               ) -> tuple[Tensor, Tensor, Tensor, torch.dtype | None]:
+    """fp32 inputs cast once to the compute dtype, for the forward and the
+    saved operands of the backward (which recast them before: three more
+    kernels, and twice the saved bytes): (q, k, v, the inputs' dtype), or
+    the inputs and None where nothing is cast (padded head dims keep the old
+    way: the kernels' wrappers pad and cast)."""
+    in_dtype, cdt = q.dtype, _compute_dtype(q, compute_dtype)
+    if in_dtype != cdt and q.size(-1) in _KERNEL_DIMS:
+        return q.to(cdt), k.to(cdt), v.to(cdt), in_dtype
+    return q, k, v, None
+
+
+def weights_delta(lse: Tensor, dst: Tensor, probs: Tensor, grad_probs: Tensor) -> Tensor:
+    """The share of delta = rowsum(dO * O) that a gradient of the returned
+    weights adds, sum over each row's edges of P dP: [N, H] (``lse``'s shape)."""
+    return torch.zeros_like(lse).index_add_(0, dst, probs * grad_probs)
+
+
 def _grads_from_saved(ctx, grad_out, grad_probs) -> tuple:
     """(dq, dk, dv, d edge_bias), None where not needed, from what the
     forward saved. The gradient of returned probabilities P enters the
@@ -600,7 +619,7 @@ def _grads_from_saved(ctx, grad_out, grad_probs) -> tuple:
         dp_bias = delta_extra = None
         if grad_probs is not None:
             dp_bias = grad_probs.float().contiguous()
-            delta_extra = torch.zeros_like(lse).index_add_(0, ctx.dst, probs * dp_bias)
+            delta_extra = weights_delta(lse, ctx.dst, probs, dp_bias)
         edge = (bias if ctx.has_bias else None, *ctx.slots, dp_bias, delta_extra, *ctx.drop)
     grads = _kernel_backward(grad_out, q, k, v, out, lse, ctx.fwd_args, ctx.bwd_args, ctx.scale,
                              ctx.compute_dtype, edge, ctx.in_dtype)
@@ -672,14 +691,7 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, out_dtype, compute_dtype,
                 drop=(0.0, 0)):
-        in_dtype, cdt = q.dtype, _compute_dtype(q, compute_dtype)
-        if in_dtype != cdt and q.size(-1) in _KERNEL_DIMS:
-            # fp32 inputs: cast once, for the forward and the saved operands
-            # of the backward (which recast them before: three more kernels,
-            # and twice the saved bytes); padded head dims keep the old way
-            q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
-        else:
-            in_dtype = None
+        q, k, v, in_dtype = _cast_once(q, k, v, compute_dtype)
         out, lse, probs = _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype, bias, slots,
                                           dst, drop)
         _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dtype, drop, out, lse, probs,

@@ -100,6 +100,19 @@ def no_edges() -> tuple[Tensor, int]:
     return torch.zeros(2, 0, dtype=torch.long), 17
 
 
+def split_hubs() -> tuple[Tensor, int]:
+    """N = 1003: a node of 600 + 50 in-edges (its window split over chunks in
+    the forward and the dQ pass), one of 600 out-edges (split in the dK/dV
+    pass), duplicates into the first; random edges around them. Not in
+    GRAPH_CASES (the tests of split windows take it by name)."""
+    n = 1003
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randperm(n, generator=g)[:600], torch.randperm(n, generator=g)[:600]
+    src = torch.cat([torch.randint(0, n, (3 * n,), generator=g), a, torch.full_like(b, 29), a[:50]])
+    dst = torch.cat([torch.randint(0, n, (3 * n,), generator=g), torch.full_like(a, 17), b, torch.full((50,), 17)])
+    return torch.stack([src, dst]), n
+
+
 GRAPH_CASES: dict[str, Callable[[], tuple[Tensor, int]]] = {
     "random_1003": random_1003,
     "empty_rows": empty_rows,

@@ -23,7 +23,7 @@ from gt_fused3s import GraphPlan, fused3s_attention
 from gt_fused3s.reference import attention_reference
 
 from cuda_marks import GPU_TESTS, LOW
-from graph_cases import GRAPH_CASES
+from graph_cases import GRAPH_CASES, split_hubs
 
 pytestmark = GPU_TESTS
 
@@ -98,12 +98,8 @@ def test_graph_cases(name, dtype):
 def test_heads_and_head_dims_with_split_windows(h, d, dtype):
     """A hub with 600 in-neighbours and one with 600 out-neighbours: split
     windows in the forward, the dQ pass and the dK/dV pass."""
-    n = 1003
-    g = torch.Generator().manual_seed(11)
-    a, b = torch.randperm(n, generator=g)[:600], torch.randperm(n, generator=g)[:600]
-    src = torch.cat([torch.randint(0, n, (3 * n,), generator=g), a, torch.full_like(b, 29), a[:50]])
-    dst = torch.cat([torch.randint(0, n, (3 * n,), generator=g), torch.full_like(a, 17), b, torch.full((50,), 17)])
-    ei = _shuffled(torch.stack([src, dst]), seed=2)     # with duplicates into the hub
+    ei, n = split_hubs()
+    ei = _shuffled(ei, seed=2)     # with duplicates into the hub
     plan = GraphPlan.from_edge_index(ei, n)
     assert plan.forward_args(h, d)[5].size(0) > 0, "the in-hub window should be split"
     _check(plan, ei, h, d, LOW[dtype], seed=3, label=f"hubs H={h} D={d}", weights=h != 4)

@@ -26,22 +26,11 @@ from gt_fused3s.plan import padded_head_dim
 from gt_fused3s.reference import edge_feature_reference
 
 from cuda_marks import GPU_TESTS, LOW
-from graph_cases import GRAPH_CASES
+from graph_cases import GRAPH_CASES, split_hubs
 
 pytestmark = GPU_TESTS
 
 DEV = "cuda"
-
-
-def _hubs():
-    """A window of 600 + 50 in-edges (split over chunks in the forward) and
-    one of 600 out-edges, with duplicates into the hub."""
-    n = 1003
-    g = torch.Generator().manual_seed(11)
-    a, b = torch.randperm(n, generator=g)[:600], torch.randperm(n, generator=g)[:600]
-    src = torch.cat([torch.randint(0, n, (3 * n,), generator=g), a, torch.full_like(b, 29), a[:50]])
-    dst = torch.cat([torch.randint(0, n, (3 * n,), generator=g), torch.full_like(a, 17), b, torch.full((50,), 17)])
-    return torch.stack([src, dst]), n
 
 
 def _grads(fn, leaves, seed):
@@ -101,7 +90,7 @@ def test_graph_cases(name, dtype):
 @pytest.mark.parametrize("c", [16, 24, 32, 64, 128, 256])
 @pytest.mark.parametrize("h,f", [(1, 16), (4, 32), (8, 20)])
 def test_heads_head_dims_and_widths_with_split_windows(h, c, f, dtype):
-    ei, n = _hubs()
+    ei, n = split_hubs()
     plan = GraphPlan.from_edge_index(ei.to(DEV), n)
     assert plan.forward_args(h, padded_head_dim(c))[5].size(0) > 0, "the in-hub window should be split"
     _check(ei, n, h, c, f, LOW[dtype], seed=c + f, weights=h == 1, label=f"hubs H={h} C={c} F={f}")
@@ -114,7 +103,7 @@ def test_dropout_weights_and_fp32_inputs(h):
     ei, n = GRAPH_CASES["random_1003"]()
     _check(ei, n, h, 32, 16, torch.float16, seed=7, dropout=0.3, label=f"dropout H={h}")
     _check(ei, n, h, 32, 16, torch.float16, seed=8, in_dtype=torch.float32, label=f"fp32 inputs H={h}")
-    ei, n = _hubs()
+    ei, n = split_hubs()
     _check(ei, n, h, 16, 32, torch.bfloat16, seed=9, dropout=0.5, weights=False, label=f"hubs dropout H={h}")
 
 
@@ -122,7 +111,7 @@ def test_fwd_scores_op():
     """fwd_scores: out and lse as fwd's, and each edge's raw q_i.k_j in the
     caller's edge order (every edge written once: NaN-filled memory shows
     up), with and without a bias and dropout, on split windows."""
-    ei, n = _hubs()
+    ei, n = split_hubs()
     ei = ei[:, torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(1))].to(DEV)
     h, d = 4, 32
     plan = GraphPlan.from_edge_index(ei, n)
