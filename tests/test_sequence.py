@@ -337,10 +337,10 @@ def test_opcheck_seq_ops(stand_in_kernels):
     q, k, v, do = (torch.randn(200, 2, 64, dtype=torch.float16) for _ in range(4))
     cu = torch.tensor([0, 120, 200], dtype=torch.int32)
     fw, bw = (ops.seq_windows(cu, code[0], ops.seq_block_rows(64, b)) for b in (False, True))
-    out, lse = torch.ops.gt_fused3s.seq_fwd(q, k, v, cu, fw, code, 0.125, 10, 64)
+    out, lse = torch.ops.gt_fused3s.seq_fwd(q, k, v, cu, fw, code, 0.125, 10, ops.seq_block_rows(64))
     delta = (do.float() * out.float()).sum(-1)
     cases = [
-        (torch.ops.gt_fused3s.seq_fwd.default, (q, k, v, cu, fw, code, 0.125, 10, 64)),
+        (torch.ops.gt_fused3s.seq_fwd.default, (q, k, v, cu, fw, code, 0.125, 10, ops.seq_block_rows(64))),
         (torch.ops.gt_fused3s.seq_bwd.default, (do, q, k, v, lse, delta, cu, bw, code, 0.125, 10, 128)),
         (torch.ops.gt_fused3s.seq_attention.default,
          (q.clone().requires_grad_(), k.clone().requires_grad_(), v, cu, fw, code, 0.125, 10, None)),
