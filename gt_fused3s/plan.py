@@ -117,6 +117,9 @@ class GraphPlan:
         # (heads, padded head dim) -> (forward arguments, backward arguments)
         self._fwd_args: dict[tuple[int, int], tuple[Tensor, ...]] = {}
         self._bwd_args: dict[tuple[int, int], tuple[Tensor, ...]] = {}
+        # built inside a region torch.compile traces: its arrays are the
+        # graph's own (see _outside_graph)
+        self._in_graph = torch.compiler.is_compiling()
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -195,7 +198,9 @@ class GraphPlan:
         ``edge_features``, that and the edges grouped by destination), so
         that a call of :func:`~gt_fused3s.ops.fused3s_attention` (or
         :func:`~gt_fused3s.edge_terms.edge_feature_attention`) on this plan
-        builds nothing. Idempotent; returns ``self``."""
+        builds nothing. Idempotent; returns ``self``. Under torch.compile,
+        what a plan passed in lacks is built outside the compiled graph (a
+        graph break, which ``fullgraph=True`` refuses): prepare it ahead."""
         self.forward_args(heads, padded_head_dim(head_dim))
         if backward:
             self.backward_args(heads, padded_head_dim(head_dim))
@@ -205,11 +210,27 @@ class GraphPlan:
             self.destination_csr()
         return self
 
+    def _outside_graph(self) -> bool:
+        """Whether an array missing from this plan must be built outside the
+        graph torch.compile traces: a plan passed into a compiled region
+        outlives the call, and arrays the graph built and stored on it would
+        be the graph's outputs, which CUDA graphs (``mode="reduce-overhead"``)
+        overwrite at the next replay: a compiled Fused3SConv step on an
+        unprepared plan failed at its second step with "accessing tensor
+        output of CUDAGraphs that has been overwritten" (H200, torch 2.11).
+        Built eagerly instead (:func:`_build_eagerly`: one graph break, on
+        the call that finds the plan unprepared, which ``fullgraph=True``
+        refuses; the recompiled graph then reads the arrays as inputs; five
+        steps then equal eager). A plan built inside the region lives in it."""
+        return torch.compiler.is_compiling() and not self._in_graph
+
     def forward_args(self, heads: int, head_dim: int) -> tuple[Tensor, ...]:
         """The forward kernel's graph arguments (rw_offset, cols, bitmap,
         window_order, items, slots) for a padded ``head_dim``; built on
         first use (a plan prepared for them builds nothing here)."""
         args = self._fwd_args.get((heads, head_dim))
+        if args is None and self._outside_graph():
+            return _build_eagerly(self.forward_args, heads, head_dim)
         if args is None:
             b = self.bsb
             items, slots = work_schedule(b, heads, head_dim)
@@ -221,6 +242,8 @@ class GraphPlan:
         """The dK/dV pass's graph arguments (transposed cols, bitmap, items,
         slots); the dQ pass reuses :meth:`forward_args`."""
         args = self._bwd_args.get((heads, head_dim))
+        if args is None and self._outside_graph():
+            return _build_eagerly(self.backward_args, heads, head_dim)
         if args is None:
             t = self._transposed()
             items, slots = work_schedule(t, heads, head_dim)
@@ -232,6 +255,8 @@ class GraphPlan:
         for an ``edge_bias`` or weights in the order of :attr:`edge_index`:
         ``nnz_offset`` and ``slot_edge`` of the BSB, then those of the
         transposed BSB."""
+        if self._bias_args is None and self._outside_graph():
+            return _build_eagerly(self.bias_args)
         if self._bias_args is None:
             # the edges in the formats' node ids, in the caller's edge order:
             # slot_edge holds the caller's edge ids
@@ -244,6 +269,8 @@ class GraphPlan:
         ``(rowptr, order)`` (:func:`~gt_fused3s.graph.node_csr`): what the
         edge-feature sums over a node's in-edges read, one group per
         destination row (:attr:`num_rows`). Built on first use."""
+        if self._csr is None and self._outside_graph():
+            return _build_eagerly(self.destination_csr)
         if self._csr is None:
             self._csr = node_csr(self._edges[1], self.num_rows)
         return self._csr
@@ -310,6 +337,13 @@ _RECT_REORDER = ("a reordered plan needs every node as a destination (num_rows={
                  "caller's order (build it without reorder)")
 
 
+@torch.compiler.disable
+def _build_eagerly(build, *args):
+    """``build(*args)`` (a plan's array builder) run eagerly, also when
+    torch.compile traces the caller (GraphPlan._outside_graph)."""
+    return build(*args)
+
+
 def _relabel(order: NodeOrder, edge_index: Tensor) -> Tensor:
     """``edge_index`` in ``order``'s node ids (edge order kept), clamped into
     range first, so that a static build never gathers out of bounds (its
@@ -352,6 +386,7 @@ def as_plan(graph: Any, num_nodes: int | None = None) -> GraphPlan:
         plan = _BSB_PLANS.get(graph)
         if plan is None:
             plan = _BSB_PLANS[graph] = GraphPlan(graph)
+            plan._in_graph = False      # kept: it outlives a compiled call that made it
         return plan
     if isinstance(graph, Tensor):
         return GraphPlan.from_edge_index(graph, num_nodes)   # static while captured or compiled

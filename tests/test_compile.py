@@ -132,6 +132,49 @@ def test_layer_cached_plan_under_compile(stand_in_kernels, edge_dim):
     torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
     out_e.square().sum().backward()
     torch.testing.assert_close(xc.grad, xe.grad, atol=1e-4, rtol=1e-4)
+    # a plan cached by an earlier call is read without a graph break
+    torch.testing.assert_close(torch.compile(conv, backend="aot_eager", fullgraph=True)(x, ei, attr),
+                               out_e.detach(), atol=1e-5, rtol=1e-5)
+    assert stand_in_kernels.calls.count("bsb_build") == builds[0]
+    # on a tensor no call cached, fullgraph=True refuses the lookup's break (docstring)
+    fresh = Fused3SConv(16, 16, heads=2, edge_dim=edge_dim, cached=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(fresh, backend="aot_eager", fullgraph=True)(x, ei.clone(), attr)
+
+
+def test_unprepared_plan_is_prepared_outside_the_graph(stand_in_kernels, monkeypatch):
+    """A plan passed in unprepared: its schedules, transposed format and
+    per-edge arrays are built eagerly (stored on the plan, they outlive the
+    compiled call: built by the graph, CUDA graphs would overwrite them at
+    the next replay), once; a plan built inside the region builds there."""
+    import gt_fused3s.plan as plan_mod
+    traced = []
+
+    def spy(*args):
+        traced.append(torch.compiler.is_compiling())
+        return schedule(*args)
+    schedule = plan_mod.work_schedule
+    monkeypatch.setattr(plan_mod, "work_schedule", spy)
+    ei, x = _graph(7)
+    attr = torch.randn(ei.size(1), 4, generator=torch.Generator().manual_seed(8))
+    torch.manual_seed(0)
+    conv = Fused3SConv(16, 16, heads=2, edge_dim=4)
+    compiled = torch.compile(conv, backend="aot_eager")
+    plan = GraphPlan.from_edge_index(ei, N)
+    for _ in range(3):
+        xc = x.clone().requires_grad_()
+        out_c = compiled(xc, plan, attr)
+        out_c.square().sum().backward()
+    assert traced == [False, False], traced          # forward and backward schedules, eagerly, once
+    assert plan._bias_args is not None and plan._csr is not None
+    xe = x.clone().requires_grad_()
+    out_e = conv(xe, ei, attr)
+    torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
+    out_e.square().sum().backward()
+    torch.testing.assert_close(xc.grad, xe.grad, atol=1e-4, rtol=1e-4)
+    traced.clear()
+    torch.compile(conv, backend="aot_eager", fullgraph=True)(x, ei, attr)   # the plan of the region
+    assert traced and all(traced), traced
 
 
 def test_opcheck_on_registered_ops(stand_in_kernels):

@@ -67,9 +67,11 @@ class Fused3SConv(TransformerConv):
     ``torch.from_numpy``, would reuse a stale plan). Under
     ``torch.compile`` a plan passed in is read as is; an ``edge_index``
     is turned into a static plan inside the compiled region, once per call,
-    unless ``cached=True``: its cached plan is then looked up outside the
-    compiled graph (a graph break in the layer's forward, so
-    ``fullgraph=True`` needs a plan passed in).
+    unless ``cached=True``: the plan an earlier call cached for the same
+    tensor is then read as is (found by identity: an in-place edit of the
+    tensor is not seen there), and on a tensor no call cached yet the plan
+    is built outside the compiled graph (a graph break on that call, which
+    ``fullgraph=True`` refuses: call the layer once eagerly, or pass a plan).
 
     CUDA inputs take the fused kernel (fp32 features are computed with fp16
     tensor-core operands and fp32 accumulation); CPU inputs take the
@@ -140,8 +142,8 @@ class Fused3SConv(TransformerConv):
             ``edge_index`` tensor (or sparse adjacency) is built on first
             use and reused for as long as that tensor lives unmodified
             through torch, as PyG's ``cached=True`` for transductive
-            learning on one fixed graph; under ``torch.compile`` too (the
-            lookup runs outside the compiled graph). (default: :obj:`False`: built for
+            learning on one fixed graph; under ``torch.compile`` too
+            (below). (default: :obj:`False`: built for
             every call; pass a plan from :meth:`to_graph_format` to reuse
             one explicitly)
         **kwargs (optional): Additional arguments of
@@ -185,6 +187,9 @@ class Fused3SConv(TransformerConv):
                          beta=beta, dropout=dropout, edge_dim=edge_dim, bias=bias,
                          root_weight=root_weight, **kwargs)
         self.cached = bool(cached)
+        # cached=True: (edge_index, its plan) of the last call, which a call
+        # under torch.compile finds by identity (_plan_of)
+        self._cached_hit = None
         # PyG compiles propagate() per class on first construction and keeps
         # the class's previous one as _orig_propagate, which explain mode and
         # decomposed layers call. For this subclass, built after a
@@ -233,10 +238,18 @@ class Fused3SConv(TransformerConv):
         per_edge: the call takes the kernels' per-edge arguments (edge
         features, attention weights or dropout)."""
         if self.cached and isinstance(edge_index, (Tensor, SparseTensor)):
+            hit = self._cached_hit
             if torch.compiler.is_compiling():
-                return _cached_plan_eagerly(edge_index, num_nodes, self.heads, self.out_channels,
-                                            per_edge, self.lin_edge is not None)
-            return _cached_plan(edge_index, num_nodes)
+                # traced: the plan of an earlier call on this tensor (an
+                # identity test, no graph break), else one looked up outside
+                # the graph, which a recompiled graph then finds here
+                if hit is not None and hit[0] is edge_index:
+                    return hit[1]
+                return _cached_plan_eagerly(self, edge_index, num_nodes, per_edge)
+            plan = _cached_plan(edge_index, num_nodes)
+            if hit is None or hit[0] is not edge_index or hit[1] is not plan:
+                self._cached_hit = (edge_index, plan)
+            return plan
         return self.to_graph_format(edge_index, num_nodes)
 
     def forward(  # noqa: D417
@@ -484,19 +497,21 @@ def _cached_plan(edge_index, num_nodes: int) -> GraphPlan:
 
 
 @torch.compiler.disable
-def _cached_plan_eagerly(edge_index, num_nodes: int, heads: int, head_dim: int, per_edge: bool,
-                         edge_features: bool) -> GraphPlan:
-    """``cached=True`` under torch.compile: the cached plan, looked up (and
-    built on first use) outside the compiled graph, its kernel schedules
-    prepared for the layer, so that the graph reads it as is. Traced, the
-    lookup cannot run (the cache checks the tensor's storage pointer and
-    version counter), and the plan was built inside the graph in every call:
-    a step of ``Fused3SConv(64, 16, heads=4, edge_dim=16, cached=True)``
-    under ``mode="reduce-overhead"`` took 1.7-1.8x the step on a plan passed
-    in (README). The price is a graph break in the layer's forward (so
-    ``fullgraph=True`` needs a plan passed in)."""
-    plan = _cached_plan(edge_index, num_nodes)
-    return plan.prepare(heads, head_dim, edge_bias=per_edge, edge_features=edge_features)
+def _cached_plan_eagerly(layer: "Fused3SConv", edge_index, num_nodes: int, per_edge: bool) -> GraphPlan:
+    """``cached=True`` under torch.compile, on a tensor no earlier call
+    cached: the cached plan, looked up (and built on first use) outside the
+    compiled graph (a graph break), its kernel arrays prepared for the
+    layer's call, and kept on the layer, where the recompiled graph finds it
+    without a break. Traced, the lookup cannot run (the cache checks the
+    tensor's storage pointer and version counter): the plan was built inside
+    the graph in every call, and a step of ``Fused3SConv(64, 16, heads=4,
+    edge_dim=16, cached=True)`` under ``mode="reduce-overhead"`` took 1.5-1.8x
+    the step on a plan passed in (README)."""
+    plan = _cached_plan(edge_index, num_nodes).prepare(
+        layer.heads, layer.out_channels, backward=torch.is_grad_enabled(), edge_bias=per_edge,
+        edge_features=layer.lin_edge is not None)
+    layer._cached_hit = (edge_index, plan)
+    return plan
 
 
 # The plans of sparse adjacencies for layers with cached=True, as
