@@ -21,7 +21,10 @@ Two tables:
   (inductor, static shapes), ``pyg_reduce_overhead`` the same in
   ``mode="reduce-overhead"`` (inductor's kernels replayed as CUDA graphs),
   and ``fused3s_compiled`` / ``fused3s_reduce_overhead`` the fused layer
-  (on the plan) in the same two modes.
+  in the same two modes, called as a PyG user calls it: with the
+  ``edge_index`` tensor, its plan cached by the layer (``cached=True``; CSVs
+  before git 227ad86 passed the plan instead, which the layer then rebuilt
+  inside the compiled graph when given the tensor).
   Per peer: what a user waits (``wall_ms``, synchronised), the GPU time of
   the step (``gpu_ms``, CUDA events), the largest gradient error against
   eager TransformerConv (``grad_diff``: inputs and parameters, each
@@ -167,7 +170,7 @@ def _peer_steps(fused, ref, plan, x, ei, edge_attr, grad, compiled: bool):
     steps.append(("fused3s_graph", CudaGraphRunner(_layer_step(fused, x, plan, edge_attr, grad))))
     steps.append(("pyg", _layer_step(ref, x, ei, edge_attr, grad)))
     if compiled:       # the same modules (weights shared), compiled on their first step
-        for label, conv, graph in (("fused3s", fused, plan), ("pyg", ref, ei)):
+        for label, conv, graph in (("fused3s", fused, ei), ("pyg", ref, ei)):
             steps.append((f"{label}_compiled", _layer_step(torch.compile(conv, dynamic=False), x, graph,
                                                            edge_attr, grad)))
             steps.append((f"{label}_reduce_overhead", _layer_step(
