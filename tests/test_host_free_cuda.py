@@ -254,3 +254,38 @@ def test_compile_fullgraph_of_a_fused3sconv_model_equals_eager():
         out_e.float().square().sum().backward()
         torch.testing.assert_close(xc.grad, xe.grad, atol=5e-2 * xe.grad.abs().max().item(), rtol=0)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("graph_kind", ["unprepared_plan", "cached_edge_index"])
+def test_reduce_overhead_layer_steps_equal_eager(graph_kind):
+    """Fused3SConv(edge_dim) under torch.compile(mode="reduce-overhead"),
+    four steps, on a plan passed in unprepared and on an edge_index with
+    cached=True: eager's gradients at every step. (The arrays the first
+    traced call built were stored on the plan: CUDA-graph outputs, which
+    the next replay overwrote; with cached=True the plan was rebuilt inside
+    the graph on every call.)"""
+    from gt_fused3s.nn import Fused3SConv
+    torch._dynamo.reset()
+    n = 700
+    ei = _edges(n, 5 * n, 5)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(n, 32, device=DEV, generator=g)
+    attr = torch.randn(ei.size(1), 8, device=DEV, generator=g)
+    torch.manual_seed(0)
+    conv = Fused3SConv(32, 16, heads=4, edge_dim=8, cached=graph_kind == "cached_edge_index").to(DEV)
+    graph = Fused3SConv.to_graph_format(ei, n) if graph_kind == "unprepared_plan" else ei
+    compiled = torch.compile(conv, mode="reduce-overhead")
+    for step in range(4):
+        grad = torch.randn(n, 64, device=DEV, generator=g)
+        leaves = [(x.clone().requires_grad_(), attr.clone().requires_grad_()) for _ in range(2)]
+        torch.compiler.cudagraph_mark_step_begin()
+        out_c = compiled(leaves[0][0], graph, leaves[0][1])
+        got = [t.clone() for t in torch.autograd.grad(out_c, leaves[0], grad)]
+        out_e = conv(leaves[1][0], Fused3SConv.to_graph_format(ei, n), leaves[1][1])
+        want = torch.autograd.grad(out_e, leaves[1], grad)
+        for name, a, b in zip(("x", "edge_attr"), got, want):
+            torch.testing.assert_close(a, b, atol=1e-3 * b.abs().max().item(), rtol=0,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+    if graph_kind == "cached_edge_index":
+        assert conv._cached_hit is not None and conv._cached_hit[0] is ei
+    torch._dynamo.reset()

@@ -328,6 +328,26 @@ def test_compiled_kernel_path_fullgraph_equals_eager(stand_in_kernels, name):
     assert stand_in_kernels.calls.count("seq_bwd") == 2
 
 
+def test_traced_calls_keep_no_tensors(stand_in_kernels, monkeypatch):
+    """The per-shape offsets and the global rows' index are made for the call
+    while torch.compile traces, never kept in the module's caches (a kept
+    graph output is overwritten by the next CUDA-graph replay under
+    mode="reduce-overhead"); an eager call keeps them, and a traced call
+    then reads them."""
+    import gt_fused3s.sequence.attention as att
+    monkeypatch.setattr(att, "_OFFSETS", {})
+    monkeypatch.setattr(att, "_ROW_INDEX", {})
+    torch._dynamo.reset()
+    mask, q, k, v, g = _kernel_path_case("longformer", seed=3)     # global rows: the index
+    compiled = torch.compile(sequence_attention, fullgraph=True, backend="aot_eager")
+    out_c = compiled(q, k, v, mask)
+    assert att._OFFSETS == {} and att._ROW_INDEX == {}
+    out_e = sequence_attention(q, k, v, mask)
+    assert len(att._OFFSETS) == 1 and len(att._ROW_INDEX) == 1
+    torch.testing.assert_close(out_c, out_e, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(compiled(q, k, v, mask), out_e, atol=2e-3, rtol=2e-3)
+
+
 def test_opcheck_seq_ops(stand_in_kernels):
     from gt_fused3s import ops
     from gt_fused3s.sequence.masks import kernel_code

@@ -194,3 +194,29 @@ def test_compiled_gradients_equal_eager():
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
         assert b.abs().max() > 0, name
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3, msg=lambda m: f"{name}: {m}")
+
+
+def test_reduce_overhead_steps_equal_eager(monkeypatch):
+    """torch.compile(mode="reduce-overhead") from empty caches, three steps:
+    eager's output and gradients at every step. (The per-shape offsets and
+    the global rows' index made by the first traced call were kept in the
+    module's caches: CUDA-graph outputs, overwritten by the next replay.)"""
+    import gt_fused3s.sequence.attention as att
+    monkeypatch.setattr(att, "_OFFSETS", {})
+    monkeypatch.setattr(att, "_ROW_INDEX", {})
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    mask = MASKS["longformer"]
+    q, k, v = (torch.randn(2, 200, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+    compiled = torch.compile(sequence_attention, mode="reduce-overhead")
+    for step in range(3):
+        g = torch.randn(2, 200, 2, 64, device="cuda", dtype=torch.float16)
+        torch.compiler.cudagraph_mark_step_begin()
+        out_c = compiled(q, k, v, mask)
+        got = [out_c.clone()] + [t.clone() for t in torch.autograd.grad(out_c, (q, k, v), g)]
+        out_e = sequence_attention(q, k, v, mask)
+        want = [out_e] + list(torch.autograd.grad(out_e, (q, k, v), g))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3, msg=lambda m: f"step {step} {name}: {m}")
+    torch._dynamo.reset()

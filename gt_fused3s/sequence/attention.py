@@ -65,6 +65,23 @@ def _code_of(mask: Mask) -> list[int]:
     return kernel_code(mask)
 
 
+def _cached(cache: dict, key: tuple, make):
+    """``cache[key]``, made by ``make()`` on a miss and kept (the oldest of
+    more than 256 entries dropped), except while torch.compile traces: a
+    tensor the graph makes and a global keeps would be the graph's output,
+    which CUDA graphs (``mode="reduce-overhead"``) overwrite at the next
+    replay, so a traced miss is made for the call only (a few small
+    kernels, replayed with the graph); an entry an eager call made is read."""
+    got = cache.get(key)
+    if got is None:
+        got = make()
+        if not torch.compiler.is_compiling():
+            cache[key] = got
+            if len(cache) > 256:
+                cache.pop(next(iter(cache)))
+    return got
+
+
 _OFFSETS: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
 
 
@@ -73,15 +90,11 @@ def _batch_offsets(B: int, L: int, stride: int, D: int, device: torch.device) ->
     blocks, of B sequences of L tokens (compiled head dim D), made once per
     shape: a call then launches the kernels only (the backward's windows
     were 15 small ops of each backward)."""
-    key = (B, L, stride, D, device)
-    got = _OFFSETS.get(key)
-    if got is None:
+    def make():
         cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * L
-        got = _OFFSETS[key] = (cu, ops.seq_windows(cu, stride, ops.seq_block_rows(D)),
-                               ops.seq_windows(cu, stride, ops.seq_block_rows(D, backward=True)))
-        if len(_OFFSETS) > 256:
-            _OFFSETS.pop(next(iter(_OFFSETS)))
-    return got
+        return (cu, ops.seq_windows(cu, stride, ops.seq_block_rows(D)),
+                ops.seq_windows(cu, stride, ops.seq_block_rows(D, backward=True)))
+    return _cached(_OFFSETS, (B, L, stride, D, device), make)
 
 
 def _kernel_fits(q: Tensor) -> bool:
@@ -159,13 +172,7 @@ def _row_index(rows: list[int], device: torch.device) -> Tensor:
     ``torch.tensor(rows, device=...)`` per call is a copy from pageable host
     memory, which waits for the kernels queued before it (the host then
     launched the dense rows' ops one by one behind an idle GPU)."""
-    key = (tuple(rows), device)
-    idx = _ROW_INDEX.get(key)
-    if idx is None:
-        idx = _ROW_INDEX[key] = torch.tensor(rows, device=device)
-        if len(_ROW_INDEX) > 256:
-            _ROW_INDEX.pop(next(iter(_ROW_INDEX)))
-    return idx
+    return _cached(_ROW_INDEX, (tuple(rows), device), lambda: torch.tensor(rows, device=device))
 
 
 def _put_rows(out: Tensor, dim: int, idx: Tensor, rows: Tensor) -> Tensor:
