@@ -282,6 +282,37 @@ def test_bad_sizes_numpy_sizes_and_torchscript():
         torch.jit.script(conv)
 
 
+def test_compiled_layer_builds_its_plan_eagerly(stand_in_kernels, monkeypatch):
+    """Under torch.compile the graph's cached plan and its kernel arrays are
+    built eagerly (kept on the DGLGraph's cache entry: built by the compiled
+    graph, they would be CUDA-graph outputs under reduce-overhead), once;
+    outputs and gradients equal eager."""
+    import gt_fused3s.plan as plan_mod
+    traced = []
+
+    def spy(*args):
+        traced.append(torch.compiler.is_compiling())
+        return schedule(*args)
+    schedule = plan_mod.work_schedule
+    monkeypatch.setattr(plan_mod, "work_schedule", spy)
+    torch._dynamo.reset()
+    g = to_dgl("self_loops")
+    conv = make_conv(num_heads=2)
+    compiled = torch.compile(conv, backend="aot_eager")
+    feat = random_feat(g.num_nodes())
+    for _ in range(3):
+        fc = feat.clone().requires_grad_()
+        out_c = compiled(g, fc)
+        out_c.square().sum().backward()
+    assert traced == [False, False], traced      # forward and backward schedules, eagerly, once
+    fe = feat.clone().requires_grad_()
+    out_e = conv(g, fe)
+    torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
+    out_e.square().sum().backward()
+    torch.testing.assert_close(fc.grad, fe.grad, atol=1e-4, rtol=1e-4)
+    torch._dynamo.reset()
+
+
 def test_heterograph_with_another_node_type_raises_like_dotgatconv():
     """One edge type but an extra node type: DotGatConv refuses it, and so
     does the layer (the edges' ids are per node type); one relation works."""

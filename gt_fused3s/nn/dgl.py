@@ -268,6 +268,11 @@ def _graph_entry(graph) -> dict:
     return entry
 
 
+# The two lookups below run eagerly also under torch.compile (DGL's graph
+# objects are not traced anyway): a plan the compiled graph built and the
+# cache kept would hold the graph's outputs, which CUDA graphs
+# (mode="reduce-overhead") overwrite at the next replay.
+@torch.compiler.disable
 def _has_zero_in_degree(graph) -> bool:
     entry = _graph_entry(graph)
     if entry["zero_in"] is None:
@@ -275,6 +280,7 @@ def _has_zero_in_degree(graph) -> bool:
     return entry["zero_in"]
 
 
+@torch.compiler.disable
 def _graph_plan(graph, device: torch.device) -> GraphPlan:
     entry = _graph_entry(graph)
     plan = entry["plan"].get(device)
