@@ -1,5 +1,6 @@
 """Fixtures shared by the test files."""
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +40,19 @@ def stand_in_kernels(monkeypatch):
     stand_ins = stand_in_kernels.install(monkeypatch)
     yield stand_ins
     stand_ins.lib._destroy()
+
+
+@pytest.fixture
+def schedule_builds(monkeypatch):
+    """A list that gets, for every kernel schedule a plan builds, whether
+    torch.compile was tracing the build (True: built by the compiled graph,
+    False: eagerly)."""
+    import gt_fused3s.plan as plan_mod
+    builds = []
+    schedule = plan_mod.work_schedule
+
+    def recording(*args):
+        builds.append(torch.compiler.is_compiling())
+        return schedule(*args)
+    monkeypatch.setattr(plan_mod, "work_schedule", recording)
+    return builds

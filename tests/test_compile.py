@@ -142,19 +142,12 @@ def test_layer_cached_plan_under_compile(stand_in_kernels, edge_dim):
         torch.compile(fresh, backend="aot_eager", fullgraph=True)(x, ei.clone(), attr)
 
 
-def test_unprepared_plan_is_prepared_outside_the_graph(stand_in_kernels, monkeypatch):
+def test_unprepared_plan_is_prepared_outside_the_graph(stand_in_kernels, schedule_builds):
     """A plan passed in unprepared: its schedules, transposed format and
     per-edge arrays are built eagerly (stored on the plan, they outlive the
     compiled call: built by the graph, CUDA graphs would overwrite them at
     the next replay), once; a plan built inside the region builds there."""
-    import gt_fused3s.plan as plan_mod
-    traced = []
-
-    def spy(*args):
-        traced.append(torch.compiler.is_compiling())
-        return schedule(*args)
-    schedule = plan_mod.work_schedule
-    monkeypatch.setattr(plan_mod, "work_schedule", spy)
+    traced = schedule_builds
     ei, x = _graph(7)
     attr = torch.randn(ei.size(1), 4, generator=torch.Generator().manual_seed(8))
     torch.manual_seed(0)

@@ -282,19 +282,12 @@ def test_bad_sizes_numpy_sizes_and_torchscript():
         torch.jit.script(conv)
 
 
-def test_compiled_layer_builds_its_plan_eagerly(stand_in_kernels, monkeypatch):
+def test_compiled_layer_builds_its_plan_eagerly(stand_in_kernels, schedule_builds):
     """Under torch.compile the graph's cached plan and its kernel arrays are
     built eagerly (kept on the DGLGraph's cache entry: built by the compiled
     graph, they would be CUDA-graph outputs under reduce-overhead), once;
     outputs and gradients equal eager."""
-    import gt_fused3s.plan as plan_mod
-    traced = []
-
-    def spy(*args):
-        traced.append(torch.compiler.is_compiling())
-        return schedule(*args)
-    schedule = plan_mod.work_schedule
-    monkeypatch.setattr(plan_mod, "work_schedule", spy)
+    traced = schedule_builds
     torch._dynamo.reset()
     g = to_dgl("self_loops")
     conv = make_conv(num_heads=2)
