@@ -605,8 +605,10 @@ def check_int(name: str, value: Any, low: int = 1) -> int:
 def _check_num_nodes(num_nodes: Any) -> int:
     if isinstance(num_nodes, Tensor):
         num_nodes = int(num_nodes)
-    if hasattr(num_nodes, "__index__") and not isinstance(num_nodes, (bool, float)):
-        num_nodes = int(num_nodes.__index__())     # numpy integers
+    elif not isinstance(num_nodes, (int, float)) and hasattr(num_nodes, "__index__"):
+        # numpy integers (an int, also a size torch.compile traces as
+        # dynamic, skips the hasattr, which dynamo cannot trace on one)
+        num_nodes = int(num_nodes.__index__())
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 0:
         raise ValueError(f"num_nodes must be a non-negative int (got {num_nodes!r})")
     if num_nodes > 2**31 - 1:

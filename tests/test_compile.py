@@ -109,6 +109,24 @@ def test_graph_transformer_fullgraph_kernel_path(stand_in_kernels):
     assert stand_in_kernels.calls.count("bwd") >= 2
 
 
+def test_layer_dynamic_shapes_fullgraph_kernel_path(stand_in_kernels):
+    """torch.compile(dynamic=True, fullgraph=True): graphs of two sizes, as
+    edge_index tensors (the plan built inside) and as plans, equal eager,
+    with no graph break (a node count traced as a symbolic size once broke
+    the graph in the plan's checks)."""
+    torch.manual_seed(0)
+    conv = Fused3SConv(16, 16, heads=2, edge_dim=4)
+    compiled = torch.compile(conv, dynamic=True, fullgraph=True, backend="aot_eager")
+    for n, e in ((50, 200), (70, 300)):
+        g = torch.Generator().manual_seed(n)
+        ei = torch.randint(0, n, (2, e), generator=g)
+        x, attr = torch.randn(n, 16, generator=g), torch.randn(e, 4, generator=g)
+        want = conv(x, ei, attr)
+        plan = GraphPlan.from_edge_index(ei, n).prepare(2, 16, edge_features=True)
+        for graph in (ei, plan):
+            torch.testing.assert_close(compiled(x, graph, attr), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("edge_dim", [None, 4])
 def test_layer_cached_plan_under_compile(stand_in_kernels, edge_dim):
     """Fused3SConv(cached=True) under torch.compile builds the plan of an
