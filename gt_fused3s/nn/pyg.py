@@ -233,8 +233,9 @@ class Fused3SConv(TransformerConv):
 
     def _plan_of(self, edge_index, num_nodes: int, per_edge: bool) -> GraphPlan:
         """The plan of a forward's ``edge_index``: built for the call, or
-        cached per tensor with ``cached=True`` (under torch.compile too,
-        looked up outside the graph: :func:`_cached_plan_eagerly`).
+        cached per tensor with ``cached=True`` (under torch.compile too:
+        found by identity, or looked up outside the graph,
+        :func:`_cached_plan_eagerly`).
         per_edge: the call takes the kernels' per-edge arguments (edge
         features, attention weights or dropout)."""
         if self.cached and isinstance(edge_index, (Tensor, SparseTensor)):
@@ -505,8 +506,8 @@ def _cached_plan_eagerly(layer: "Fused3SConv", edge_index, num_nodes: int, per_e
     without a break. Traced, the lookup cannot run (the cache checks the
     tensor's storage pointer and version counter): the plan was built inside
     the graph in every call, and a step of ``Fused3SConv(64, 16, heads=4,
-    edge_dim=16, cached=True)`` under ``mode="reduce-overhead"`` took 1.5-1.8x
-    the step on a plan passed in (README)."""
+    edge_dim=16, cached=True)`` under ``mode="reduce-overhead"`` took up to
+    1.8x the step on a plan passed in (README)."""
     plan = _cached_plan(edge_index, num_nodes).prepare(
         layer.heads, layer.out_channels, backward=torch.is_grad_enabled(), edge_bias=per_edge,
         edge_features=layer.lin_edge is not None)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from ..graph import _in_capture_or_compile
 from ..reference import sequence_reference
 from .masks import Mask, as_mask, kernel_code
 
@@ -67,15 +68,16 @@ def _code_of(mask: Mask) -> list[int]:
 
 def _cached(cache: dict, key: tuple, make):
     """``cache[key]``, made by ``make()`` on a miss and kept (the oldest of
-    more than 256 entries dropped), except while torch.compile traces: a
-    tensor the graph makes and a global keeps would be the graph's output,
-    which CUDA graphs (``mode="reduce-overhead"``) overwrite at the next
-    replay, so a traced miss is made for the call only (a few small
+    more than 256 entries dropped), except while torch.compile traces or a
+    CUDA graph is captured: a tensor the graph makes and a global keeps
+    would be the graph's output, which CUDA graphs (``mode="reduce-overhead"``)
+    overwrite at the next replay (and a captured one is not even computed
+    until a replay), so such a miss is made for the call only (a few small
     kernels, replayed with the graph); an entry an eager call made is read."""
     got = cache.get(key)
     if got is None:
         got = make()
-        if not torch.compiler.is_compiling():
+        if not _in_capture_or_compile():
             cache[key] = got
             if len(cache) > 256:
                 cache.pop(next(iter(cache)))
