@@ -58,7 +58,9 @@ _LIB.define("fwd_scores(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor c
             "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32, "
             "Tensor? edge_bias, Tensor nnz_offset, Tensor slot_edge, "
             "float dropout_p=0.0, int dropout_seed=0) -> (Tensor out, Tensor lse, Tensor scores)")
-_LIB.define("bsb_build(Tensor edge_index, int num_nodes) -> (Tensor rw_offset, Tensor cols, "
+# (SymInt: under torch.compile(dynamic=True) the node count stays symbolic;
+# an int specialised it and recompiled the graph for every node count)
+_LIB.define("bsb_build(Tensor edge_index, SymInt num_nodes) -> (Tensor rw_offset, Tensor cols, "
             "Tensor bitmap, Tensor window_order, Tensor edges, Tensor counters)")
 _LIB.define("seq_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, int[] mask, "
             "float scale, int num_windows, int block_rows) -> (Tensor out, Tensor lse)")

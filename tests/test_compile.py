@@ -110,21 +110,24 @@ def test_graph_transformer_fullgraph_kernel_path(stand_in_kernels):
 
 
 def test_layer_dynamic_shapes_fullgraph_kernel_path(stand_in_kernels):
-    """torch.compile(dynamic=True, fullgraph=True): graphs of two sizes, as
-    edge_index tensors (the plan built inside) and as plans, equal eager,
-    with no graph break (a node count traced as a symbolic size once broke
-    the graph in the plan's checks)."""
+    """torch.compile(dynamic=True, fullgraph=True): graphs of four sizes, as
+    edge_index tensors (the plan built inside), equal eager, with no graph
+    break (a node count traced as a symbolic size once broke the graph in
+    the plan's checks) and no recompilation per node count (the format
+    builder's op took the node count as an int, which specialised it)."""
     torch.manual_seed(0)
     conv = Fused3SConv(16, 16, heads=2, edge_dim=4)
     compiled = torch.compile(conv, dynamic=True, fullgraph=True, backend="aot_eager")
-    for n, e in ((50, 200), (70, 300)):
+    graphs = []
+    for n, e in ((50, 200), (70, 300), (90, 410), (110, 520)):
         g = torch.Generator().manual_seed(n)
         ei = torch.randint(0, n, (2, e), generator=g)
         x, attr = torch.randn(n, 16, generator=g), torch.randn(e, 4, generator=g)
-        want = conv(x, ei, attr)
-        plan = GraphPlan.from_edge_index(ei, n).prepare(2, 16, edge_features=True)
-        for graph in (ei, plan):
-            torch.testing.assert_close(compiled(x, graph, attr), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(compiled(x, ei, attr), conv(x, ei, attr), atol=1e-5, rtol=1e-5)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[1], graphs
+    plan = GraphPlan.from_edge_index(ei, n).prepare(2, 16, edge_features=True)
+    torch.testing.assert_close(compiled(x, plan, attr), conv(x, ei, attr), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("edge_dim", [None, 4])

@@ -289,3 +289,30 @@ def test_reduce_overhead_layer_steps_equal_eager(graph_kind):
     if graph_kind == "cached_edge_index":
         assert conv._cached_hit is not None and conv._cached_hit[0] is ei
     torch._dynamo.reset()
+
+
+def test_compile_dynamic_shapes_equals_eager_without_recompiling():
+    """torch.compile(dynamic=True, fullgraph=True) of Fused3SConv(edge_dim)
+    on edge_index tensors of four sizes (the static format built inside,
+    its node count symbolic through bsb_build's SymInt): eager's output and
+    input gradient, and no recompilation after the second size."""
+    from gt_fused3s.nn import Fused3SConv
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    conv = Fused3SConv(32, 16, heads=4, edge_dim=8).to(DEV)
+    compiled = torch.compile(conv, dynamic=True, fullgraph=True)
+    graphs = []
+    for n in (300, 420, 555, 700):
+        ei = _edges(n, 5 * n, n)
+        g = torch.Generator(device=DEV).manual_seed(n)
+        x = torch.randn(n, 32, device=DEV, generator=g)
+        attr = torch.randn(ei.size(1), 8, device=DEV, generator=g)
+        xc, xe = (x.clone().requires_grad_() for _ in range(2))
+        out_c, out_e = compiled(xc, ei, attr), conv(xe, ei, attr)
+        torch.testing.assert_close(out_c, out_e, atol=1e-3 * out_e.abs().max().item(), rtol=0)
+        out_c.square().sum().backward()
+        out_e.square().sum().backward()
+        torch.testing.assert_close(xc.grad, xe.grad, atol=1e-3 * xe.grad.abs().max().item(), rtol=0)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[1], graphs
+    torch._dynamo.reset()
