@@ -2,7 +2,10 @@
 with ``fullgraph=True`` (no graph break), forward and backward equal eager,
 on the reference path and on the kernel path (the registered ops with CPU
 stand-ins: the static plan build and the fused op inside the compiled
-region); ``torch.library.opcheck`` passes on every registered op."""
+region); ``torch.library.opcheck`` passes on every registered op. Plans
+that outlive a compiled call (a layer's cached plan, a plan passed in
+unprepared) are built outside the graph, and dynamic shapes neither break
+the graph nor recompile per node count."""
 import pytest
 import torch
 
