@@ -65,8 +65,10 @@ class Fused3SConv(TransformerConv):
     each tensor for as long as the tensor lives unmodified through torch
     (for a fixed graph: a tensor refilled behind torch's back, e.g. through
     ``torch.from_numpy``, would reuse a stale plan). Under
-    ``torch.compile`` a plan passed in is read as is; an ``edge_index``
-    is turned into a static plan inside the compiled region, once per call,
+    ``torch.compile`` a plan passed in is read as is (what it lacks is
+    built outside the compiled graph, a graph break: prepare it); an
+    ``edge_index`` is turned into a static plan inside the compiled region,
+    once per call,
     unless ``cached=True``: the plan an earlier call cached for the same
     tensor is then read as is (found by identity: an in-place edit of the
     tensor is not seen there), and on a tensor no call cached yet the plan
