@@ -26,9 +26,11 @@ Two tables:
   before git 227ad86 passed the plan instead, which the layer then rebuilt
   inside the compiled graph when given the tensor).
   Per peer: what a user waits (``wall_ms``, synchronised), the GPU time of
-  the step (``gpu_ms``, CUDA events), the largest gradient error against
-  eager TransformerConv (``grad_diff``: inputs and parameters, each
-  relative to the gradient's largest entry), and for
+  the step (``gpu_ms``, CUDA events), the device time of all its kernels
+  (``kernel_ms``, profiler: no launch gaps; added after git 8b329bd), the
+  largest gradient error against eager TransformerConv (``grad_diff``:
+  inputs and parameters, each relative to the gradient's largest entry),
+  and for
   the eager peers the peak memory the step allocates above what it starts
   with (fresh gradients each step);
   ratios (peer / ours, > 1 a gain) in :data:`RATIOS`. A peer that fails
@@ -217,6 +219,8 @@ def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, hea
                     row[f"{label}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
                 row[f"{label}_gpu_ms"] = time_cuda(step, flush=False, max_reps=50)["median"]
                 row[f"{label}_wall_ms"] = time_wall(step, reps=30)["wall"]
+                # every kernel of the step (profiler; inside a replay too), without launch gaps
+                row[f"{label}_kernel_ms"] = kernel_time(step, "", reps=10, flush=False)
             except torch.cuda.OutOfMemoryError as e:
                 row[f"{label}_error"] = short_error(e)
             except Exception as e:  # noqa: BLE001 - a compile / capture error becomes the peer's note
@@ -250,7 +254,9 @@ def format_layer_row(r: dict) -> str:
         if f"{label}_error" in r:
             return f"{label}: {r[f'{label}_error']}"
         peak = f"peak {r[f'{label}_peak_mb']:.0f} MB " if f"{label}_peak_mb" in r else ""
-        return (f"{label} wall {r[f'{label}_wall_ms']:.3f} gpu {r[f'{label}_gpu_ms']:.3f} ms "
+        kern = r.get(f"{label}_kernel_ms")
+        kern = f"kernels {kern:.3f} " if kern is not None else ""
+        return (f"{label} wall {r[f'{label}_wall_ms']:.3f} gpu {r[f'{label}_gpu_ms']:.3f} ms {kern}"
                 f"{peak}grad diff {r[f'{label}_grad_diff']:.1e}")
     ratios = " ".join(f"{k}{s} {r[k + s]:.2f}x" for s, _, _ in RATIOS for k in ("wall_x", "gpu_x", "memory_x")
                       if k + s in r)
