@@ -664,6 +664,7 @@ SeqFwdParams seq_params(const at::Tensor& q, const at::Tensor& k, const at::Tens
     p.lse_row_stride = lse.stride(0); p.lse_head_stride = lse.stride(1);
     p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
     p.cu_windows = cu_windows.data_ptr<int32_t>();
+    p.num_tokens = q.size(0);
     p.num_docs = static_cast<int32_t>(cu_seqlens.numel() - 1);
     p.num_windows = num_windows;
     p.block_rows = static_cast<int32_t>(block_rows);

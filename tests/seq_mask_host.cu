@@ -5,6 +5,9 @@
 // stdin: line 1 the mask code (masks.py kernel_code), line 2 the document
 // lengths, line 3 the queries per row block, line 4 (optional) 1 for the
 // backward's transposed walk (keys as rows). Built by the test with nvcc (the header is host + device code).
+// stderr: counts of the forward walk's tiles (per warp pair: computed, full;
+// per block tile: full, and where the walk's per-segment interval,
+// seq_cursor_full, disagreed with seq_tile_full).
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -39,7 +42,7 @@ int main() {
     for (int i = 0; i < mk.num_global; ++i) mk.global_idx[i] = static_cast<int32_t>(code[at++]);
 
     // tiles: pairs a warp computes (not skipped), full: those without per-entry tests
-    long long start = 0, full_tiles = 0, tiles = 0;
+    long long start = 0, full_tiles = 0, tiles = 0, block_full = 0, block_full_mismatches = 0;
     for (long long len : lens) {
         const int s = mk.row_stride;
         const int blocks = s * (((len + s - 1) / s + block_rows - 1) / block_rows);
@@ -48,6 +51,11 @@ int main() {
             if (blk.rows == 0) continue;
             SeqTileCursor cur;
             for (bool more = cur.first(mk, blk); more; more = cur.next(mk, blk)) {
+                // the walk's block-level test from the segment's interval against the tile's own test
+                const bool by_range = seq_cursor_full(mk, blk, block_rows, cur);
+                const bool by_tile = seq_tile_full(mk, blk, block_rows, cur.part, cur.ks, cur.tile * kSeqTileKeys);
+                block_full_mismatches += by_range != by_tile;
+                block_full += by_tile;
                 if (key_rows) {   // warp sl: the 16 keys of slice sl against every m-tile of queries
                     for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {
                         const int32_t n0 = cur.tile * kSeqTileKeys + 16 * sl;
@@ -102,6 +110,7 @@ int main() {
         }
         start += len;
     }
-    std::fprintf(stderr, "tiles %lld full %lld\n", tiles, full_tiles);
+    std::fprintf(stderr, "tiles %lld full %lld block_full %lld block_full_mismatches %lld\n", tiles, full_tiles,
+                 block_full, block_full_mismatches);
     return 0;
 }

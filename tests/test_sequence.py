@@ -85,6 +85,12 @@ def kernel_pairs(exe, mask, lens, block_rows=128, key_rows=False) -> tuple[list[
     return pairs, run.stderr
 
 
+def walk_counts(stats: str) -> dict[str, int]:
+    """The host program's counts (stderr: name value pairs)."""
+    words = stats.split()
+    return {k: int(v) for k, v in zip(words[::2], words[1::2])}
+
+
 @pytest.mark.parametrize("walk", ["forward", "backward"])   # backward: keys as rows (seq_bwd_kernel.cuh)
 @pytest.mark.parametrize("block_rows", [64, 128])   # the kernel runs 64; the policy takes any multiple of 16
 @pytest.mark.parametrize("lens", LENGTHS.values(), ids=LENGTHS.keys())
@@ -103,6 +109,29 @@ def test_kernel_key_sets_equal_dense_truth(seq_host, name, lens, block_rows, wal
     assert set(got_rest) == truth
 
 
+@pytest.mark.parametrize("block_rows", [64, 128])
+@pytest.mark.parametrize("lens", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("name", MASKS.keys())
+def test_walk_full_tiles_by_segment_equal_tile_test(seq_host, name, lens, block_rows):
+    """The walk decides which tiles need no mask bits from one interval per
+    segment (seq_full_tile_range) where it can: the same tiles as the test
+    of each tile (seq_tile_full), which the key-set test above covers."""
+    _, stats = kernel_pairs(seq_host, MASKS[name], lens, block_rows)
+    counts = walk_counts(stats)
+    assert counts["block_full_mismatches"] == 0, counts
+
+
+def test_walk_full_tiles_by_segment_on_long_bands(seq_host):
+    """Long bands and compacted dilated windows, with and without global
+    tokens before them, have full tiles: the interval is not vacuous."""
+    for mask in (Local(300), Dilated(150, 3), Global(2) | Local(300), Local(300) | Global(2),
+                 Local(300, causal=True), Local(200, right=20)):
+        _, stats = kernel_pairs(seq_host, mask, [3000, 777], 64)
+        counts = walk_counts(stats)
+        assert counts["block_full_mismatches"] == 0, (mask, counts)
+        assert counts["block_full"] > 0, (mask, counts)
+
+
 def test_dense_tiles_for_bands_and_compacted_dilation(seq_host):
     """Inside a band every tile is full (no per-entry tests), and a dilated
     window compacts its keys (its queries share a residue, its keys are
@@ -111,7 +140,7 @@ def test_dense_tiles_for_bands_and_compacted_dilation(seq_host):
     L = 4096
     for mask in (Local(64), Dilated(64, 4)):
         _, stats = kernel_pairs(seq_host, mask, [L])
-        tiles, full = (int(x) for x in stats.split()[1::2])
+        tiles, full = (walk_counts(stats)[k] for k in ("tiles", "full"))
         windows = L // 16   # warp sub-windows; stats count pairs per warp
         assert tiles <= windows * (2 * 64 // 16 + 2), (mask, stats)   # no key outside the band
         assert tiles - full <= 2 * windows, (mask, stats)

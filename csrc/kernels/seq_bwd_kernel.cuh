@@ -130,12 +130,13 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
         for (int j = 0; j < kNT; ++j) dq[i][j][0] = dq[i][j][1] = dq[i][j][2] = dq[i][j][3] = 0.f;
     }
 
-    auto load_tile = [&](const SeqTileCursor& c, int stage) {
+    auto load_tile = [&](const SeqTile& c, int stage) {
         seq_load_kv<Tile>(k_slice(stage, warp), v_slice(stage, warp), k, f.k_row_stride, v, f.v_row_stride, mk, blk,
                           c, warp, lane);
+        return false;   // cp.async: no bulk copies to wait for
     };
     // (the walk's first barrier also covers Q, dO, lse and delta, copied above)
-    seq_walk_tiles(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTileCursor& cur, int stage, bool full) {
+    seq_walk_tiles(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {
         const int32_t n0 = cur.tile * kSeqTileKeys + 16 * warp;   // this warp's keys in the segment
         float dk[kNT][4], dv[kNT][4];
 #pragma unroll
@@ -258,7 +259,7 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
                 if (dv[j][2 * r] != 0.f || dv[j][2 * r + 1] != 0.f) add_pair(dvr + 8 * j, dv[j][2 * r], dv[j][2 * r + 1]);
             }
         }
-    });   // (its closing barrier also frees the dS^T tile for the next tile)
+    }, [](int) {});   // (its closing barrier also frees the dS^T tile for the next tile)
     cp_async_wait<0>();   // a block without key tiles still waits for its Q and dO copy
 
     // dQ of this warp's queries (m-tiles w, w + 4): rows g, g + 8; d = 8j + 2t, 2t + 1

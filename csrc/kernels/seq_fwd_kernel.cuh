@@ -27,7 +27,11 @@
 // the M = 64 of S = Q K^T (Q from registers, K straight from shared memory)
 // and of O += P V (P from registers, V from shared memory); the fragments in
 // registers are the same, so the softmax between them is unchanged. Local
-// 1M-token forward on an H100: 1.92 -> 1.55 ms (README).
+// 1M-token forward on an H100: 1.92 -> 1.55 ms (README). There, a tile of 64
+// consecutive keys comes by TMA (tma.cuh: one thread's two bulk copies
+// instead of every thread's cp.async address arithmetic), and the walk
+// knows a band's full tiles from one interval per segment: local 1M on an
+// H200 1.68 -> 1.52 ms (README).
 //
 // Measured (H100, Nsight Compute, README): the kernel's speed followed its
 // code size, which the instruction cache must hold (the mask policy's rare
@@ -45,6 +49,7 @@
 #include "mma_utils.cuh"
 #include "online_softmax.cuh"
 #include "smem_tile.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace gt_fused3s {
@@ -79,7 +84,7 @@ struct SeqFwdConfig {
 
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(SeqFwdConfig<kHeadDim>::kThreads, SeqFwdConfig<kHeadDim>::kMinBlocks)
-seq_fwd_kernel(const __grid_constant__ SeqFwdParams p) {
+seq_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ SeqKvMaps maps) {
     using Cfg = SeqFwdConfig<kHeadDim>;
     using Tile = typename Cfg::Tile;
     constexpr int kNT = Cfg::kNT;
@@ -132,16 +137,55 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p) {
     auto v_slice = [&](int stage, int slice) {
         return smem0 + stage * Cfg::kStageBytes + (Cfg::kSlices + slice) * Tile::kBytes;
     };
-    auto load_tile = [&](const SeqTileCursor& c, int stage) {
+    // wgmma descriptors of a stage's K (advanced along K by `bytes`) and of
+    // its V slices, from one low word (wgmma.cuh)
+    const uint32_t desc_lo = wgmma_desc_sw128_lo(smem0);
+    auto k_desc = [&](int stage, int bytes) { return wgmma_desc_sw128_at(desc_lo, stage * Cfg::kStageBytes + bytes); };
+    auto v_desc = [&](int stage, int slice) {
+        return wgmma_desc_sw128_at(desc_lo, stage * Cfg::kStageBytes + (Cfg::kSlices + slice) * Tile::kBytes);
+    };
+    // Hopper: a tile of 64 consecutive keys of one segment (the inside of a
+    // band) comes by TMA, K and V one bulk copy each from thread 0, counted
+    // on its stage's mbarrier; other tiles (a segment's last, dilated or
+    // global keys, zero-filled past the segment) by every warp's cp.async.
+    __shared__ alignas(8) uint64_t kv_bar[2];
+    uint32_t bar_phase = 0u;   // bit s: the parity of stage s's next bulk phase
+    const bool tma = Cfg::kWgmma && maps.ok != 0;
+    if constexpr (Cfg::kWgmma) {
+        if (tma && threadIdx.x == 0) {
+            mbar_init(smem_addr(&kv_bar[0]), 1);
+            mbar_init(smem_addr(&kv_bar[1]), 1);
+        }
+        if (tma) __syncthreads();   // initialised before any thread waits on them
+    }
+    auto load_tile = [&](const SeqTile& c, int stage) {
+        if constexpr (Cfg::kWgmma) {
+            if (tma && c.ks.step == 1 && c.ks.count - c.tile * kSeqTileKeys >= kSeqTileKeys) {   // block-uniform
+                if (threadIdx.x == 0) {
+                    const uint32_t bar = smem_addr(&kv_bar[stage]);
+                    const int32_t row = static_cast<int32_t>(blk.doc_start + c.ks.start + c.tile * kSeqTileKeys);
+                    mbar_expect_tx(bar, 2 * kTmaTileBytes);
+                    tma_load_rows(k_slice(stage, 0), maps.k, head, row, bar);
+                    tma_load_rows(v_slice(stage, 0), maps.v, head, row, bar);
+                }
+                cp_async_commit();   // an empty group: the walk counts one group per tile
+                return true;
+            }
+        }
         seq_load_kv<Tile>(k_slice(stage, warp), v_slice(stage, warp), k, p.k_row_stride, v, p.v_row_stride, mk, blk,
                           c, warp, lane);
+        return false;
+    };
+    auto wait_bulk = [&](int stage) {
+        mbar_wait(smem_addr(&kv_bar[stage]), (bar_phase >> stage) & 1u);
+        bar_phase ^= 1u << stage;
     };
     // One tile: S = Q K^T, k-step by k-step over all pairs (independent mma
     // chains), the softmax step over its 64 keys, O += P V. A full tile (the
     // inside of a band: seq_tile_full for the whole block) takes no mask
     // bits, no per-pair branches and the scale folded into the exponent;
     // otherwise pairs no query of this warp sees are skipped (masked).
-    auto tile_step = [&](auto full_tag, const SeqTileCursor& cur, int stage) {
+    auto tile_step = [&](auto full_tag, const SeqTile& cur, int stage) {
         constexpr bool kFull = decltype(full_tag)::value;
         constexpr uint32_t kAll = (1u << Cfg::kSlices) - 1u;
         uint32_t bits[kM][Cfg::kSlices], any = kAll;
@@ -160,7 +204,7 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p) {
             wgmma_fence();
 #pragma unroll
             for (int step = 0; step < Cfg::kSteps; ++step) {
-                wgmma_m64n64k16<T, false>(d, qa[0][step], wgmma_desc_sw128(k_slice(stage, 0) + 32 * step), step > 0);
+                wgmma_m64n64k16<T, false>(d, qa[0][step], k_desc(stage, 32 * step), step > 0);
             }
             wgmma_commit();
             wgmma_wait<0>();
@@ -205,7 +249,7 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p) {
             wgmma_fence();
 #pragma unroll
             for (int sl = 0; sl < Cfg::kSlices; ++sl) {
-                wgmma_m64n64k16<T, true>(d, pa[0][sl], wgmma_desc_sw128(v_slice(stage, sl)), true);
+                wgmma_m64n64k16<T, true>(d, pa[0][sl], v_desc(stage, sl), true);
             }
             wgmma_commit();
             wgmma_wait<0>();
@@ -227,10 +271,10 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p) {
             }
         }
     };
-    seq_walk_tiles<Cfg::kWgmma>(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTileCursor& cur, int stage, bool full) {
+    seq_walk_tiles<Cfg::kWgmma>(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {
         if (full) tile_step(std::true_type{}, cur, stage);
         else tile_step(std::false_type{}, cur, stage);
-    });
+    }, wait_bulk);
 
     // O in the mma C layout: row g (c0, c1) and g + 8 (c2, c3), d = 8j + 2t, 2t+1.
 #pragma unroll
@@ -260,8 +304,16 @@ void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream) {
     if constexpr (Cfg::kSmemBytes > 48 * 1024) {   // opt in to more than 48 KB (D = 128), on this device
         cudaFuncSetAttribute(seq_fwd_kernel<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
     }
+    // The TMA's tensor maps where the kernel may use them (D = 64; compiled
+    // for sm_90a it does; elsewhere they go unread).
+    SeqKvMaps maps{};
+    if constexpr (kHeadDim == 64) {
+        const int64_t tokens = params.num_tokens, heads = params.num_heads;
+        maps.ok = tma_encode_rows(&maps.k, params.k_ptr, tokens, heads, params.k_row_stride, params.k_head_stride) &&
+                  tma_encode_rows(&maps.v, params.v_ptr, tokens, heads, params.v_row_stride, params.v_head_stride);
+    }
     const dim3 grid(static_cast<unsigned>(params.num_windows), static_cast<unsigned>(params.num_heads));
-    seq_fwd_kernel<T, kHeadDim><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
+    seq_fwd_kernel<T, kHeadDim><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, maps);
 }
 
 }  // namespace gt_fused3s

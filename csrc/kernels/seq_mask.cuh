@@ -242,11 +242,66 @@ GT_SEQ_HD bool seq_part_covers(const SeqMaskPart& pt, const SeqWindow& win, cons
     }
 }
 
+// floor(a / (64 step)) for step >= 1: a shift for step 1 (a band), an int32
+// division otherwise (64-bit divisions are long subroutines on the GPU). a
+// is clamped to int32 first: the callers clamp the result to [0, count / 64],
+// which a clamped a leaves unchanged (a document has fewer than 2^31 keys).
+GT_SEQ_HD int32_t seq_floor_div_tiles(int64_t a, int32_t step) {
+    const int32_t x = static_cast<int32_t>(a < INT32_MIN ? INT32_MIN : (a > INT32_MAX ? INT32_MAX : a));
+    if (step == 1) return x >> 6;   // arithmetic shift: the floor for negative x too
+    const int32_t span = step * kSeqTileKeys;
+    return x >= 0 ? x / span : -static_cast<int32_t>((static_cast<int64_t>(-static_cast<int64_t>(x)) + span - 1) / span);
+}
+
+// The tiles of segment ks of part `part` that seq_tile_full (below) finds
+// full for a complete window, as one interval [lo, hi] (empty: lo > hi),
+// where that can be said once per segment: a band part (local, or dilated)
+// that no earlier part may reach anywhere in the segment. Then a tile is
+// full where its keys lie inside the band for every query (seq_part_covers)
+// and it has 64 keys. False: ask seq_tile_full tile by tile. (The walk's
+// test per tile cost about 35 instructions a warp: a switch on the part's
+// kind and the parts' parameters indexed in the parameter space.)
+GT_SEQ_HD bool seq_full_tile_range(const SeqMask& mk, const SeqWindow& win, int part, const KeySeg& ks, int32_t& lo,
+                                   int32_t& hi) {
+    const SeqMaskPart& pt = mk.parts[part];
+    if (ks.step <= 0 || ks.count <= 0 || (pt.kind != kSeqLocal && pt.kind != kSeqDilated)) return false;
+    const int32_t first = ks.start, last = ks.start + ks.step * (ks.count - 1);
+    for (int q = 0; q < part; ++q) {
+        if (seq_part_may_reach(mk, mk.parts[q], win, first, last)) return false;
+    }
+    lo = 1;
+    hi = 0;
+    int64_t a = pt.a, b = pt.b;
+    if (pt.kind == kSeqDilated) {
+        if (ks.step != pt.c || win.stride != pt.c) return true;   // not compacted: no tile covered
+        a *= pt.c;
+        b *= pt.c;
+    }
+    // keys start + step n, n = 64 t .. 64 t + 63: the first >= rmax - a, the
+    // last <= rmin + b, and all 64 in the segment
+    const int32_t t_lo = -seq_floor_div_tiles(-(win.rmax - a - ks.start), ks.step);   // a ceiling
+    const int32_t t_hi = seq_min(seq_floor_div_tiles(win.rmin + b - ks.start - static_cast<int64_t>(ks.step) * (kSeqTileKeys - 1), ks.step),
+                                 ks.count / kSeqTileKeys - 1);
+    if (t_hi >= 0 && t_lo <= t_hi) {
+        lo = seq_max(t_lo, 0);
+        hi = t_hi;
+    }
+    return true;
+}
+
+// One tile of the walk: keys tile * 64 .. of segment ks of part `part`.
+struct SeqTile {
+    int32_t part, tile;
+    KeySeg ks;
+};
+
 // Walks the tiles of a block: part by part, segment by segment, 64 keys at a
 // time. Uniform across the block.
 struct SeqTileCursor {
     int32_t part, seg, nseg, tile, ntiles;
     KeySeg ks;
+    bool full_known;            // seq_full_tile_range's interval holds for this segment
+    int32_t full_lo, full_hi;
 
     GT_SEQ_HD bool load_part(const SeqMask& mk, const SeqWindow& win) {
         for (; part < mk.num_parts; ++part) {
@@ -254,12 +309,16 @@ struct SeqTileCursor {
             for (; seg < nseg; ++seg) {
                 ks = seq_segment(mk, mk.parts[part], seg, win);
                 ntiles = (ks.count + kSeqTileKeys - 1) / kSeqTileKeys;
-                if (ntiles > 0) return true;
+                if (ntiles > 0) {
+                    full_known = seq_full_tile_range(mk, win, part, ks, full_lo, full_hi);
+                    return true;
+                }
             }
             seg = 0;
         }
         return false;
     }
+    GT_SEQ_HD SeqTile at() const { return SeqTile{part, tile, ks}; }
     GT_SEQ_HD bool first(const SeqMask& mk, const SeqWindow& win) {
         part = seg = tile = 0;
         return load_part(mk, win);
@@ -403,6 +462,13 @@ GT_SEQ_HD bool seq_tile_full(const SeqMask& mk, const SeqWindow& win, int32_t ro
         if (seq_part_may_reach(mk, mk.parts[q], win, jlo, jhi)) return false;
     }
     return seq_part_covers(mk.parts[part], win, ks, jlo, jhi);
+}
+
+// seq_tile_full of the cursor's tile for the block `win` of `rows` queries,
+// from the segment's interval where the cursor has one.
+GT_SEQ_HD bool seq_cursor_full(const SeqMask& mk, const SeqWindow& win, int32_t rows, const SeqTileCursor& c) {
+    if (c.full_known) return win.rows == rows && c.tile >= c.full_lo && c.tile <= c.full_hi;
+    return seq_tile_full(mk, win, rows, c.part, c.ks, c.tile * kSeqTileKeys);
 }
 
 // The bits of the tile's four pairs (keys n0 .. n0+63) for sub-window win:

@@ -58,6 +58,7 @@ struct SeqFwdParams {
     // block_rows: seq_block_rows(head dim).
     const int32_t* cu_seqlens;
     const int32_t* cu_windows;
+    int64_t num_tokens;   // T (the TMA's tensor maps describe q, k, v's full extent)
     int32_t num_docs;
     int64_t num_windows;
     int32_t block_rows;

@@ -1,7 +1,8 @@
 // The walk both sequence kernels (seq_fwd_kernel.cuh, seq_bwd_kernel.cuh)
 // make over a row block's key tiles: 64 keys at a time, part by part and
 // segment by segment (seq_mask.cuh: SeqTileCursor), the next tile's K and V
-// copied into shared memory (cp.async, two stages) while this one computes.
+// copied into shared memory (cp.async, or the forward's TMA: tma.cuh; two
+// stages) while this one computes.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +22,7 @@ namespace gt_fused3s {
 template <typename Tile>
 __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, const uint16_t* k, int64_t k_stride,
                                             const uint16_t* v, int64_t v_stride, const SeqMask& mk,
-                                            const SeqWindow& blk, const SeqTileCursor& c, int warp, int lane) {
+                                            const SeqWindow& blk, const SeqTile& c, int warp, int lane) {
     constexpr int kPerRow = Tile::kChunksPerRow, kRowsApart = 32 / kPerRow;
     const int ch = lane % kPerRow, r0 = lane / kPerRow;
     const int32_t n0 = c.tile * kSeqTileKeys + 16 * warp + r0;
@@ -52,35 +53,44 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
     cp_async_commit();
 }
 
-// load_kv(cursor, stage) starts a tile's copy into `stage`; body(cursor,
-// stage, full) computes a tile whose K and V are in `stage`, between two
-// block barriers (every warp's copy has landed before it; every warp is done
-// with the stage before it is refilled); full: seq_tile_full for the whole
-// block of `rows` queries (no mask bits needed). Uniform across the block.
-// kAsyncReads: the body reads the stage through the async proxy (wgmma).
-template <bool kAsyncReads = false, typename LoadKV, typename Body>
+// load_kv(tile, stage) starts a tile's copy into `stage` and returns
+// whether it came by TMA (one thread's bulk copy, counted on the stage's
+// mbarrier: wait_bulk(stage) waits for it in every thread) rather than by
+// every warp's cp.async (the block's barrier makes those visible);
+// body(tile, stage, full) computes a tile whose K and V are in `stage`; every warp is
+// done with a stage (the barrier after the body) before it is refilled.
+// full: seq_tile_full for the whole block of `rows` queries (no mask bits
+// needed). Uniform across the block. kAsyncReads: the body reads the stage
+// through the async proxy (wgmma).
+template <bool kAsyncReads = false, typename LoadKV, typename Body, typename WaitBulk>
 __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindow& blk, int32_t rows, LoadKV&& load_kv,
-                                               Body&& body) {
+                                               Body&& body, WaitBulk&& wait_bulk) {
     SeqTileCursor cur;
     bool more = cur.first(mk, blk);
-    if (more) load_kv(cur, 0);
+    bool bulk = more && load_kv(cur.at(), 0);
     int stage = 0;
     while (more) {
         SeqTileCursor nxt = cur;
         const bool has_next = nxt.next(mk, blk);
+        bool next_bulk = false;
         if (has_next) {
-            load_kv(nxt, stage ^ 1);   // flies while this tile computes
+            next_bulk = load_kv(nxt.at(), stage ^ 1);   // flies while this tile computes
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
-        if constexpr (kAsyncReads) fence_proxy_async_shared();
-        const bool full = seq_tile_full(mk, blk, rows, cur.part, cur.ks, cur.tile * kSeqTileKeys);
-        __syncthreads();
-        body(cur, stage, full);
+        const bool full = seq_cursor_full(mk, blk, rows, cur);
+        if (bulk) {
+            wait_bulk(stage);
+        } else {
+            if constexpr (kAsyncReads) fence_proxy_async_shared();
+            __syncthreads();
+        }
+        body(cur.at(), stage, full);
         __syncthreads();
         cur = nxt;
         more = has_next;
+        bulk = next_bulk;
         stage ^= 1;
     }
 }

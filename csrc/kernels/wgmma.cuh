@@ -34,13 +34,18 @@ namespace gt_fused3s {
 // k-step of 16 for K-major B). SBO: the 8-row groups' stride (1024 bytes);
 // LBO: unused by swizzled K-major layouts, the stride between 64-element
 // column panels of N-major ones (one panel at N = 64): 1024 for both.
-__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
-    uint64_t d = static_cast<uint64_t>((addr & 0x3FFFFu) >> 4);
-    d |= static_cast<uint64_t>(1024 >> 4) << 16;   // LBO
-    d |= static_cast<uint64_t>(1024 >> 4) << 32;   // SBO
-    d |= static_cast<uint64_t>(1) << 62;           // 128-byte swizzle
-    return d;
+// The high word is a constant and the low word's address field (14 bits)
+// holds any shared address >> 4, so a kernel keeps the low word of one base
+// address and adds byte offsets >> 4 to it (wgmma_desc_sw128_at): two
+// instructions a descriptor where the masks and shifts took five.
+constexpr uint32_t kWgmmaSw128Hi = (1024 >> 4) | (1u << 30);   // SBO; 128-byte swizzle (bit 62)
+__device__ __forceinline__ uint32_t wgmma_desc_sw128_lo(uint32_t addr) {
+    return ((addr & 0x3FFFFu) >> 4) | ((1024 >> 4) << 16);   // address; LBO
 }
+__device__ __forceinline__ uint64_t wgmma_desc_sw128_at(uint32_t base_lo, uint32_t offset_bytes) {
+    return (static_cast<uint64_t>(kWgmmaSw128Hi) << 32) | (base_lo + (offset_bytes >> 4));
+}
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) { return wgmma_desc_sw128_at(wgmma_desc_sw128_lo(addr), 0); }
 
 // Registers written by other instructions before a wgmma reads them, or
 // read after: wgmma.fence orders them; the empty asm keeps the compiler from

@@ -1,0 +1,118 @@
+// Hopper's tensor memory accelerator (TMA, sm_90a) for the sequence
+// forward's key and value tiles: one thread copies a tile of 64 rows x 128
+// bytes into shared memory, 128-byte swizzled as wgmma reads it (Sw128Tile,
+// smem_tile.cuh), and an mbarrier counts its bytes in. With cp.async each of
+// the block's 128 threads computed its rows' 64-bit addresses and issued its
+// 16-byte copies for every tile: about a quarter of the instructions the
+// forward issued per tile on a band (Nsight Compute, H200, README).
+//
+// Host: a tensor map per tensor ([T, H, 64] rows of 16-bit elements, as
+// SeqFwdParams describes them), encoded per call (no device work; the driver
+// entry point is looked up once). A tensor the TMA cannot describe (strides
+// not multiples of 16 bytes, more than 2^31 rows) gets ok = 0: the kernel
+// copies with cp.async, as on sm_80.
+//
+// Device code compiles to a trap outside sm_90a (GT_WGMMA, wgmma.cuh): the
+// callers test kWgmma first.
+#pragma once
+
+#include <cstdint>
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "wgmma.cuh"
+
+namespace gt_fused3s {
+
+// The key and value tensor maps of one launch (kernel parameters: the TMA
+// reads them from the parameter space).
+struct SeqKvMaps {
+    CUtensorMap k, v;
+    int32_t ok;   // 0: no maps (not Hopper, or a layout TMA cannot describe): cp.async
+};
+
+constexpr int kTmaRows = 64;                        // rows of one copy (a tile of 64 keys)
+constexpr uint32_t kTmaTileBytes = kTmaRows * 128;  // 64 rows of 64 16-bit elements
+
+// Rows of 64 16-bit elements: dims (64, heads, tokens), boxes of 64 x 1 x 64,
+// 128-byte swizzle. False where the driver or the layout does not allow it.
+inline bool tma_encode_rows(CUtensorMap* map, const void* base, int64_t tokens, int64_t heads, int64_t row_stride,
+                            int64_t head_stride) {
+    using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+    static const Encode encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess) {
+            (void)cudaGetLastError();   // not sticky: leave no error for the next launch check
+            return static_cast<Encode>(nullptr);
+        }
+        return reinterpret_cast<Encode>(fn);
+    }();
+    const int64_t head_bytes = heads == 1 ? 128 : head_stride * 2;   // a single head's stride is never stepped
+    const int64_t row_bytes = row_stride * 2;
+    if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || tokens <= 0 ||
+        tokens >= (int64_t(1) << 31) || heads <= 0 || head_bytes % 16 != 0 || row_bytes % 16 != 0 ||
+        head_bytes < 128 || row_bytes < head_bytes * heads || row_bytes >= (int64_t(1) << 40)) {
+        return false;
+    }
+    const cuuint64_t dims[3] = {64, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(tokens)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_bytes), static_cast<cuuint64_t>(row_bytes)};
+    const cuuint32_t box[3] = {64, 1, kTmaRows};
+    const cuuint32_t elem[3] = {1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+#if GT_WGMMA
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+// The issuing thread's arrival, announcing `bytes` to come by TMA.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+#if GT_WGMMA
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// Until the phase of parity `parity` has completed (every byte announced landed).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if GT_WGMMA
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+#else
+    __trap();
+#endif
+}
+
+// Box (0, head, row) of `map` into shared memory at `dst` (1024-byte aligned),
+// its bytes counted on `bar`.
+__device__ __forceinline__ void tma_load_rows(uint32_t dst, const CUtensorMap& map, int32_t head, int32_t row,
+                                              uint32_t bar) {
+#if GT_WGMMA
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
+            "r"(dst),
+        "l"(reinterpret_cast<uint64_t>(&map)), "r"(0), "r"(head), "r"(row), "r"(bar)
+        : "memory");
+#else
+    __trap();
+#endif
+}
+
+}  // namespace gt_fused3s
