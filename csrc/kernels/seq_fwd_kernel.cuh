@@ -24,14 +24,15 @@
 // Global rows (a few queries that attend to every key) are computed apart.
 // At D = 64 on sm_90a a tile's two products are Hopper's warpgroup MMA
 // instead (wgmma.cuh): the block's 4 warps are one warpgroup, its 64 queries
-// the M = 64 of S = Q K^T (Q from registers, K straight from shared memory)
-// and of O += P V (P from registers, V from shared memory); the fragments in
-// registers are the same, so the softmax between them is unchanged. Local
-// 1M-token forward on an H100: 1.92 -> 1.55 ms (README). There, a tile of 64
-// consecutive keys comes by TMA (tma.cuh: one thread's two bulk copies
-// instead of every thread's cp.async address arithmetic), and the walk
-// knows a band's full tiles from one interval per segment: local 1M on an
-// H200 1.68 -> 1.52 ms (README).
+// the M = 64 of S = Q K^T (Q and K from shared memory) and of O += P V (P
+// from registers, V from shared memory); the fragments in registers are the
+// same, so the softmax between them is unchanged. Local 1M-token forward on
+// an H100: 1.92 -> 1.55 ms (README). There, a tile of 64 consecutive keys
+// comes by TMA (tma.cuh: one thread's two bulk copies instead of every
+// thread's cp.async address arithmetic), the walk knows a band's full tiles
+// from one interval per segment, and Q lives in shared memory (16 registers
+// a thread freed: the spills went from 130 bytes to 16): local 1M on an H200
+// 1.68 -> 1.52 -> 1.40 ms (README).
 //
 // Measured (H100, Nsight Compute, README): the kernel's speed followed its
 // code size, which the instruction cache must hold (the mask policy's rare
@@ -76,7 +77,14 @@ struct SeqFwdConfig {
     static constexpr int kStageBytes = 2 * kSlices * Tile::kBytes;
     static constexpr int kAlign = kHeadDim == 64 ? 1024 : 16;
     static constexpr int kSmemBytes = 2 * kStageBytes + kAlign - 16;
-    // 4 blocks (128 registers; ptxas spills about 100 bytes) measured 5-15%
+    // On sm_90 (D = 64) the launch adds the block's Q tile after the stages
+    // (64 rows, swizzled as K's): wgmma reads Q from shared memory, which
+    // frees the 16 registers a thread held Q in (the kernel is at 128 and
+    // spills). Only there: on an A100, 8 KB more a block would cost a
+    // resident block.
+    static constexpr int kQBytes = kHeadDim == 64 ? 64 * 128 : 0;
+    // 4 blocks (128 registers; ptxas spilled about 100 bytes before Q moved
+    // to shared memory on sm_90, 16 since; sm_80 still ~120) measured 5-15%
     // faster than 3 on an H100 at D = 64 (it was slower while the kernel's
     // code overflowed the instruction cache)
     static constexpr int kMinBlocks = kHeadDim <= 64 ? 4 : 2;
@@ -108,7 +116,7 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ S
     SeqWindow win[kM];
     int64_t tok[kM][2];
     bool in[kM][2];
-    uint32_t qa[kM][Cfg::kSteps][4];
+    uint32_t qa[kM][Cfg::kSteps][4];   // mma.sync only (wgmma reads Q from shared memory)
     float o[kM][kNT][4];
     SoftmaxState st[kM];
 #pragma unroll
@@ -118,14 +126,16 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ S
         in[i][1] = g + 8 < win[i].rows;
         tok[i][0] = blk.doc_start + win[i].base + static_cast<int64_t>(win[i].stride) * g;
         tok[i][1] = tok[i][0] + static_cast<int64_t>(win[i].stride) * 8;
-        const uint16_t* q0 = q + (in[i][0] ? tok[i][0] : 0) * p.q_row_stride + 2 * t;
-        const uint16_t* q1 = q + (in[i][1] ? tok[i][1] : 0) * p.q_row_stride + 2 * t;
+        if constexpr (!Cfg::kWgmma) {
+            const uint16_t* q0 = q + (in[i][0] ? tok[i][0] : 0) * p.q_row_stride + 2 * t;
+            const uint16_t* q1 = q + (in[i][1] ? tok[i][1] : 0) * p.q_row_stride + 2 * t;
 #pragma unroll
-        for (int s = 0; s < Cfg::kSteps; ++s) {
-            qa[i][s][0] = in[i][0] ? __ldg(reinterpret_cast<const unsigned int*>(q0 + 16 * s)) : 0u;
-            qa[i][s][1] = in[i][1] ? __ldg(reinterpret_cast<const unsigned int*>(q1 + 16 * s)) : 0u;
-            qa[i][s][2] = in[i][0] ? __ldg(reinterpret_cast<const unsigned int*>(q0 + 16 * s + 8)) : 0u;
-            qa[i][s][3] = in[i][1] ? __ldg(reinterpret_cast<const unsigned int*>(q1 + 16 * s + 8)) : 0u;
+            for (int s = 0; s < Cfg::kSteps; ++s) {
+                qa[i][s][0] = in[i][0] ? __ldg(reinterpret_cast<const unsigned int*>(q0 + 16 * s)) : 0u;
+                qa[i][s][1] = in[i][1] ? __ldg(reinterpret_cast<const unsigned int*>(q1 + 16 * s)) : 0u;
+                qa[i][s][2] = in[i][0] ? __ldg(reinterpret_cast<const unsigned int*>(q0 + 16 * s + 8)) : 0u;
+                qa[i][s][3] = in[i][1] ? __ldg(reinterpret_cast<const unsigned int*>(q1 + 16 * s + 8)) : 0u;
+            }
         }
 #pragma unroll
         for (int j = 0; j < kNT; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
@@ -151,12 +161,27 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ S
     __shared__ alignas(8) uint64_t kv_bar[2];
     uint32_t bar_phase = 0u;   // bit s: the parity of stage s's next bulk phase
     const bool tma = Cfg::kWgmma && maps.ok != 0;
+    const uint32_t q_tile = smem0 + 2 * Cfg::kStageBytes;
     if constexpr (Cfg::kWgmma) {
+        // warp w copies the 16 rows of its sub-window into rows 16 w .. of
+        // the Q tile (zeros past the window), lane l chunks l % 8 of rows
+        // l / 8 + 4 i
+        const int ch = lane & 7;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = (lane >> 3) + 4 * i;
+            const bool valid = r < win[0].rows;
+            const int64_t row = valid ? blk.doc_start + win[0].base + static_cast<int64_t>(win[0].stride) * r : 0;
+            cp_async_16(q_tile + Tile::at(16 * warp + r, 8 * ch), q + row * p.q_row_stride + 8 * ch, valid);
+        }
+        cp_async_commit();
         if (tma && threadIdx.x == 0) {
             mbar_init(smem_addr(&kv_bar[0]), 1);
             mbar_init(smem_addr(&kv_bar[1]), 1);
         }
-        if (tma) __syncthreads();   // initialised before any thread waits on them
+        cp_async_wait<0>();
+        fence_proxy_async_shared();   // wgmma reads Q through the async proxy
+        __syncthreads();              // every warp's Q rows, and the mbarriers initialised, before any use
     }
     auto load_tile = [&](const SeqTile& c, int stage) {
         if constexpr (Cfg::kWgmma) {
@@ -204,7 +229,8 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ S
             wgmma_fence();
 #pragma unroll
             for (int step = 0; step < Cfg::kSteps; ++step) {
-                wgmma_m64n64k16<T, false>(d, qa[0][step], k_desc(stage, 32 * step), step > 0);
+                wgmma_m64n64k16_ss<T>(d, wgmma_desc_sw128_at(desc_lo, q_tile - smem0 + 32 * step), k_desc(stage, 32 * step),
+                                      step > 0);
             }
             wgmma_commit();
             wgmma_wait<0>();
@@ -301,8 +327,15 @@ template <typename T, int kHeadDim>
 void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream) {
     using Cfg = SeqFwdConfig<kHeadDim>;
     if (params.num_windows <= 0 || params.num_heads <= 0) return;
-    if constexpr (Cfg::kSmemBytes > 48 * 1024) {   // opt in to more than 48 KB (D = 128), on this device
-        cudaFuncSetAttribute(seq_fwd_kernel<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    int smem = Cfg::kSmemBytes;
+    if constexpr (Cfg::kQBytes > 0) {   // Hopper: the Q tile (the kernel uses it where it is built with wgmma)
+        int dev = 0, major = 0;
+        cudaGetDevice(&dev);
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        if (major == 9) smem += Cfg::kQBytes;
+    }
+    if (smem > 48 * 1024) {   // opt in to more than 48 KB (D = 128), on this device
+        cudaFuncSetAttribute(seq_fwd_kernel<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     }
     // The TMA's tensor maps where the kernel may use them (D = 64; compiled
     // for sm_90a it does; elsewhere they go unread).
@@ -313,7 +346,7 @@ void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream) {
                   tma_encode_rows(&maps.v, params.v_ptr, tokens, heads, params.v_row_stride, params.v_head_stride);
     }
     const dim3 grid(static_cast<unsigned>(params.num_windows), static_cast<unsigned>(params.num_heads));
-    seq_fwd_kernel<T, kHeadDim><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, maps);
+    seq_fwd_kernel<T, kHeadDim><<<grid, Cfg::kThreads, smem, stream>>>(params, maps);
 }
 
 }  // namespace gt_fused3s

@@ -1,8 +1,9 @@
 // Hopper's warpgroup MMA (wgmma, sm_90a): the pieces the sequence forward's
 // full tiles use. A warpgroup (4 warps, 128 threads) computes
 // D[64, N] (+)= A[64, 16] B[16, N]: A from registers, in the m16n8k16 A
-// fragment layout per warp (warp w: rows 16w .. 16w+15), B from shared memory
-// through a descriptor; D in registers, per warp the m16n8 C layout repeated
+// fragment layout per warp (warp w: rows 16w .. 16w+15), or from shared
+// memory (wgmma_m64n64k16_ss: K-major, laid out as a K-major B), B from
+// shared memory through a descriptor; D in registers, per warp the m16n8 C layout repeated
 // over the N / 8 column tiles (d[4j .. 4j+3]: column tile j). So the 3S
 // tiles' fragments (mma_utils.cuh) are wgmma's, four warps at a time.
 //
@@ -103,6 +104,29 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (
 #endif
 }
 
+// D[64, 64] (+)= A[64, 16] B[16, 64] with A from shared memory too (K-major,
+// the layout of a K-major B: rows of the 64 M, 128-byte swizzled).
+#define GT_WGMMA_M64N64K16_SS(TY)                                                                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                 \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " GT_WGMMA_D32                       \
+                 ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                            \
+                 : GT_WGMMA_D32_OPERANDS(d)                                                                    \
+                 : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)))
+
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+#if GT_WGMMA
+    if constexpr (std::is_same<T, __half>::value) {
+        GT_WGMMA_M64N64K16_SS("f16");
+    } else {
+        GT_WGMMA_M64N64K16_SS("bf16");
+    }
+#else
+    __trap();
+#endif
+}
+
+#undef GT_WGMMA_M64N64K16_SS
 #undef GT_WGMMA_M64N64K16_RS
 #undef GT_WGMMA_D32
 #undef GT_WGMMA_D32_OPERANDS
