@@ -31,7 +31,7 @@ namespace gt_fused3s {
 #endif
 
 // Descriptor of a 128-byte-swizzled operand starting at shared address
-// `addr` (1024-byte aligned, or advanced along K inside a row: + 32 bytes a
+// base + offset (1024-byte aligned, or advanced along K inside a row: + 32 bytes a
 // k-step of 16 for K-major B). SBO: the 8-row groups' stride (1024 bytes);
 // LBO: unused by swizzled K-major layouts, the stride between 64-element
 // column panels of N-major ones (one panel at N = 64): 1024 for both.
@@ -46,7 +46,6 @@ __device__ __forceinline__ uint32_t wgmma_desc_sw128_lo(uint32_t addr) {
 __device__ __forceinline__ uint64_t wgmma_desc_sw128_at(uint32_t base_lo, uint32_t offset_bytes) {
     return (static_cast<uint64_t>(kWgmmaSw128Hi) << 32) | (base_lo + (offset_bytes >> 4));
 }
-__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) { return wgmma_desc_sw128_at(wgmma_desc_sw128_lo(addr), 0); }
 
 // Registers written by other instructions before a wgmma reads them, or
 // read after: wgmma.fence orders them; the empty asm keeps the compiler from
