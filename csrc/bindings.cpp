@@ -698,9 +698,13 @@ std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at
     return {out, lse};
 }
 
-// Gradients of seq_fwd from its lse: dq, dk, dv fp32 [T, H, D]. delta:
-// rowsum(grad_out * out) fp32 [T, H]; cu_windows, num_windows and block_rows
-// for the backward's row blocks (seq_bwd_block_rows); the rest as for seq_fwd.
+// Gradients of seq_fwd from its output and lse: dq, dk, dv [T, H, D] in q's
+// dtype. cu_windows, num_windows: the forward's row blocks (64 rows), which
+// the backward by key blocks takes as its key blocks (Hopper, D = 64, masks
+// whose transpose the walk knows: seq_mask_transpose); otherwise the
+// backward by query blocks runs on blocks of seq_bwd_block_rows(D) rows:
+// bwd_windows where the caller has them made (gt_fused3s/ops.py:
+// seq_windows), else made here.
 template <typename T>
 void launch_seq_bwd_for_head_dim(int64_t d, const SeqBwdParams& p, cudaStream_t stream) {
     switch (d) {
@@ -711,45 +715,110 @@ void launch_seq_bwd_for_head_dim(int64_t d, const SeqBwdParams& p, cudaStream_t 
     }
 }
 
+template <typename T>
+void launch_seq_bwd_prep(int64_t d, const SeqBwdPrepParams& p, cudaStream_t stream) {
+    switch (d) {
+        case 32: run_seq_bwd_prep<T, 32>(p, stream); break;
+        case 64: run_seq_bwd_prep<T, 64>(p, stream); break;
+        default: run_seq_bwd_prep<T, 128>(p, stream); break;   // (head dims checked before)
+    }
+}
+
+// The row blocks of `rows` queries per document (ops.py: seq_windows).
+at::Tensor seq_windows_of(const at::Tensor& cu, int64_t stride, int64_t rows) {
+    const at::Tensor lens = (cu.slice(0, 1) - cu.slice(0, 0, -1)).to(at::kLong);
+    const at::Tensor per = ((lens + (stride - 1)).div(stride, "floor") + (rows - 1)).div(rows, "floor") * stride;
+    return at::cat({per.new_zeros({1}), per.cumsum(0)}).to(at::kInt);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     const at::Tensor& grad_out_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
-    c10::IntArrayRef mask_code, double scale, int64_t num_windows, int64_t block_rows) {
+    const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
+    const std::optional<at::Tensor>& bwd_windows, c10::IntArrayRef mask_code, double scale, int64_t num_windows) {
     TORCH_CHECK(q_in.defined() && q_in.is_cuda(), "q must be a CUDA tensor");
     const at::Tensor q = kernel_input(q_in, "q", q_in);
     const at::Tensor k = kernel_input(k_in, "k", q), v = kernel_input(v_in, "v", q);
-    const at::Tensor dout = kernel_input(grad_out_in, "grad_out", q);
+    const at::Tensor dout = kernel_input(grad_out_in, "grad_out", q), out = kernel_input(out_in, "out", q);
     const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-    check_seq_inputs(q, cu_seqlens, cu_windows, num_windows, block_rows, seq_bwd_block_rows(static_cast<int>(D)),
-                     scale);
-    auto check_rows = [&](const at::Tensor& t, const char* name) {
-        TORCH_CHECK(t.defined() && t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kFloat &&
-                        t.dim() == 2 && t.size(0) == T && t.size(1) == H && t.is_contiguous(),
-                    name, " must be a contiguous float32 [T, H] = ", shape({T, H}), " tensor on q's device");
-    };
-    check_rows(lse, "lse");
-    check_rows(delta, "delta");
+    check_seq_inputs(q, cu_seqlens, cu_windows, num_windows, seq_block_rows(static_cast<int>(D)),
+                     seq_block_rows(static_cast<int>(D)), scale);
+    TORCH_CHECK(lse.defined() && lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
+                    lse.dim() == 2 && lse.size(0) == T && lse.size(1) == H && lse.is_contiguous(),
+                "lse must be a contiguous float32 [T, H] = ", shape({T, H}), " tensor on q's device");
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     const auto f32 = q.options().dtype(at::kFloat);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    const bool half = q.scalar_type() == at::kHalf;
+    if (T == 0) return {at::zeros_like(q), at::zeros_like(q), at::zeros_like(q)};
+
+    // (lse log2(e), delta = rowsum(dO O)) per query, read by either kernel
+    const int64_t ld_head_stride = (2 * T + 3) / 4 * 4;   // 16-byte aligned heads (the TMA's rows)
+    auto ld = at::empty({H, ld_head_stride}, f32);
+    SeqBwdPrepParams prep{};
+    prep.do_ptr = dout.data_ptr();
+    prep.o_ptr = out.data_ptr();
+    prep.do_row_stride = dout.stride(0); prep.do_head_stride = dout.stride(1);
+    prep.o_row_stride = out.stride(0); prep.o_head_stride = out.stride(1);
+    prep.lse_ptr = lse.data_ptr<float>();
+    prep.ld_ptr = ld.data_ptr<float>();
+    prep.ld_head_stride = ld_head_stride;
+    prep.num_tokens = T;
+    prep.num_heads = static_cast<int32_t>(H);
+    if (half) launch_seq_bwd_prep<__half>(D, prep, stream);
+    else launch_seq_bwd_prep<__nv_bfloat16>(D, prep, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    const SeqMask mask = seq_mask_from(mask_code);
+    SeqMask transposed{};
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
+    const bool by_keys = D == 64 && major == 9 && minor == 0 && seq_mask_transpose(mask, transposed) &&
+                         (half ? seq_bwd_keys_ready<__half>() : seq_bwd_keys_ready<__nv_bfloat16>());
+    if (by_keys) {
+        auto dq = at::zeros({T, H, D}, f32);   // added to by every key block that sees a query
+        auto dk = at::empty({T, H, D}, q.options()), dv = at::empty({T, H, D}, q.options());   // written
+        SeqBwdKeysParams p{};
+        p.fwd = seq_params(q, k, v, lse, cu_seqlens, cu_windows, mask_code, scale, num_windows,
+                           seq_block_rows(static_cast<int>(D)));
+        p.fwd.mask = transposed;
+        p.do_ptr = dout.data_ptr();
+        p.do_row_stride = dout.stride(0); p.do_head_stride = dout.stride(1);
+        p.ld_ptr = ld.data_ptr<float>();
+        p.ld_head_stride = ld_head_stride;
+        p.dq_ptr = dq.data_ptr<float>();
+        p.dk_ptr = dk.data_ptr();
+        p.dv_ptr = dv.data_ptr();
+        p.grad_row_stride = dq.stride(0); p.grad_head_stride = dq.stride(1);
+        p.scale = static_cast<float>(scale);
+        if (half) run_seq_bwd_keys<__half>(p, stream);
+        else run_seq_bwd_keys<__nv_bfloat16>(p, stream);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return {dq.to(q.scalar_type()), dk, dv};
+    }
+
+    const int64_t rows = seq_bwd_block_rows(static_cast<int>(D)), stride = mask.row_stride;
+    const at::Tensor windows = bwd_windows.has_value() ? *bwd_windows : seq_windows_of(cu_seqlens, stride, rows);
+    const int64_t bwd_num_windows = (T + rows - 1) / rows + (cu_seqlens.numel() - 1) * (2 * stride + 1);
+    check_seq_inputs(q, cu_seqlens, windows, bwd_num_windows, rows, rows, scale);
     auto dq = at::empty({T, H, D}, f32);      // every query's row is written by its row block
     auto dk = at::zeros({T, H, D}, f32), dv = at::zeros({T, H, D}, f32);   // added to
-    if (T == 0) return {dq, dk, dv};
     SeqBwdParams p{};
-    p.fwd = seq_params(q, k, v, lse, cu_seqlens, cu_windows, mask_code, scale, num_windows, block_rows);
+    p.fwd = seq_params(q, k, v, lse, cu_seqlens, windows, mask_code, scale, bwd_num_windows, rows);
     p.do_ptr = dout.data_ptr();
     p.do_row_stride = dout.stride(0); p.do_head_stride = dout.stride(1);
-    p.delta_ptr = delta.data_ptr<float>();
+    p.ld_ptr = ld.data_ptr<float>();
+    p.ld_head_stride = ld_head_stride;
     p.dq_ptr = dq.data_ptr<float>();
     p.dk_ptr = dk.data_ptr<float>();
     p.dv_ptr = dv.data_ptr<float>();
     p.grad_row_stride = dq.stride(0); p.grad_head_stride = dq.stride(1);
     p.scale = static_cast<float>(scale);
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-    if (q.scalar_type() == at::kHalf) launch_seq_bwd_for_head_dim<__half>(D, p, stream);
+    if (half) launch_seq_bwd_for_head_dim<__half>(D, p, stream);
     else launch_seq_bwd_for_head_dim<__nv_bfloat16>(D, p, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return {dq, dk, dv};
+    return {dq.to(q.scalar_type()), dk.to(q.scalar_type()), dv.to(q.scalar_type())};
 }
 
 // ---- edge-feature products (kernels/edge_terms.h) ------------------------------

@@ -64,9 +64,12 @@ _LIB.define("bsb_build(Tensor edge_index, SymInt num_nodes) -> (Tensor rw_offset
             "Tensor bitmap, Tensor window_order, Tensor edges, Tensor counters)")
 _LIB.define("seq_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, int[] mask, "
             "float scale, int num_windows, int block_rows) -> (Tensor out, Tensor lse)")
-_LIB.define("seq_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor delta, "
-            "Tensor cu_seqlens, Tensor cu_windows, int[] mask, float scale, int num_windows, "
-            "int block_rows) -> (Tensor dq, Tensor dk, Tensor dv)")
+# The backward takes the forward's row blocks (cu_windows, num_windows): by
+# key blocks it runs on them; by query blocks on bwd_windows, which it makes
+# if not given (csrc/bindings.cpp: seq_bwd_cuda chooses).
+_LIB.define("seq_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            "Tensor cu_seqlens, Tensor cu_windows, Tensor? bwd_windows, int[] mask, float scale, "
+            "int num_windows) -> (Tensor dq, Tensor dk, Tensor dv)")
 _LIB.define("edge_dot(Tensor x, Tensor a, Tensor idx) -> Tensor")
 _LIB.define("edge_rows(Tensor w, Tensor x, Tensor idx, Tensor? w2=None, Tensor? x2=None) -> Tensor")
 _LIB.define("edge_probs(Tensor scores, Tensor? bias, Tensor lse, Tensor idx, float scale) -> Tensor")
@@ -108,8 +111,8 @@ def _seq_fwd_fake(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, blo
 
 
 @torch.library.register_fake("gt_fused3s::seq_bwd")
-def _seq_bwd_fake(grad_out, q, k, v, lse, delta, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows):
-    return tuple(q.new_empty(q.shape, dtype=torch.float32) for _ in range(3))
+def _seq_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens, cu_windows, bwd_windows, mask, scale, num_windows):
+    return tuple(q.new_empty(q.shape) for _ in range(3))
 
 
 @torch.library.register_fake("gt_fused3s::bsb_build")
@@ -907,8 +910,9 @@ def seq_head_dim(D: int) -> int:
 
 def seq_block_rows(head_dim: int, backward: bool = False) -> int:
     """Queries per thread block of the sequence kernels for the compiled head
-    dim (seq_params.h: seq_block_rows, seq_bwd_block_rows): the backward's are
-    larger for D <= 64 (half the atomics on dK and dV)."""
+    dim (seq_params.h: seq_block_rows, seq_bwd_block_rows): the backward by
+    query blocks takes larger ones for D <= 64 (half the atomics on dK and
+    dV); the backward by key blocks (Hopper) takes the forward's."""
     if backward:
         return 128 if head_dim <= 64 else 64
     return 64
@@ -938,16 +942,11 @@ def _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows) -> tuple[Ten
     return out[..., :q.size(-1)].to(q.dtype), lse
 
 
-def _seq_backward(grad_out, q, k, v, out, lse, cu, bwd_windows, code, scale, need) -> tuple:
+def _seq_backward(grad_out, q, k, v, out, lse, cu, cu_windows, bwd_windows, code, scale, num_windows,
+                  need) -> tuple:
     D = q.size(-1)
-    # delta_i = sum_d dO_id O_id: the softmax's share of dP in dS = P (dP - delta)
-    delta = (grad_out.float() * out.float()).sum(-1)
-    gk, qk, kk, vk = _seq_operands(q, grad_out, q, k, v)
-    rows, stride = seq_block_rows(qk.size(-1), backward=True), code[0]
-    num_windows = (q.size(0) + rows - 1) // rows + (cu.numel() - 1) * (2 * stride + 1)
-    if bwd_windows is None:
-        bwd_windows = seq_windows(cu, stride, rows)
-    grads = _op("seq_bwd")(gk, qk, kk, vk, lse, delta, cu, bwd_windows, code, scale, num_windows, rows)
+    gk, qk, kk, vk, ok = _seq_operands(q, grad_out, q, k, v, out)
+    grads = _op("seq_bwd")(gk, qk, kk, vk, ok, lse, cu, cu_windows, bwd_windows, code, scale, num_windows)
     return tuple(g[..., :D].to(t.dtype) if n else None for g, t, n in zip(grads, (q, k, v), need))
 
 
@@ -957,13 +956,14 @@ class _SeqAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows):
         out, lse = _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows)
-        ctx.save_for_backward(q, k, v, out, lse, cu, bwd_windows)
-        ctx.code, ctx.scale = code, scale
+        ctx.save_for_backward(q, k, v, out, lse, cu, cu_windows, bwd_windows)
+        ctx.code, ctx.scale, ctx.num_windows = code, scale, num_windows
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = _seq_backward(grad_out, *ctx.saved_tensors, ctx.code, ctx.scale, ctx.needs_input_grad[:3])
+        grads = _seq_backward(grad_out, *ctx.saved_tensors, ctx.code, ctx.scale, ctx.num_windows,
+                              ctx.needs_input_grad[:3])
         return grads + (None,) * 6
 
 
@@ -980,14 +980,15 @@ def _(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows):
 
 
 def _seq_setup_context(ctx, inputs, output):
-    q, k, v, cu, _cu_windows, code, scale, _num_windows, bwd_windows = inputs
+    q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows = inputs
     ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu, bwd_windows)
-    ctx.code, ctx.scale = code, scale
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu, cu_windows, bwd_windows)
+    ctx.code, ctx.scale, ctx.num_windows = code, scale, num_windows
 
 
 def _seq_attention_backward(ctx, grad_out, _grad_lse):
-    grads = _seq_backward(grad_out, *ctx.saved_tensors, ctx.code, ctx.scale, ctx.needs_input_grad[:3])
+    grads = _seq_backward(grad_out, *ctx.saved_tensors, ctx.code, ctx.scale, ctx.num_windows,
+                          ctx.needs_input_grad[:3])
     return grads + (None,) * 6
 
 

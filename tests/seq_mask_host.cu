@@ -4,7 +4,9 @@
 // tests/test_sequence.py can compare it with the masks' dense truth.
 // stdin: line 1 the mask code (masks.py kernel_code), line 2 the document
 // lengths, line 3 the queries per row block, line 4 (optional) 1 for the
-// backward's transposed walk (keys as rows). Built by the test with nvcc (the header is host + device code).
+// backward's transposed walk (keys as rows), 2 for the walk of the backward
+// by key blocks (seq_bwd_keys_kernel.cuh: the forward's walk over the
+// transposed mask, seq_mask_transpose; printed as (query, key) all the same). Built by the test with nvcc (the header is host + device code).
 // stderr: counts of the forward walk's tiles (per warp pair: computed, full;
 // per block tile: full, and where the walk's per-segment interval,
 // seq_cursor_full, disagreed with seq_tile_full).
@@ -40,6 +42,15 @@ int main() {
     }
     mk.num_global = static_cast<int32_t>(code[at++]);
     for (int i = 0; i < mk.num_global; ++i) mk.global_idx[i] = static_cast<int32_t>(code[at++]);
+    const bool by_keys = key_rows == 2;
+    if (by_keys) {
+        SeqMask t{};
+        const bool ok = seq_mask_transpose(mk, t);
+        std::fprintf(stderr, "transposable %d ", ok ? 1 : 0);
+        if (!ok) return 0;
+        mk = t;
+        key_rows = 0;
+    }
 
     // tiles: pairs a warp computes (not skipped), full: those without per-entry tests
     long long start = 0, full_tiles = 0, tiles = 0, block_full = 0, block_full_mismatches = 0;
@@ -98,7 +109,8 @@ int main() {
                                     if (!((bits >> (4 * b + i)) & 1u)) continue;
                                     const long long row = start + win.base + static_cast<long long>(s) * (g + 8 * (i >> 1));
                                     const long long key = start + seg_key(mk, cur.ks, n0 + cols[2 * b + (i & 1)]);
-                                    std::printf("%lld %lld\n", row, key);
+                                    if (by_keys) std::printf("%lld %lld\n", key, row);   // (a query, a key)
+                                    else std::printf("%lld %lld\n", row, key);
                                 }
                             }
                         }

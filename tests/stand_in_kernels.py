@@ -258,9 +258,15 @@ class StandIns:
             out[s:e] = torch.einsum("hij,jhd->ihd", _probs(p, lse[s:e]), v[s:e].float())
         return out.to(q.dtype), lse
 
-    def seq_bwd(self, do, q, k, v, lse, delta, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows):
-        _check_seq(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows, backward=True)
-        assert do.dtype == q.dtype and do.shape == q.shape and delta.dtype == torch.float32
+    def seq_bwd(self, do, q, k, v, out, lse, cu_seqlens, cu_windows, bwd_windows, mask, scale, num_windows):
+        from gt_fused3s.ops import seq_block_rows, seq_windows
+        # the forward's row blocks, and the backward's by query blocks where given
+        _check_seq(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, seq_block_rows(q.size(-1)),
+                   backward=False)
+        if bwd_windows is not None:
+            assert torch.equal(bwd_windows, seq_windows(cu_seqlens, mask[0], seq_block_rows(q.size(-1), True)))
+        assert do.dtype == out.dtype == q.dtype and do.shape == out.shape == q.shape
+        delta = (do.float() * out.float()).sum(-1)
         self.calls.append("seq_bwd")
         dq, dk, dv = (torch.zeros(q.shape) for _ in range(3))
         for s, e, p in _seq_docs(q, k, cu_seqlens, mask, scale):
@@ -274,7 +280,7 @@ class StandIns:
             dq[s:e] = torch.einsum("hij,jhd->ihd", ds, k[s:e].float()) * scale
             dk[s:e] = torch.einsum("hij,ihd->jhd", ds, q[s:e].float()) * scale
             dv[s:e] = torch.einsum("hij,ihd->jhd", pr, g)
-        return dq, dk, dv
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
 def seq_mask_of(code: list[int]):

@@ -77,9 +77,12 @@ def seq_host(tmp_path_factory):
     return exe
 
 
-def kernel_pairs(exe, mask, lens, block_rows=128, key_rows=False) -> tuple[list[tuple[int, int]], str]:
+WALKS = {"forward": 0, "backward": 1, "keys": 2}   # seq_mask_host.cu's line 4
+
+
+def kernel_pairs(exe, mask, lens, block_rows=128, walk="forward") -> tuple[list[tuple[int, int]], str]:
     stdin = (" ".join(map(str, kernel_code(mask))) + "\n" + " ".join(map(str, lens)) + f"\n{block_rows}\n"
-             f"{int(key_rows)}\n")
+             f"{WALKS[walk]}\n")
     run = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
     pairs = [tuple(map(int, ln.split())) for ln in run.stdout.splitlines()]
     return pairs, run.stderr
@@ -91,13 +94,21 @@ def walk_counts(stats: str) -> dict[str, int]:
     return {k: int(v) for k, v in zip(words[::2], words[1::2])}
 
 
-@pytest.mark.parametrize("walk", ["forward", "backward"])   # backward: keys as rows (seq_bwd_kernel.cuh)
+# backward: keys as rows of the query blocks' walk (seq_bwd_kernel.cuh);
+# keys: the key blocks' walk over the transposed mask (seq_bwd_keys_kernel.cuh)
+@pytest.mark.parametrize("walk", WALKS.keys())
 @pytest.mark.parametrize("block_rows", [64, 128])   # the kernel runs 64; the policy takes any multiple of 16
 @pytest.mark.parametrize("lens", LENGTHS.values(), ids=LENGTHS.keys())
 @pytest.mark.parametrize("name", MASKS.keys())
 def test_kernel_key_sets_equal_dense_truth(seq_host, name, lens, block_rows, walk):
     mask = MASKS[name]
-    got, _ = kernel_pairs(seq_host, mask, lens, block_rows, key_rows=walk == "backward")
+    got, stats = kernel_pairs(seq_host, mask, lens, block_rows, walk)
+    if walk == "keys":   # local, dilated and block-dilated parts only: their transposes are such parts
+        transposable = not any(isinstance(p, (Global, RandomBlocks)) for p in mask.parts())
+        assert walk_counts(stats)["transposable"] == int(transposable)
+        if not transposable:
+            assert got == []
+            return
     truth = dense_truth(mask, lens)
     # the kernel also gives global rows the non-global parts' keys (then overwritten)
     start, grow = 0, set()
@@ -387,10 +398,10 @@ def test_opcheck_seq_ops(stand_in_kernels):
     cu = torch.tensor([0, 120, 200], dtype=torch.int32)
     fw, bw = (ops.seq_windows(cu, code[0], ops.seq_block_rows(64, b)) for b in (False, True))
     out, lse = torch.ops.gt_fused3s.seq_fwd(q, k, v, cu, fw, code, 0.125, 10, ops.seq_block_rows(64))
-    delta = (do.float() * out.float()).sum(-1)
     cases = [
         (torch.ops.gt_fused3s.seq_fwd.default, (q, k, v, cu, fw, code, 0.125, 10, ops.seq_block_rows(64))),
-        (torch.ops.gt_fused3s.seq_bwd.default, (do, q, k, v, lse, delta, cu, bw, code, 0.125, 10, 128)),
+        (torch.ops.gt_fused3s.seq_bwd.default, (do, q, k, v, out, lse, cu, fw, bw, code, 0.125, 10)),
+        (torch.ops.gt_fused3s.seq_bwd.default, (do, q, k, v, out, lse, cu, fw, None, code, 0.125, 10)),
         (torch.ops.gt_fused3s.seq_attention.default,
          (q.clone().requires_grad_(), k.clone().requires_grad_(), v, cu, fw, code, 0.125, 10, None)),
         (torch.ops.gt_fused3s.seq_attention.default,

@@ -1,8 +1,11 @@
 """The sequence kernel against the fp32 reference (run on the GPU machine):
 every mask of test_sequence.py, fp16 and bf16, D in {32, 64, 128}, H in {1, 8},
 B in {1, 3}, forward and backward (the fused backward's gradients against
-the fp32 reference's); packed documents with gradients; a q of more than
-2^31 elements, forward and backward.
+the fp32 reference's: on Hopper, D = 64, masks without global or random
+parts take the backward by key blocks, the others by query blocks; with
+GT_FUSED3S_JIT_ARCH=8.0+PTX every case runs by query blocks); packed
+documents with gradients; a q of more than 2^31 elements, forward and
+backward.
 
 Tolerance: the max abs error against the fp32 reference is at most twice
 the error of the reference computed in the same low precision, plus 1e-3
@@ -82,6 +85,32 @@ def test_backward_matches_reference(name, dtype, D, shape):
     got = [t.reshape(B * L, H, D) for t in torch.autograd.grad(out, (q, k, v), g)]
     flat = [t.detach().reshape(B * L, H, D) for t in (q, k, v)]
     check_grads(got, *flat, g.reshape(B * L, H, D), mask, list(range(0, B * L + 1, L)), dtype)
+
+
+def _backward_kernels(mask, D: int) -> set[str]:
+    q, k, v = (torch.randn(1, 300, 2, D, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    out = sequence_attention(q, k, v, mask)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        torch.cuda.synchronize()
+    return {e.key.split("<")[0].split("(")[0] for e in prof.key_averages() if "seq_bwd" in e.key}
+
+
+def test_backward_by_key_blocks_where_it_runs():
+    """Hopper built for sm_90a (not GT_FUSED3S_JIT_ARCH's sm_80 code), D = 64
+    and a mask whose transpose the walk knows (local, dilated, block-dilated
+    parts): the backward by key blocks; global or random parts, another head
+    dim, another GPU: by query blocks. (Both against the reference above.)"""
+    import os
+    hopper = torch.cuda.get_device_capability() == (9, 0) and "9.0a" in os.environ.get("GT_FUSED3S_JIT_ARCH", "9.0a")
+    keys, queries = "gt_fused3s::seq_bwd_keys_kernel", "gt_fused3s::seq_bwd_kernel"
+    for name, D, by_keys in (("local-wider", 64, hopper), ("dilated", 64, hopper), ("two-block-dilated", 64, hopper),
+                             ("causal", 64, hopper), ("longformer", 64, False), ("bigbird", 64, False),
+                             ("local-wider", 32, False), ("local-wider", 128, False)):
+        ran = _backward_kernels(MASKS[name], D)
+        want = keys if by_keys else queries
+        assert any(r.endswith(want) for r in ran), (name, D, ran)
+        assert not any(r.endswith(keys if not by_keys else queries) for r in ran), (name, D, ran)
 
 
 @pytest.mark.parametrize("name", ["longformer", "bigbird", "dilated", "block-dilated"])

@@ -106,4 +106,15 @@ __device__ __forceinline__ void load_words(uint32_t (&dst)[kWords], const void* 
     }
 }
 
+// at[0] += a, at[1] += b (8-byte aligned): one vector atomic where the
+// device has it (sm_90), two otherwise.
+__device__ __forceinline__ void add_pair(float* at, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(at), make_float2(a, b));
+#else
+    atomicAdd(at, a);
+    atomicAdd(at + 1, b);
+#endif
+}
+
 }  // namespace gt_fused3s

@@ -5,4 +5,6 @@
 namespace gt_fused3s {
 template void run_seq_bwd<__half, 32>(const SeqBwdParams&, cudaStream_t);
 template void run_seq_bwd<__nv_bfloat16, 32>(const SeqBwdParams&, cudaStream_t);
+template void run_seq_bwd_prep<__half, 32>(const SeqBwdPrepParams&, cudaStream_t);
+template void run_seq_bwd_prep<__nv_bfloat16, 32>(const SeqBwdPrepParams&, cudaStream_t);
 }  // namespace gt_fused3s

@@ -35,15 +35,48 @@
 
 namespace gt_fused3s {
 
-// at[0] += a, at[1] += b (8-byte aligned): one vector atomic where the
-// device has it (sm_90), two otherwise.
-__device__ __forceinline__ void add_pair(float* at, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    atomicAdd(reinterpret_cast<float2*>(at), make_float2(a, b));
-#else
-    atomicAdd(at, a);
-    atomicAdd(at + 1, b);
-#endif
+// delta = rowsum(dO O) and lse in log2 units per (token, head), 8 bytes a
+// query, head-major (seq_params.h: SeqBwdPrepParams), read by both backward kernels: a group of kHeadDim / 8 lanes takes
+// a row (16 bytes of dO and of O a lane) and sums it by shuffles.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(256) seq_bwd_prep_kernel(const SeqBwdPrepParams p) {
+    constexpr int kLanes = kHeadDim / 8;
+    const int64_t rows = p.num_tokens * p.num_heads;
+    const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+    const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x / kLanes;
+    const int sub = threadIdx.x % kLanes;
+    for (int64_t row = first; row < rows; row += step) {   // uniform per group: rows cover whole groups
+        const int64_t tok = row / p.num_heads, head = row - tok * p.num_heads;
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p.do_ptr) +
+                                                             tok * p.do_row_stride + head * p.do_head_stride) + sub);
+        const uint4 b = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p.o_ptr) +
+                                                             tok * p.o_row_stride + head * p.o_head_stride) + sub);
+        const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 x = TypeTraits<T>::unpack(aw[i]), y = TypeTraits<T>::unpack(bw[i]);
+            sum = fmaf(x.x, y.x, fmaf(x.y, y.y, sum));
+        }
+        const int lane = threadIdx.x & 31;
+        const unsigned group = ((1u << kLanes) - 1u) << (lane & ~(kLanes - 1));   // (kLanes = 32: every lane)
+#pragma unroll
+        for (int o = kLanes / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(group, sum, o);
+        if (sub == 0) {
+            *reinterpret_cast<float2*>(p.ld_ptr + head * p.ld_head_stride + 2 * tok) =
+                make_float2(__ldg(p.lse_ptr + row) * 1.4426950408889634f, sum);
+        }
+    }
+}
+
+template <typename T, int kHeadDim>
+void run_seq_bwd_prep(const SeqBwdPrepParams& params, cudaStream_t stream) {
+    constexpr int kThreads = 256, kRowsPerBlock = kThreads / (kHeadDim / 8);
+    const int64_t rows = params.num_tokens * params.num_heads;
+    if (rows <= 0) return;
+    const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+    const unsigned grid = static_cast<unsigned>(blocks < 65536 * 8 ? blocks : 65536 * 8);   // then a grid-stride loop
+    seq_bwd_prep_kernel<T, kHeadDim><<<grid, kThreads, 0, stream>>>(params);
 }
 
 template <int kHeadDim>
@@ -113,14 +146,10 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
     }
     cp_async_commit();
     for (int r = threadIdx.x; r < Cfg::kBlockRows; r += Cfg::kThreads) {
-        float l2 = 0.f, dl = 0.f;
-        if (r < blk.rows) {
-            const int64_t at = token_of(r) * f.lse_row_stride + head * f.lse_head_stride;
-            l2 = __ldg(f.lse_ptr + at) * 1.4426950408889634f;   // -inf: a query without keys (no bits on)
-            dl = __ldg(p.delta_ptr + at);
-        }
-        lse2_s[r] = l2;
-        delta_s[r] = dl;
+        float2 ld = make_float2(0.f, 0.f);   // lse2 -inf: a query without keys (no bits on)
+        if (r < blk.rows) ld = __ldg(reinterpret_cast<const float2*>(p.ld_ptr + head * p.ld_head_stride) + token_of(r));
+        lse2_s[r] = ld.x;
+        delta_s[r] = ld.y;
     }
 
     float dq[Cfg::kDqTiles][kNT][4];

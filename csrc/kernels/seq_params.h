@@ -75,7 +75,9 @@ struct SeqBwdParams {
     SeqFwdParams fwd;
     const void* do_ptr;   // dO [T, H, D], the dtype of q
     int64_t do_row_stride, do_head_stride;
-    const float* delta_ptr;   // [T, H] rowsum(dO * O), fp32, lse's strides
+    // (lse log2(e), rowsum(dO * O)) of query t, head h at ld_ptr[h * ld_head_stride + 2 t] (seq_bwd_prep)
+    const float* ld_ptr;
+    int64_t ld_head_stride;
     // dQ, dK, dV: [T, H, D] fp32, one set of strides. dK and dV are added to
     // with atomics: the caller zeroes them. dQ is written.
     float* dq_ptr;
@@ -83,6 +85,59 @@ struct SeqBwdParams {
     float* dv_ptr;
     int64_t grad_row_stride, grad_head_stride;
     float scale;
+};
+
+// The backward by key blocks (seq_bwd_keys_kernel.cuh, sm_90a, D = 64): fwd
+// holds q, k, v, the documents, the key blocks (the forward's row blocks of
+// 64, applied to keys) and the transposed mask (seq_mask_transpose); the
+// gradients' operands follow.
+struct SeqBwdKeysParams {
+    SeqFwdParams fwd;
+    const void* do_ptr;   // dO [T, H, D], the dtype of q
+    int64_t do_row_stride, do_head_stride;
+    const float* ld_ptr;   // (lse log2(e), rowsum(dO * O)) per query, as in SeqBwdParams
+    int64_t ld_head_stride;
+    // dQ [T, H, D] fp32, added to with atomics (the caller zeroes it); dK and
+    // dV [T, H, D] in q's dtype, written. One set of strides.
+    float* dq_ptr;
+    void* dk_ptr;
+    void* dv_ptr;
+    int64_t grad_row_stride, grad_head_stride;
+    float scale;
+};
+
+// The mask of the transposed pattern (rows: keys, columns: queries), where it
+// is one: local and dilated parts with their sides swapped, block-dilated
+// ones as they are. False for global and random parts (their transposes are
+// not of the kinds the walk knows).
+inline bool seq_mask_transpose(const SeqMask& mask, SeqMask& out) {
+    out = mask;
+    for (int i = 0; i < mask.num_parts; ++i) {
+        SeqMaskPart& pt = out.parts[i];
+        if (pt.kind == kSeqLocal || pt.kind == kSeqDilated) {
+            const int32_t a = pt.a;
+            pt.a = pt.b;
+            pt.b = a;
+        } else if (pt.kind != kSeqBlockDilated) {
+            return false;
+        }
+    }
+    return mask.num_global == 0;
+}
+
+// Per (token, head) of the backward's queries: (lse log2(e), rowsum(dO * O)),
+// head-major (a head's pairs consecutive by token: one TMA box per key tile
+// of the backward by key blocks). ld_head_stride: 2 T rounded up to a
+// multiple of 4 floats (16-byte aligned heads).
+struct SeqBwdPrepParams {
+    const void* do_ptr;
+    const void* o_ptr;
+    int64_t do_row_stride, do_head_stride, o_row_stride, o_head_stride;
+    const float* lse_ptr;   // [T, H] fp32 contiguous
+    float* ld_ptr;          // [H, ld_head_stride] fp32
+    int64_t ld_head_stride;
+    int64_t num_tokens;
+    int32_t num_heads;
 };
 
 // Queries per thread block: 4 warps of one m-tile of 16 (two per warp for
@@ -104,5 +159,13 @@ constexpr int seq_bwd_block_rows(int head_dim) { return head_dim <= 64 ? 128 : 6
 // Launches the backward on `stream` (same types and head dims).
 template <typename T, int HeadDim>
 void run_seq_bwd(const SeqBwdParams& params, cudaStream_t stream);
+template <typename T, int HeadDim>
+void run_seq_bwd_prep(const SeqBwdPrepParams& params, cudaStream_t stream);
+// The backward by key blocks (T: __half or __nv_bfloat16, D = 64), and
+// whether this process's device runs it (a Hopper GPU, code built for sm_90a).
+template <typename T>
+void run_seq_bwd_keys(const SeqBwdKeysParams& params, cudaStream_t stream);
+template <typename T>
+bool seq_bwd_keys_ready();
 
 }  // namespace gt_fused3s

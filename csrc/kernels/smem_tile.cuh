@@ -26,6 +26,16 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
 #endif
 }
 
+// 8-byte global -> shared copy (both 8-byte aligned); valid == false writes zeros.
+__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const int bytes = valid ? 8 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+#else
+    __trap();
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::: "memory");

@@ -34,24 +34,31 @@ struct SeqKvMaps {
 constexpr int kTmaRows = 64;                        // rows of one copy (a tile of 64 keys)
 constexpr uint32_t kTmaTileBytes = kTmaRows * 128;  // 64 rows of 64 16-bit elements
 
-// Rows of 64 16-bit elements: dims (64, heads, tokens), boxes of 64 x 1 x 64,
-// 128-byte swizzle. False where the driver or the layout does not allow it.
-inline bool tma_encode_rows(CUtensorMap* map, const void* base, int64_t tokens, int64_t heads, int64_t row_stride,
-                            int64_t head_stride) {
-    using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-    static const Encode encode = [] {
+// The driver's cuTensorMapEncodeTiled (null where the driver lacks it),
+// looked up once.
+using TmaEncode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+inline TmaEncode tma_encode_fn() {
+    static const TmaEncode encode = [] {
         void* fn = nullptr;
         cudaDriverEntryPointQueryResult found{};
         if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
                 cudaSuccess ||
             found != cudaDriverEntryPointSuccess) {
             (void)cudaGetLastError();   // not sticky: leave no error for the next launch check
-            return static_cast<Encode>(nullptr);
+            return static_cast<TmaEncode>(nullptr);
         }
-        return reinterpret_cast<Encode>(fn);
+        return reinterpret_cast<TmaEncode>(fn);
     }();
+    return encode;
+}
+
+// Rows of 64 16-bit elements: dims (64, heads, tokens), boxes of 64 x 1 x 64,
+// 128-byte swizzle. False where the driver or the layout does not allow it.
+inline bool tma_encode_rows(CUtensorMap* map, const void* base, int64_t tokens, int64_t heads, int64_t row_stride,
+                            int64_t head_stride) {
+    const TmaEncode encode = tma_encode_fn();
     const int64_t head_bytes = heads == 1 ? 128 : head_stride * 2;   // a single head's stride is never stepped
     const int64_t row_bytes = row_stride * 2;
     if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || tokens <= 0 ||
@@ -65,6 +72,27 @@ inline bool tma_encode_rows(CUtensorMap* map, const void* base, int64_t tokens, 
     const cuuint32_t elem[3] = {1, 1, 1};
     return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// fp32 rows of `width` elements (`rows` of them, `row_bytes` apart, a
+// multiple of 16), boxes of `box` x 1 elements (box * 4 a multiple of 16),
+// unswizzled: the backward's per-query (lse, delta) pairs of one head. A box
+// must start 16-byte aligned in its row (an odd pair's start faulted with an
+// illegal instruction on an H200).
+inline bool tma_encode_f32_rows(CUtensorMap* map, const float* base, int64_t width, int64_t rows, int64_t row_bytes,
+                                int box) {
+    const TmaEncode encode = tma_encode_fn();
+    if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || width <= 0 || width >= (int64_t(1) << 32) ||
+        rows <= 0 || rows > 65535 || row_bytes % 16 != 0 || row_bytes < width * 4 || row_bytes >= (int64_t(1) << 40)) {
+        return false;
+    }
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(width), static_cast<cuuint64_t>(rows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
+    const cuuint32_t boxes[2] = {static_cast<cuuint32_t>(box), 1};
+    const cuuint32_t elem[2] = {1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(base), dims, strides, boxes, elem,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -109,6 +137,20 @@ __device__ __forceinline__ void tma_load_rows(uint32_t dst, const CUtensorMap& m
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
             "r"(dst),
         "l"(reinterpret_cast<uint64_t>(&map)), "r"(0), "r"(head), "r"(row), "r"(bar)
+        : "memory");
+#else
+    __trap();
+#endif
+}
+
+// Box (x, y) of a 2D `map` into shared memory at `dst` (128-byte aligned),
+// its bytes counted on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap& map, int32_t x, int32_t y, uint32_t bar) {
+#if GT_WGMMA
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+            "r"(dst),
+        "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(bar)
         : "memory");
 #else
     __trap();

@@ -103,16 +103,18 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (
 #endif
 }
 
-// D[64, 64] (+)= A[64, 16] B[16, 64] with A from shared memory too (K-major,
-// the layout of a K-major B: rows of the 64 M, 128-byte swizzled).
+// D[64, 64] (+)= A[64, 16] B[16, 64] with A from shared memory too: K-major
+// (the layout of a K-major B: rows of the 64 M, 128-byte swizzled), or
+// M-major with kTransA (rows = K, the layout of an N-major B).
 #define GT_WGMMA_M64N64K16_SS(TY)                                                                            \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                 \
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " GT_WGMMA_D32                       \
-                 ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                            \
+                 ", %32, %33, p, 1, 1, %35, %36;\n}\n"                                                        \
                  : GT_WGMMA_D32_OPERANDS(d)                                                                    \
-                 : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)))
+                 : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)),                               \
+                   "n"(static_cast<int>(kTransA)), "n"(static_cast<int>(kTransB)))
 
-template <typename T>
+template <typename T, bool kTransA = false, bool kTransB = false>
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
 #if GT_WGMMA
     if constexpr (std::is_same<T, __half>::value) {

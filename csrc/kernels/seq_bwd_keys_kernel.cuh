@@ -1,0 +1,326 @@
+// Sparse attention over sequences, backward by key blocks (Hopper, sm_90a,
+// D = 64): FlashAttention-3's loop order on the sequence masks whose
+// transpose is a mask of the same kinds (local, dilated and block-dilated
+// parts: a local window's left and right sides swap). seq_bwd_kernel.cuh
+// (by query blocks) serves every other case.
+//
+// Work decomposition. A block of 4 warps (one warpgroup) owns 64 keys of one
+// head (the forward's row blocks, applied to keys) and walks the query tiles
+// that see them with the forward's walk (seq_walk.cuh) over the transposed
+// mask: rows are keys, a tile's 64 entries are queries. K and V of the block
+// stay in shared memory; Q and dO of a tile come by TMA (64 consecutive
+// queries) or cp.async, double buffered, with the tile's lse and delta
+// (seq_bwd_prep: lse in log2 units and rowsum(dO O), 8 bytes a query, the
+// same way). Per
+// tile, on the warpgroup MMA (wgmma.cuh):
+//   S^T [64 keys, 64 queries] = K Q^T,  dP^T = V dO^T    (both from shared memory)
+//   P^T = exp2(S^T scale log2 e - lse), dS^T = P^T (dP^T - delta)   (registers)
+//   dV += P^T dO,  dK += dS^T Q                           (P^T, dS^T from registers)
+//   dQ [64 queries, 64] = dS K                            (dS^T through shared memory)
+// dK and dV of the block's keys build up in registers and are written once,
+// in the input dtype; dQ of the tile's queries is added to an fp32 buffer
+// with 8-byte atomics (other key blocks see the same queries), which the
+// caller zeroes and casts. Against the query blocks' kernel: no dK / dV
+// buffers to zero, add to and cast, and four warps' MMAs at a time.
+#pragma once
+
+#include <cstdint>
+#include <cmath>
+#include <type_traits>
+#include <cuda_runtime.h>
+
+#include "seq_params.h"
+#include "seq_mask.cuh"
+#include "seq_walk.cuh"
+#include "mma_utils.cuh"
+#include "smem_tile.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace gt_fused3s {
+
+// The TMA's tensor maps of one launch (tma.cuh): Q and dO rows, and the
+// (lse, delta) pairs of each head (boxes of a tile's 64 queries).
+struct SeqBwdKeysMaps {
+    CUtensorMap q, dout, ld;
+    int32_t ok;   // 0: no maps (a layout TMA cannot describe): cp.async
+};
+
+struct SeqBwdKeysConfig {
+    static constexpr int kThreads = 128;   // one warpgroup
+    static constexpr int kRows = 64;       // keys per block (the forward's row blocks)
+    using Tile = Sw128Tile;
+    static constexpr int kTileBytes = 4 * Tile::kBytes;              // 64 rows of 64 16-bit elements
+    static constexpr int kStageBytes = 2 * kTileBytes;               // Q and dO of a query tile
+    // (lse2, delta) of a tile's queries, 8 bytes each: by TMA from the even
+    // query at or before the first (a TMA box starts 16-byte aligned), so 66
+    // of them, 128-byte aligned stages
+    static constexpr int kLdBox = 2 * (kSeqTileKeys + 2);             // floats
+    static constexpr int kLdBytes = (kLdBox * 4 + 127) / 128 * 128;
+    // K, V, dS^T (1024-byte aligned, 128-byte swizzled), 2 stages, then lse / delta
+    static constexpr int kSmemBytes = 3 * kTileBytes + 2 * kStageBytes + 2 * kLdBytes + 1024 - 16;
+    static constexpr int kMinBlocks = 2;
+};
+
+// __launch_bounds__ tells the host which code the device got: the full
+// kernel where it was compiled for sm_90a, a trap elsewhere (smaller bound),
+// read back by seq_bwd_keys_ready() through cudaFuncGetAttributes.
+template <typename T>
+__global__ void __launch_bounds__(GT_WGMMA ? SeqBwdKeysConfig::kThreads : 32, SeqBwdKeysConfig::kMinBlocks)
+seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_constant__ SeqBwdKeysMaps maps) {
+#if GT_WGMMA
+    using Cfg = SeqBwdKeysConfig;
+    using Tile = Cfg::Tile;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int head = blockIdx.y;
+    const SeqFwdParams& f = p.fwd;
+
+    SeqWindow blk;   // the block's keys (rows of the transposed mask)
+    if (!seq_window(f, blockIdx.x, blk) || blk.rows == 0) return;   // block-uniform
+    const SeqMask& mk = f.mask;
+    const SeqWindow win = seq_sub_window(blk, warp);   // this warp's 16 keys
+
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(f.q_ptr) + head * f.q_head_stride;
+    const uint16_t* k = reinterpret_cast<const uint16_t*>(f.k_ptr) + head * f.k_head_stride;
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(f.v_ptr) + head * f.v_head_stride;
+    const uint16_t* dout = reinterpret_cast<const uint16_t*>(p.do_ptr) + head * p.do_head_stride;
+
+    const uint32_t smem0 = (smem_addr(smem) + 1023u) & ~1023u;
+    const uint32_t k_tile = smem0, v_tile = smem0 + Cfg::kTileBytes, ds_tile = smem0 + 2 * Cfg::kTileBytes;
+    auto q_slice = [&](int stage, int sl) { return smem0 + (3 + 2 * stage) * Cfg::kTileBytes + sl * Tile::kBytes; };
+    auto do_slice = [&](int stage, int sl) { return smem0 + (4 + 2 * stage) * Cfg::kTileBytes + sl * Tile::kBytes; };
+    const uint32_t ld0 = smem0 + 3 * Cfg::kTileBytes + 2 * Cfg::kStageBytes;
+    const float2* ld_s = reinterpret_cast<const float2*>(smem + (ld0 - smem_addr(smem)));
+    const uint32_t desc_lo = wgmma_desc_sw128_lo(smem0);
+    auto desc = [&](uint32_t addr) { return wgmma_desc_sw128_at(desc_lo, addr - smem0); };
+
+    // K and V of the block's keys: warp w copies rows 16 w .. (zeros past the
+    // block), lane l chunk l % 8 of rows l / 8 + 4 i
+    {
+        const int ch = lane & 7;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = (lane >> 3) + 4 * i;
+            const bool valid = r < win.rows;
+            const int64_t row = valid ? blk.doc_start + win.base + static_cast<int64_t>(win.stride) * r : 0;
+            const uint32_t at = Tile::at(16 * warp + r, 8 * ch);
+            cp_async_16(k_tile + at, k + row * f.k_row_stride + 8 * ch, valid);
+            cp_async_16(v_tile + at, v + row * f.v_row_stride + 8 * ch, valid);
+        }
+        cp_async_commit();
+    }
+    __shared__ alignas(8) uint64_t qdo_bar[2];
+    uint32_t bar_phase = 0u;   // bit s: the parity of stage s's next bulk phase
+    const bool tma = maps.ok != 0;
+    if (tma && threadIdx.x == 0) {
+        mbar_init(smem_addr(&qdo_bar[0]), 1);
+        mbar_init(smem_addr(&qdo_bar[1]), 1);
+    }
+    cp_async_wait<0>();
+    fence_proxy_async_shared();   // wgmma reads K and V through the async proxy
+    __syncthreads();              // every warp's rows, and the mbarriers initialised
+
+    // 64 consecutive queries: Q, dO and their (lse, delta) by TMA (thread 0,
+    // on the stage's mbarrier: no block barrier); other tiles by cp.async
+    auto bulk_tile = [&](const SeqTile& c) {
+        return tma && c.ks.step == 1 && c.ks.count - c.tile * kSeqTileKeys >= kSeqTileKeys;   // block-uniform
+    };
+    auto first_query = [&](const SeqTile& c) {
+        return static_cast<int32_t>(blk.doc_start + c.ks.start + c.tile * kSeqTileKeys);
+    };
+    // A tile's (lse2, delta) per query: thread i < 64 copies query i's (zeros past the segment)
+    auto load_ld = [&](const SeqTile& c, int stage) {
+        if (threadIdx.x < kSeqTileKeys) {
+            const int32_t n = c.tile * kSeqTileKeys + threadIdx.x;
+            const bool valid = n < c.ks.count;
+            const int64_t tok = valid ? blk.doc_start + seg_key(mk, c.ks, n) : 0;
+            cp_async_8(ld0 + stage * Cfg::kLdBytes + 8 * threadIdx.x, p.ld_ptr + head * p.ld_head_stride + 2 * tok,
+                       valid);
+        }
+    };
+    auto load_tile = [&](const SeqTile& c, int stage) {
+        if (bulk_tile(c)) {
+            if (threadIdx.x == 0) {
+                const uint32_t bar = smem_addr(&qdo_bar[stage]);
+                const int32_t row = first_query(c);
+                mbar_expect_tx(bar, 2 * kTmaTileBytes + Cfg::kLdBox * 4);
+                tma_load_rows(q_slice(stage, 0), maps.q, head, row, bar);
+                tma_load_rows(do_slice(stage, 0), maps.dout, head, row, bar);
+                tma_load_2d(ld0 + stage * Cfg::kLdBytes, maps.ld, 2 * (row & ~1), head, bar);
+            }
+            cp_async_commit();   // an empty group: the walk counts one group per tile
+            return true;
+        }
+        load_ld(c, stage);
+        seq_load_kv<Tile>(q_slice(stage, warp), do_slice(stage, warp), q, f.q_row_stride, dout, p.do_row_stride, mk,
+                          blk, c, warp, lane);   // (commits the group, lse / delta included)
+        return false;
+    };
+    auto wait_bulk = [&](int stage) {
+        mbar_wait(smem_addr(&qdo_bar[stage]), (bar_phase >> stage) & 1u);
+        bar_phase ^= 1u << stage;
+    };
+
+    float dk[32], dv[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dk[i] = dv[i] = 0.f;
+
+    // One tile; a full one (the inside of a band: every key of the block
+    // sees every query of the tile) takes no mask bits.
+    auto tile_step = [&](auto full_tag, const SeqTile& cur, int stage) {
+        constexpr bool kFull = decltype(full_tag)::value;
+        constexpr int kSlices = kSeqTileKeys / 16;
+        uint32_t bits[kSlices];
+        if constexpr (!kFull) seq_tile_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, bits);
+        // S^T and dP^T: d[4j + e] = (key 16 warp + g (e < 2) or + 8, query 8j + 2t + (e & 1)),
+        // two groups, so that P^T is computed while dP^T is in the MMA
+        float s[32], dp[32];
+        wgmma_fence();
+#pragma unroll
+        for (int step = 0; step < 4; ++step) {
+            wgmma_m64n64k16_ss<T>(s, desc(k_tile + 32 * step), desc(q_slice(stage, 0) + 32 * step), step > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int step = 0; step < 4; ++step) {
+            wgmma_m64n64k16_ss<T>(dp, desc(v_tile + 32 * step), desc(do_slice(stage, 0) + 32 * step), step > 0);
+        }
+        wgmma_commit();
+        // (lse2, delta) of this thread's queries 8j + 2t, 8j + 2t + 1, read while the MMAs run
+        // (a TMA tile's pairs start at its first query's parity)
+        const float2* lds = ld_s + stage * (Cfg::kLdBytes / 8) + (bulk_tile(cur) ? first_query(cur) & 1 : 0);
+        float4 ld[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 a = lds[8 * j + 2 * t], b = lds[8 * j + 2 * t + 1];
+            ld[j] = make_float4(a.x, a.y, b.x, b.y);
+        }
+        wgmma_wait<1>();
+        wgmma_fence_operands(s);
+
+        // P^T and dS^T as A fragments of k-step sl (queries 16 sl ..): the
+        // C fragments of column tiles 2 sl and 2 sl + 1 (mma_utils.cuh)
+        uint32_t pa[kSlices][4], dsa[kSlices][4];
+        float pv[32];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float lse2 = (e & 1) ? ld[j].z : ld[j].x;
+                const bool on = kFull || ((bits[j >> 1] >> (4 * (j & 1) + e)) & 1u);
+                pv[4 * j + e] = on ? fast_exp2(s[4 * j + e] * f.scale_log2 - lse2) : 0.f;
+            }
+            pa[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(pv[4 * j], pv[4 * j + 1]);
+            pa[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(pv[4 * j + 2], pv[4 * j + 3]);
+        }
+        // dV += P^T dO: k-step sl over queries 16 sl .. (B: rows = queries), while dS^T is computed
+        wgmma_fence();
+#pragma unroll
+        for (int sl = 0; sl < kSlices; ++sl) wgmma_m64n64k16<T, true>(dv, pa[sl], desc(do_slice(stage, sl)), true);
+        wgmma_commit();
+        wgmma_wait<1>();   // dP^T (dV may still run)
+        wgmma_fence_operands(dp);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float dsv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dsv[e] = pv[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? ld[j].w : ld[j].y));
+            dsa[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(dsv[0], dsv[1]);
+            dsa[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(dsv[2], dsv[3]);
+            // dS^T into shared memory (rows: keys), for dQ = dS K below
+            const int r = 16 * warp + g, col = 8 * j + 2 * t;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + Tile::at(r, col)), "r"(dsa[j >> 1][2 * (j & 1)]) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + Tile::at(r + 8, col)), "r"(dsa[j >> 1][2 * (j & 1) + 1])
+                         : "memory");
+        }
+        // dK += dS^T Q
+        wgmma_fence();
+#pragma unroll
+        for (int sl = 0; sl < kSlices; ++sl) wgmma_m64n64k16<T, true>(dk, dsa[sl], desc(q_slice(stage, sl)), true);
+        wgmma_commit();
+        fence_proxy_async_shared();   // dS^T, stored by every warp, read by wgmma
+        __syncthreads();
+        // dQ [64 queries, 64] = dS K: A = (dS^T)^T and B = K, both with rows = keys (k-step kk: keys 16 kk ..)
+        float dq[32];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            wgmma_m64n64k16_ss<T, true, true>(dq, desc(ds_tile + kk * Tile::kBytes), desc(k_tile + kk * Tile::kBytes),
+                                             kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(dq);
+        wgmma_fence_operands(dk);
+        wgmma_fence_operands(dv);
+        // dQ rows: queries 16 warp + g (+ 8) of the tile, d = 8j + 2t, 2t + 1
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int32_t n = cur.tile * kSeqTileKeys + 16 * warp + g + 8 * r;
+            if (n >= cur.ks.count) continue;
+            const int64_t tok = blk.doc_start + seg_key(mk, cur.ks, n);
+            float* dqr = p.dq_ptr + tok * p.grad_row_stride + head * p.grad_head_stride + 2 * t;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) add_pair(dqr + 8 * j, p.scale * dq[4 * j + 2 * r], p.scale * dq[4 * j + 2 * r + 1]);
+        }
+    };
+    seq_walk_tiles<true>(mk, blk, Cfg::kRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {
+        if (full) tile_step(std::true_type{}, cur, stage);
+        else tile_step(std::false_type{}, cur, stage);
+    }, wait_bulk);
+
+    // dK, dV of the block's keys (rows 16 warp + g, + 8), in the input dtype
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        if (row >= win.rows) continue;
+        const int64_t tok = blk.doc_start + win.base + static_cast<int64_t>(win.stride) * row;
+        const int64_t at = tok * p.grad_row_stride + head * p.grad_head_stride + 2 * t;
+        uint32_t* dkr = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.dk_ptr) + at);
+        uint32_t* dvr = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.dv_ptr) + at);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            dkr[4 * j] = TypeTraits<T>::pack(p.scale * dk[4 * j + 2 * r], p.scale * dk[4 * j + 2 * r + 1]);
+            dvr[4 * j] = TypeTraits<T>::pack(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+// Whether this device runs the kernel: compiled for sm_90a (its launch bound,
+// see above) and a Hopper GPU. Asked once per process and dtype; no device
+// work, no synchronisation.
+template <typename T>
+bool seq_bwd_keys_ready() {
+    static const bool ready = [] {
+        cudaFuncAttributes attr{};
+        if (cudaFuncGetAttributes(&attr, seq_bwd_keys_kernel<T>) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return false;
+        }
+        return attr.maxThreadsPerBlock >= SeqBwdKeysConfig::kThreads;
+    }();
+    return ready;
+}
+
+template <typename T>
+void run_seq_bwd_keys(const SeqBwdKeysParams& params, cudaStream_t stream) {
+    using Cfg = SeqBwdKeysConfig;
+    if (params.fwd.num_windows <= 0 || params.fwd.num_heads <= 0) return;
+    cudaFuncSetAttribute(seq_bwd_keys_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    SeqBwdKeysMaps maps{};
+    const SeqFwdParams& f = params.fwd;
+    maps.ok = tma_encode_rows(&maps.q, f.q_ptr, f.num_tokens, f.num_heads, f.q_row_stride, f.q_head_stride) &&
+              tma_encode_rows(&maps.dout, params.do_ptr, f.num_tokens, f.num_heads, params.do_row_stride,
+                              params.do_head_stride) &&
+              tma_encode_f32_rows(&maps.ld, params.ld_ptr, 2 * f.num_tokens, f.num_heads, params.ld_head_stride * 4,
+                                  Cfg::kLdBox);
+    const dim3 grid(static_cast<unsigned>(f.num_windows), static_cast<unsigned>(f.num_heads));
+    seq_bwd_keys_kernel<T><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, maps);
+}
+
+}  // namespace gt_fused3s
