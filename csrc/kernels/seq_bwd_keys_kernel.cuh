@@ -42,7 +42,7 @@ namespace gt_fused3s {
 // The TMA's tensor maps of one launch (tma.cuh): Q and dO rows, and the
 // (lse, delta) pairs of each head (boxes of a tile's 64 queries).
 struct SeqBwdKeysMaps {
-    CUtensorMap q, dout, ld;
+    CUtensorMap q, dout, ld, dq;
     int32_t ok;   // 0: no maps (a layout TMA cannot describe): cp.async
 };
 
@@ -57,8 +57,11 @@ struct SeqBwdKeysConfig {
     // of them, 128-byte aligned stages
     static constexpr int kLdBox = 2 * (kSeqTileKeys + 2);             // floats
     static constexpr int kLdBytes = (kLdBox * 4 + 127) / 128 * 128;
-    // K, V, dS^T (1024-byte aligned, 128-byte swizzled), 2 stages, then lse / delta
-    static constexpr int kSmemBytes = 3 * kTileBytes + 2 * kStageBytes + 2 * kLdBytes + 1024 - 16;
+    // dQ of a tile (fp32) on its way to global memory by TMA: two halves of
+    // 32 columns, 128-byte swizzled
+    static constexpr int kDqBytes = 64 * 64 * 4;
+    // K, V, dS^T (1024-byte aligned, 128-byte swizzled), 2 stages, dQ, then lse / delta
+    static constexpr int kSmemBytes = 3 * kTileBytes + 2 * kStageBytes + kDqBytes + 2 * kLdBytes + 1024 - 16;
     static constexpr int kMinBlocks = 2;
 };
 
@@ -91,7 +94,8 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
     const uint32_t k_tile = smem0, v_tile = smem0 + Cfg::kTileBytes, ds_tile = smem0 + 2 * Cfg::kTileBytes;
     auto q_slice = [&](int stage, int sl) { return smem0 + (3 + 2 * stage) * Cfg::kTileBytes + sl * Tile::kBytes; };
     auto do_slice = [&](int stage, int sl) { return smem0 + (4 + 2 * stage) * Cfg::kTileBytes + sl * Tile::kBytes; };
-    const uint32_t ld0 = smem0 + 3 * Cfg::kTileBytes + 2 * Cfg::kStageBytes;
+    const uint32_t dq_tile = smem0 + 3 * Cfg::kTileBytes + 2 * Cfg::kStageBytes;
+    const uint32_t ld0 = dq_tile + Cfg::kDqBytes;
     const float2* ld_s = reinterpret_cast<const float2*>(smem + (ld0 - smem_addr(smem)));
     const uint32_t desc_lo = wgmma_desc_sw128_lo(smem0);
     auto desc = [&](uint32_t addr) { return wgmma_desc_sw128_at(desc_lo, addr - smem0); };
@@ -241,6 +245,7 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         for (int sl = 0; sl < kSlices; ++sl) wgmma_m64n64k16<T, true>(dk, dsa[sl], desc(q_slice(stage, sl)), true);
         wgmma_commit();
         fence_proxy_async_shared();   // dS^T, stored by every warp, read by wgmma
+        if (threadIdx.x == 0) tma_wait_read();   // the last tile's dQ reduction has read its shared tile
         __syncthreads();
         // dQ [64 queries, 64] = dS K: A = (dS^T)^T and B = K, both with rows = keys (k-step kk: keys 16 kk ..)
         float dq[32];
@@ -255,7 +260,34 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         wgmma_fence_operands(dq);
         wgmma_fence_operands(dk);
         wgmma_fence_operands(dv);
-        // dQ rows: queries 16 warp + g (+ 8) of the tile, d = 8j + 2t, 2t + 1
+        // dQ rows: queries 16 warp + g (+ 8) of the tile, d = 8j + 2t, 2t + 1. A
+        // TMA tile's 64 consecutive rows: into the shared tile (half j / 4,
+        // 16-byte chunk 2 (j % 4) + t / 2 of a 128-byte row, swizzled), whose
+        // reduction into dQ thread 0 starts after the block's barrier (one
+        // bulk operation, in flight while the next tile computes); other tiles by atomics.
+        if (bulk_tile(cur)) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = 16 * warp + g + 8 * r;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const uint32_t at = dq_tile + (j >> 2) * (Cfg::kDqBytes / 2) + row * 128 +
+                                        (((2 * (j & 3) + (t >> 1)) ^ (row & 7)) << 4) + 8 * (t & 1);
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(p.scale * dq[4 * j + 2 * r]),
+                                 "f"(p.scale * dq[4 * j + 2 * r + 1])
+                                 : "memory");
+                }
+            }
+            fence_proxy_async_shared();   // read by the bulk reduction
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                const int32_t row = first_query(cur);
+                tma_reduce_add_rows(maps.dq, 0, head, row, dq_tile);
+                tma_reduce_add_rows(maps.dq, 32, head, row, dq_tile + Cfg::kDqBytes / 2);
+                tma_commit();
+            }
+            return;
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int32_t n = cur.tile * kSeqTileKeys + 16 * warp + g + 8 * r;
@@ -270,6 +302,8 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         if (full) tile_step(std::true_type{}, cur, stage);
         else tile_step(std::false_type{}, cur, stage);
     }, wait_bulk);
+
+    if (threadIdx.x == 0) tma_wait_all();   // the last reductions done before the block's shared memory goes
 
     // dK, dV of the block's keys (rows 16 warp + g, + 8), in the input dtype
 #pragma unroll
@@ -318,7 +352,9 @@ void run_seq_bwd_keys(const SeqBwdKeysParams& params, cudaStream_t stream) {
               tma_encode_rows(&maps.dout, params.do_ptr, f.num_tokens, f.num_heads, params.do_row_stride,
                               params.do_head_stride) &&
               tma_encode_f32_rows(&maps.ld, params.ld_ptr, 2 * f.num_tokens, f.num_heads, params.ld_head_stride * 4,
-                                  Cfg::kLdBox);
+                                  Cfg::kLdBox) &&
+              tma_encode_f32_halves(&maps.dq, params.dq_ptr, f.num_tokens, f.num_heads, params.grad_row_stride,
+                                    params.grad_head_stride);
     const dim3 grid(static_cast<unsigned>(f.num_windows), static_cast<unsigned>(f.num_heads));
     seq_bwd_keys_kernel<T><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, maps);
 }

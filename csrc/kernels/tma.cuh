@@ -96,6 +96,27 @@ inline bool tma_encode_f32_rows(CUtensorMap* map, const float* base, int64_t wid
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// fp32 rows of 64 elements: dims (64, heads, tokens), boxes of 32 x 1 x 64
+// (a half row each: the 128-byte swizzle's span), 128-byte swizzle: the
+// backward's dQ tiles, reduced into global memory (tma_reduce_add_rows).
+inline bool tma_encode_f32_halves(CUtensorMap* map, float* base, int64_t tokens, int64_t heads, int64_t row_stride,
+                                  int64_t head_stride) {
+    const TmaEncode encode = tma_encode_fn();
+    const int64_t head_bytes = heads == 1 ? 256 : head_stride * 4, row_bytes = row_stride * 4;
+    if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || tokens <= 0 ||
+        tokens >= (int64_t(1) << 31) || heads <= 0 || head_bytes % 16 != 0 || row_bytes % 16 != 0 ||
+        head_bytes < 256 || row_bytes < head_bytes * heads || row_bytes >= (int64_t(1) << 40)) {
+        return false;
+    }
+    const cuuint64_t dims[3] = {64, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(tokens)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_bytes), static_cast<cuuint64_t>(row_bytes)};
+    const cuuint32_t box[3] = {32, 1, kTmaRows};
+    const cuuint32_t elem[3] = {1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, base, dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 #if GT_WGMMA
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -154,6 +175,39 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap& map
         : "memory");
 #else
     __trap();
+#endif
+}
+
+// Global box (x, head, row) of `map` += the shared tile at `src` (1024-byte
+// aligned, laid out as the map's swizzle), asynchronously: one thread's
+// bulk group (tma_commit; tma_wait_read before `src` is written again).
+__device__ __forceinline__ void tma_reduce_add_rows(const CUtensorMap& map, int32_t x, int32_t head, int32_t row,
+                                                    uint32_t src) {
+#if GT_WGMMA
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+            reinterpret_cast<uint64_t>(&map)),
+        "r"(x), "r"(head), "r"(row), "r"(src)
+        : "memory");
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void tma_commit() {
+#if GT_WGMMA
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Until this thread's bulk groups have read their shared-memory sources.
+__device__ __forceinline__ void tma_wait_read() {
+#if GT_WGMMA
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+// Until this thread's bulk groups have completed (their writes made).
+__device__ __forceinline__ void tma_wait_all() {
+#if GT_WGMMA
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #endif
 }
 
