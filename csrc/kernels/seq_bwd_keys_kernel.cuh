@@ -233,11 +233,14 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
             for (int e = 0; e < 4; ++e) dsv[e] = pv[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? ld[j].w : ld[j].y));
             dsa[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(dsv[0], dsv[1]);
             dsa[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(dsv[2], dsv[3]);
-            // dS^T into shared memory (rows: keys), for dQ = dS K below
-            const int r = 16 * warp + g, col = 8 * j + 2 * t;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + Tile::at(r, col)), "r"(dsa[j >> 1][2 * (j & 1)]) : "memory");
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + Tile::at(r + 8, col)), "r"(dsa[j >> 1][2 * (j & 1) + 1])
-                         : "memory");
+        }
+        // dS^T into shared memory (rows: keys), for dQ = dS K below: per
+        // k-step sl, the four 8x8 matrices of its A fragment (rows 16 warp +
+        // 8 (m & 1), columns 16 sl + 8 (m >> 1)), lane l giving row l % 8 of matrix l / 8
+#pragma unroll
+        for (int sl = 0; sl < kSlices; ++sl) {
+            const int m = lane >> 3;
+            stmatrix_x4(ds_tile + Tile::at(16 * warp + 8 * (m & 1) + (lane & 7), 16 * sl + 8 * (m >> 1)), dsa[sl]);
         }
         // dK += dS^T Q
         wgmma_fence();
@@ -279,14 +282,14 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
                 }
             }
             fence_proxy_async_shared();   // read by the bulk reduction
-            __syncthreads();
+            __syncthreads();              // (also every warp's last read of the stage: the walk's barrier)
             if (threadIdx.x == 0) {
                 const int32_t row = first_query(cur);
                 tma_reduce_add_rows(maps.dq, 0, head, row, dq_tile);
                 tma_reduce_add_rows(maps.dq, 32, head, row, dq_tile + Cfg::kDqBytes / 2);
                 tma_commit();
             }
-            return;
+            return true;
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -297,10 +300,10 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
 #pragma unroll
             for (int j = 0; j < 8; ++j) add_pair(dqr + 8 * j, p.scale * dq[4 * j + 2 * r], p.scale * dq[4 * j + 2 * r + 1]);
         }
+        return false;
     };
     seq_walk_tiles<true>(mk, blk, Cfg::kRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {
-        if (full) tile_step(std::true_type{}, cur, stage);
-        else tile_step(std::false_type{}, cur, stage);
+        return full ? tile_step(std::true_type{}, cur, stage) : tile_step(std::false_type{}, cur, stage);
     }, wait_bulk);
 
     if (threadIdx.x == 0) tma_wait_all();   // the last reductions done before the block's shared memory goes

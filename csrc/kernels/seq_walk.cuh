@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <cuda_runtime.h>
 
 #include "seq_mask.cuh"
@@ -58,7 +59,8 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
 // mbarrier: wait_bulk(stage) waits for it in every thread) rather than by
 // every warp's cp.async (the block's barrier makes those visible);
 // body(tile, stage, full) computes a tile whose K and V are in `stage`; every warp is
-// done with a stage (the barrier after the body) before it is refilled.
+// done with a stage (the barrier after the body, unless the body returns
+// true: it ended with one) before it is refilled.
 // full: seq_tile_full for the whole block of `rows` queries (no mask bits
 // needed). Uniform across the block. kAsyncReads: the body reads the stage
 // through the async proxy (wgmma).
@@ -86,8 +88,13 @@ __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindo
             if constexpr (kAsyncReads) fence_proxy_async_shared();
             __syncthreads();
         }
-        body(cur.at(), stage, full);
-        __syncthreads();
+        // (a body that returns true ended with a block barrier after its last read of the stage)
+        if constexpr (std::is_void_v<decltype(body(cur.at(), stage, full))>) {
+            body(cur.at(), stage, full);
+            __syncthreads();
+        } else if (!body(cur.at(), stage, full)) {
+            __syncthreads();
+        }
         cur = nxt;
         more = has_next;
         bulk = next_bulk;

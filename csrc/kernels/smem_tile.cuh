@@ -76,6 +76,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                  : "memory");
 }
 
+// The inverse of ldmatrix_x4 (sm_90): lane l gives the row address of matrix
+// l / 8, row l % 8; lane (g, t) holds (row g, cols 2t, 2t+1) of each matrix.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+#else
+    __trap();
+#endif
+}
+
 // The three m16n8k16 operand reads (ldmatrix) of a 16-row tile whose byte
 // offsets Tile::at(row, col) gives (RowTile, Sw128Tile).
 template <typename Tile>
