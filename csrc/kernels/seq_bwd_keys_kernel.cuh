@@ -11,17 +11,18 @@
 // stay in shared memory; Q and dO of a tile come by TMA (64 consecutive
 // queries) or cp.async, double buffered, with the tile's lse and delta
 // (seq_bwd_prep: lse in log2 units and rowsum(dO O), 8 bytes a query, the
-// same way). Per
-// tile, on the warpgroup MMA (wgmma.cuh):
+// same way). Per tile, on the warpgroup MMA (wgmma.cuh):
 //   S^T [64 keys, 64 queries] = K Q^T,  dP^T = V dO^T    (both from shared memory)
 //   P^T = exp2(S^T scale log2 e - lse), dS^T = P^T (dP^T - delta)   (registers)
 //   dV += P^T dO,  dK += dS^T Q                           (P^T, dS^T from registers)
 //   dQ [64 queries, 64] = dS K                            (dS^T through shared memory)
 // dK and dV of the block's keys build up in registers and are written once,
-// in the input dtype; dQ of the tile's queries is added to an fp32 buffer
-// with 8-byte atomics (other key blocks see the same queries), which the
-// caller zeroes and casts. Against the query blocks' kernel: no dK / dV
-// buffers to zero, add to and cast, and four warps' MMAs at a time.
+// in the input dtype. dQ of the tile's queries is added to an fp32 buffer
+// (other key blocks see the same queries; the caller zeroes and casts it):
+// a TMA tile's as one bulk reduce-add from shared memory (thread 0, in
+// flight while the next tile computes), other tiles' by 8-byte atomics.
+// Against the query blocks' kernel: no dK / dV buffers to zero, add to and
+// cast, and four warps' MMAs at a time. README: measured, what was tried.
 #pragma once
 
 #include <cstdint>

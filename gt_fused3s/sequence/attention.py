@@ -222,8 +222,10 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
         q's shape and dtype. Queries without keys give 0.
 
     Differentiable in q, k and v. On CUDA the backward is one fused kernel
-    (memory O(L H D)); it adds the key and value gradients with fp32
-    atomics, so they are not bitwise reproducible from run to run.
+    (memory O(L H D)); it adds gradients with fp32 atomics (the key and
+    value gradients, or on Hopper at D = 64 for masks without global or
+    random parts the query gradients), so they are not bitwise reproducible
+    from run to run.
     """
     _check(q, k, v, cu_seqlens)
     umask = as_mask(mask)
