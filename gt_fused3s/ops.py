@@ -905,7 +905,7 @@ SEQ_HEAD_DIMS = (32, 64, 128)   # the head dims the sequence kernels are compile
 
 def seq_head_dim(D: int) -> int:
     """The compiled head dim a sequence head dim D <= 128 is zero-padded to."""
-    return next(d for d in SEQ_HEAD_DIMS if d >= D)
+    return 32 if D <= 32 else (64 if D <= 64 else 128)   # SEQ_HEAD_DIMS, without a generator per call
 
 
 def seq_block_rows(head_dim: int, backward: bool = False) -> int:
@@ -930,8 +930,12 @@ def seq_windows(cu: Tensor, stride: int, rows: int) -> Tensor:
 def _seq_operands(q: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
     """The tensors in the kernels' dtype (q's if fp16 / bf16, else fp16) with
     the head dim zero-padded to a compiled one (32, 64, 128)."""
-    cdt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16
-    return tuple(_kernel_operand(t, cdt, seq_head_dim(q.size(-1))) for t in tensors)
+    cdt = q.dtype if q.dtype in _KERNEL_DTYPES else torch.float16
+    D = q.size(-1)
+    Dp = seq_head_dim(D)
+    if cdt == q.dtype and Dp == D and all(t.dtype == cdt and t.size(-1) == D for t in tensors):
+        return tensors   # the common case: nothing to cast or pad
+    return tuple(_kernel_operand(t, cdt, Dp) for t in tensors)
 
 
 def _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows) -> tuple[Tensor, Tensor]:
@@ -939,7 +943,9 @@ def _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows) -> tuple[Ten
     qk, kk, vk = _seq_operands(q, q, k, v)
     out, lse = _op("seq_fwd")(qk, kk, vk, cu, cu_windows, code, scale, num_windows,
                               seq_block_rows(qk.size(-1)))
-    return out[..., :q.size(-1)].to(q.dtype), lse
+    if out.size(-1) != q.size(-1):
+        out = out[..., :q.size(-1)]
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
 def _seq_backward(grad_out, q, k, v, out, lse, cu, cu_windows, bwd_windows, code, scale, num_windows,
@@ -947,7 +953,14 @@ def _seq_backward(grad_out, q, k, v, out, lse, cu, cu_windows, bwd_windows, code
     D = q.size(-1)
     gk, qk, kk, vk, ok = _seq_operands(q, grad_out, q, k, v, out)
     grads = _op("seq_bwd")(gk, qk, kk, vk, ok, lse, cu, cu_windows, bwd_windows, code, scale, num_windows)
-    return tuple(g[..., :D].to(t.dtype) if n else None for g, t, n in zip(grads, (q, k, v), need))
+    return tuple(_seq_grad(g, t, D) if n else None for g, t, n in zip(grads, (q, k, v), need))
+
+
+def _seq_grad(g: Tensor, t: Tensor, D: int) -> Tensor:
+    """A kernel gradient back in t's dtype and head dim (no op where it is)."""
+    if g.size(-1) != D:
+        g = g[..., :D]
+    return g if g.dtype == t.dtype else g.to(t.dtype)
 
 
 class _SeqAttention(torch.autograd.Function):
