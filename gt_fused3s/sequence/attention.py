@@ -73,6 +73,13 @@ def _mask_of(mask: Mask) -> Mask:
     return as_mask(mask)
 
 
+def _cached_mask(mask: Mask) -> Mask:
+    try:
+        return _mask_of(mask)
+    except TypeError:   # a mask class of the caller's that is not hashable
+        return as_mask(mask)
+
+
 def _cached(cache: dict, key: tuple, make):
     """``cache[key]``, made by ``make()`` on a miss and kept (the oldest of
     more than 256 entries dropped), except while torch.compile traces or a
@@ -236,7 +243,7 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
     """
     _check(q, k, v, cu_seqlens)
     # (dynamo ignores an lru_cache and warns: traced code takes the function itself)
-    umask = as_mask(mask) if torch.compiler.is_compiling() or not isinstance(mask, Mask) else _mask_of(mask)
+    umask = as_mask(mask) if torch.compiler.is_compiling() or not isinstance(mask, Mask) else _cached_mask(mask)
     D = q.size(-1)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not math.isfinite(scale):
