@@ -21,6 +21,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/bsb_build.h"
+#include "kernels/dense_rows.h"
 #include "kernels/edge_terms.h"
 #include "kernels/fused3s_bwd_params.h"
 #include "kernels/fused3s_params.h"
@@ -948,6 +949,106 @@ at::Tensor gather_rows_cuda(const at::Tensor& x_in, const at::Tensor& index) {
     return out;
 }
 
+// ---- dense rows of sequence attention (kernels/dense_rows.h) -------------------
+// qg [B, G, H, D] (G <= 32 queries), k, v [B, L, H, D] (rows 16-byte aligned,
+// any batch / row / head strides), fp16 / bf16, D in {32, 64, 128}.
+DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, double scale) {
+    TORCH_CHECK(qg.defined() && qg.is_cuda() && qg.dim() == 4 && qg.is_contiguous(),
+                "qg must be a contiguous CUDA tensor [B, G, H, D]");
+    TORCH_CHECK(qg.scalar_type() == at::kHalf || qg.scalar_type() == at::kBFloat16, "qg must be fp16 or bf16 (got ",
+                dtype_name(qg.scalar_type()), ")");
+    const int64_t B = qg.size(0), G = qg.size(1), H = qg.size(2), D = qg.size(3);
+    TORCH_CHECK_VALUE(G >= 1 && G <= kDenseRowsMaxQueries, "dense rows: 1 to ", num(int64_t(kDenseRowsMaxQueries)),
+                      " queries (got ", num(G), ")");
+    TORCH_CHECK_VALUE(D == 32 || D == 64 || D == 128, "dense rows: head dim 32, 64 or 128 (got ", num(D), ")");
+    for (const auto* t : {&k, &v}) {
+        TORCH_CHECK(t->defined() && t->device() == qg.device() && t->scalar_type() == qg.scalar_type() &&
+                        t->dim() == 4 && t->size(0) == B && t->size(2) == H && t->size(3) == D && t->stride(3) == 1,
+                    "k and v must be [B, L, H, D] = [", num(B), ", L, ", num(H), ", ", num(D),
+                    "] with qg's dtype and device, last dim contiguous");
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && t->stride(0) % 8 == 0 &&
+                        t->stride(1) % 8 == 0 && t->stride(2) % 8 == 0,
+                    "k and v rows must be 16-byte aligned");
+    }
+    TORCH_CHECK_VALUE(v.size(1) == k.size(1), "k and v must have the same keys");
+    DenseRowsParams p{};
+    p.qg = qg.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.k_batch_stride = k.stride(0); p.k_row_stride = k.stride(1); p.k_head_stride = k.stride(2);
+    p.v_batch_stride = v.stride(0); p.v_row_stride = v.stride(1); p.v_head_stride = v.stride(2);
+    p.batch = static_cast<int32_t>(B);
+    p.queries = static_cast<int32_t>(G);
+    p.heads = static_cast<int32_t>(H);
+    p.keys = static_cast<int32_t>(k.size(1));
+    p.scale = static_cast<float>(scale);
+    TORCH_CHECK_VALUE(k.size(1) < (int64_t(1) << 31) && B * H < 65536, "dense rows: too many keys or batch x heads");
+    return p;
+}
+
+template <typename Fn>
+void dense_rows_dispatch(const at::Tensor& qg, Fn&& fn) {
+    const int64_t D = qg.size(3);
+    if (qg.scalar_type() == at::kHalf) {
+        if (D == 32) fn(run_dense_rows_fwd<__half, 32>, run_dense_rows_bwd<__half, 32>);
+        else if (D == 64) fn(run_dense_rows_fwd<__half, 64>, run_dense_rows_bwd<__half, 64>);
+        else fn(run_dense_rows_fwd<__half, 128>, run_dense_rows_bwd<__half, 128>);
+    } else {
+        if (D == 32) fn(run_dense_rows_fwd<__nv_bfloat16, 32>, run_dense_rows_bwd<__nv_bfloat16, 32>);
+        else if (D == 64) fn(run_dense_rows_fwd<__nv_bfloat16, 64>, run_dense_rows_bwd<__nv_bfloat16, 64>);
+        else fn(run_dense_rows_fwd<__nv_bfloat16, 128>, run_dense_rows_bwd<__nv_bfloat16, 128>);
+    }
+}
+
+// (og fp32 [B, G, H, D], lse fp32 [B, H, G]): softmax attention of the rows qg over all keys.
+std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_cuda(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v,
+                                                       double scale) {
+    DenseRowsParams p = dense_rows_params(qg, k, v, scale);
+    const c10::cuda::CUDAGuard device_guard(qg.device());
+    const auto f32 = qg.options().dtype(at::kFloat);
+    auto og = at::zeros(qg.sizes(), f32);
+    auto lse = at::full({qg.size(0), qg.size(2), qg.size(1)}, -INFINITY, f32);
+    if (p.keys == 0) return {og, lse};
+    auto work = at::empty({dense_rows_workspace(p.batch, p.heads, p.queries, qg.size(3), p.keys)}, f32);
+    p.og = og.data_ptr<float>();
+    p.lse = lse.data_ptr<float>();
+    p.partial = work.data_ptr<float>();
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(qg.get_device()).stream();
+    dense_rows_dispatch(qg, [&](auto fwd, auto) { C10_CUDA_CHECK(fwd(p, stream)); });
+    return {og, lse};
+}
+
+// (dqg, dk, dv) in qg's dtype: the gradients of dense_rows_fwd's og (fp32)
+// for dog (qg's dtype); dk, dv [B, L, H, D] contiguous.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_rows_bwd_cuda(const at::Tensor& dog_in, const at::Tensor& qg,
+                                                                   const at::Tensor& k, const at::Tensor& v,
+                                                                   const at::Tensor& og, const at::Tensor& lse,
+                                                                   double scale) {
+    DenseRowsParams p = dense_rows_params(qg, k, v, scale);
+    const at::Tensor dog = dog_in.to(qg.scalar_type()).contiguous();
+    TORCH_CHECK(dog.sizes() == qg.sizes() && og.sizes() == qg.sizes() && og.scalar_type() == at::kFloat,
+                "dog and og must have qg's shape (og fp32)");
+    TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == qg.size(0) &&
+                    lse.size(1) == qg.size(2) && lse.size(2) == qg.size(1),
+                "lse must be the forward's contiguous fp32 [B, H, G]");
+    const c10::cuda::CUDAGuard device_guard(qg.device());
+    const auto f32 = qg.options().dtype(at::kFloat);
+    const at::Tensor delta = (dog.to(at::kFloat) * og).sum(-1).transpose(1, 2).contiguous();   // [B, H, G]
+    auto dqg = at::zeros(qg.sizes(), f32);
+    auto dk = at::empty({qg.size(0), k.size(1), qg.size(2), qg.size(3)}, qg.options());
+    auto dv = at::empty_like(dk);
+    if (p.keys == 0) return {dqg.to(qg.scalar_type()), dk, dv};
+    p.dog = dog.data_ptr();
+    p.delta = delta.data_ptr<float>();
+    p.lse = const_cast<float*>(lse.data_ptr<float>());
+    p.dqg = dqg.data_ptr<float>();
+    p.dk = dk.data_ptr();
+    p.dv = dv.data_ptr();
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(qg.get_device()).stream();
+    dense_rows_dispatch(qg, [&](auto, auto bwd) { C10_CUDA_CHECK(bwd(p, stream)); });
+    return {dqg.to(qg.scalar_type()), dk, dv};
+}
+
 }  // namespace
 }  // namespace gt_fused3s
 
@@ -965,4 +1066,6 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("edge_probs", &gt_fused3s::edge_probs_cuda);
     m.impl("edge_scatter", &gt_fused3s::edge_scatter_cuda);
     m.impl("gather_rows", &gt_fused3s::gather_rows_cuda);
+    m.impl("dense_rows_fwd", &gt_fused3s::dense_rows_fwd_cuda);
+    m.impl("dense_rows_bwd", &gt_fused3s::dense_rows_bwd_cuda);
 }

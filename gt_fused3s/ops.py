@@ -70,6 +70,11 @@ _LIB.define("seq_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_
 _LIB.define("seq_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "Tensor cu_seqlens, Tensor cu_windows, Tensor? bwd_windows, int[] mask, float scale, "
             "int num_windows) -> (Tensor dq, Tensor dk, Tensor dv)")
+# Dense rows of sequence attention (csrc/kernels/dense_rows.h): a few
+# queries [B, G, H, D] against all keys [B, L, H, D].
+_LIB.define("dense_rows_fwd(Tensor qg, Tensor k, Tensor v, float scale) -> (Tensor og, Tensor lse)")
+_LIB.define("dense_rows_bwd(Tensor dog, Tensor qg, Tensor k, Tensor v, Tensor og, Tensor lse, float scale) "
+            "-> (Tensor dqg, Tensor dk, Tensor dv)")
 _LIB.define("edge_dot(Tensor x, Tensor a, Tensor idx) -> Tensor")
 _LIB.define("edge_rows(Tensor w, Tensor x, Tensor idx, Tensor? w2=None, Tensor? x2=None) -> Tensor")
 _LIB.define("edge_probs(Tensor scores, Tensor? bias, Tensor lse, Tensor idx, float scale) -> Tensor")
@@ -113,6 +118,18 @@ def _seq_fwd_fake(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, blo
 @torch.library.register_fake("gt_fused3s::seq_bwd")
 def _seq_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens, cu_windows, bwd_windows, mask, scale, num_windows):
     return tuple(q.new_empty(q.shape) for _ in range(3))
+
+
+@torch.library.register_fake("gt_fused3s::dense_rows_fwd")
+def _dense_rows_fwd_fake(qg, k, v, scale):
+    B, G, H, _ = qg.shape
+    return qg.new_empty(qg.shape, dtype=torch.float32), qg.new_empty((B, H, G), dtype=torch.float32)
+
+
+@torch.library.register_fake("gt_fused3s::dense_rows_bwd")
+def _dense_rows_bwd_fake(dog, qg, k, v, og, lse, scale):
+    B, G, H, D = qg.shape
+    return qg.new_empty(qg.shape), *(qg.new_empty((B, k.size(1), H, D)) for _ in range(2))
 
 
 @torch.library.register_fake("gt_fused3s::bsb_build")
@@ -1018,3 +1035,75 @@ def seq_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tenso
     if torch.compiler.is_compiling():
         return _seq_attention_op(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows)[0]
     return _SeqAttention.apply(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows)
+
+
+# ---------------------------------------------------------------------------
+# Dense rows of sequence attention (the global rows of a mask: a few queries
+# against every key), registered as the sequence kernels are: an
+# autograd.Function for eager mode, a custom op with its own autograd for
+# torch.compile.
+
+DENSE_ROWS_MAX = 32   # queries the kernels take (dense_rows.h)
+
+
+def dense_rows_fit(qg: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the dense-rows kernels take these operands."""
+    return (kernel_available(qg.device) and qg.dtype in _KERNEL_DTYPES and k.dtype == v.dtype == qg.dtype
+            and qg.size(-1) in (32, 64, 128) and 1 <= qg.size(1) <= DENSE_ROWS_MAX)
+
+
+class _DenseRows(torch.autograd.Function):
+    """Eager-mode twin of ``gt_fused3s::dense_rows``."""
+
+    @staticmethod
+    def forward(ctx, qg, k, v, scale):
+        og, lse = _op("dense_rows_fwd")(qg.contiguous(), k, v, scale)
+        ctx.save_for_backward(qg, k, v, og, lse)
+        ctx.scale = scale
+        return og.to(qg.dtype)
+
+    @staticmethod
+    def backward(ctx, dog):
+        qg, k, v, og, lse = ctx.saved_tensors
+        dqg, dk, dv = _op("dense_rows_bwd")(dog, qg.contiguous(), k, v, og, lse, ctx.scale)
+        return dqg, dk, dv, None
+
+
+@torch.library.custom_op("gt_fused3s::dense_rows", mutates_args=())
+def _dense_rows_op(qg: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    _build.load_extension()
+    og, lse = _op("dense_rows_fwd")(qg.contiguous(), k, v, scale)
+    return og.to(qg.dtype), og, lse
+
+
+@_dense_rows_op.register_fake
+def _(qg, k, v, scale):
+    B, G, H, _ = qg.shape
+    return (qg.new_empty(qg.shape), qg.new_empty(qg.shape, dtype=torch.float32),
+            qg.new_empty((B, H, G), dtype=torch.float32))
+
+
+def _dense_rows_setup_context(ctx, inputs, output):
+    qg, k, v, scale = inputs
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(qg, k, v, output[1], output[2])
+    ctx.scale = scale
+
+
+def _dense_rows_backward(ctx, dog, _dog32, _dlse):
+    qg, k, v, og, lse = ctx.saved_tensors
+    dqg, dk, dv = _op("dense_rows_bwd")(dog, qg.contiguous(), k, v, og, lse, ctx.scale)
+    return dqg, dk, dv, None
+
+
+_dense_rows_op.register_autograd(_dense_rows_backward, setup_context=_dense_rows_setup_context)
+
+
+def dense_rows(qg: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Softmax attention of the rows qg [B, G, H, D] (G <= 32) over all of
+    k, v [B, L, H, D] (fp16 / bf16, D in 32, 64, 128: :func:`dense_rows_fit`),
+    [B, G, H, D] in qg's dtype; differentiable in qg, k and v. The keys are
+    split over thread blocks (csrc/kernels/dense_rows.cu)."""
+    if torch.compiler.is_compiling():
+        return _dense_rows_op(qg, k, v, scale)[0]
+    return _DenseRows.apply(qg, k, v, scale)

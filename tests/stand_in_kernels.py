@@ -283,6 +283,30 @@ class StandIns:
         return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
+    # Dense rows (csrc/kernels/dense_rows.h): a few queries against every key, fp32.
+    def dense_rows_fwd(self, qg, k, v, scale):
+        assert qg.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == qg.dtype
+        assert 1 <= qg.size(1) <= 32 and qg.size(-1) in (32, 64, 128) and k.shape == v.shape
+        self.calls.append("dense_rows_fwd")
+        s = torch.einsum("bghd,blhd->bhgl", qg.float(), k.float()) * scale
+        lse = torch.logsumexp(s, -1)                                            # [B, H, G]
+        og = torch.einsum("bhgl,blhd->bghd", torch.softmax(s, -1), v.float())
+        return og.contiguous(), lse.contiguous()
+
+    def dense_rows_bwd(self, dog, qg, k, v, og, lse, scale):
+        self.calls.append("dense_rows_bwd")
+        assert og.dtype == lse.dtype == torch.float32 and lse.shape == (qg.size(0), qg.size(2), qg.size(1))
+        q32, k32, v32, g32 = qg.float(), k.float(), v.float(), dog.float()
+        p = torch.exp(torch.einsum("bghd,blhd->bhgl", q32, k32) * scale - lse.unsqueeze(-1))
+        dp = torch.einsum("bghd,blhd->bhgl", g32, v32)
+        delta = (g32 * og).sum(-1).transpose(1, 2).unsqueeze(-1)                # [B, H, G, 1]
+        ds = p * (dp - delta)
+        dq = torch.einsum("bhgl,blhd->bghd", ds, k32) * scale
+        dk = torch.einsum("bhgl,bghd->blhd", ds, q32) * scale
+        dv = torch.einsum("bhgl,bghd->blhd", p, g32)
+        return dq.to(qg.dtype).contiguous(), dk.to(qg.dtype).contiguous(), dv.to(qg.dtype).contiguous()
+
+
 def seq_mask_of(code: list[int]):
     """The mask a sequence kernel's int list describes (masks.kernel_code)."""
     from gt_fused3s.sequence.masks import BlockDilated, Dilated, Global, Local, RandomBlocks, Union
@@ -339,7 +363,7 @@ def install(monkeypatch) -> StandIns:
     stand_ins = StandIns()
     lib = torch.library.Library("gt_fused3s", "IMPL")
     for name in ("fwd", "fwd_scores", "bwd", "bsb_build", "edge_dot", "edge_rows", "edge_scatter",
-                 "edge_probs", "gather_rows", "seq_fwd", "seq_bwd"):
+                 "edge_probs", "gather_rows", "seq_fwd", "seq_bwd", "dense_rows_fwd", "dense_rows_bwd"):
         lib.impl(name, getattr(stand_ins, name), "CPU")
     monkeypatch.setattr(ops_mod, "kernel_available", lambda device: True)
     monkeypatch.setattr(ops_mod, "_use_kernel", lambda q: True)

@@ -352,6 +352,25 @@ def test_kernel_path_equals_reference(stand_in_kernels, name, scale):
         _assert_near(a.reshape(b.shape), b, 2e-2)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", ["longformer", "bigbird", "global-then-wide"])
+def test_global_rows_by_dense_rows_kernels(stand_in_kernels, name, compiled):
+    """At D = 64 (fp16) the global rows take the dense-rows kernels
+    (gt_fused3s::dense_rows_fwd / _bwd: the keys split over thread blocks),
+    eagerly and under torch.compile(fullgraph=True): the reference's output
+    and gradients."""
+    torch._dynamo.reset()
+    mask, q, k, v, g = _kernel_path_case(name, seed=4, D=64)
+    fn = torch.compile(sequence_attention, fullgraph=True, backend="aot_eager") if compiled else sequence_attention
+    out = fn(q, k, v, mask)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    assert {"dense_rows_fwd", "dense_rows_bwd"} <= set(stand_in_kernels.calls)
+    ref, want = _reference_grads(mask, q, k, v, g)
+    _assert_near(out, ref, 1e-2)
+    for a, b in zip(got, want):
+        _assert_near(a.reshape(b.shape), b, 2e-2)
+
+
 @pytest.mark.parametrize("name", ["bigbird", "dilated"])
 def test_compiled_kernel_path_fullgraph_equals_eager(stand_in_kernels, name):
     """torch.compile(fullgraph=True) traces the kernels' call as one custom op
@@ -406,6 +425,14 @@ def test_opcheck_seq_ops(stand_in_kernels):
          (q.clone().requires_grad_(), k.clone().requires_grad_(), v, cu, fw, code, 0.125, 10, None)),
         (torch.ops.gt_fused3s.seq_attention.default,
          (q.clone().requires_grad_(), k, v.clone().requires_grad_(), cu, fw, code, 0.125, 10, bw)),
+    ]
+    qg, dog = q[:3].reshape(1, 3, 2, 64), do[:3].reshape(1, 3, 2, 64)
+    kb, vb = k[None], v[None]
+    og, lse_g = torch.ops.gt_fused3s.dense_rows_fwd(qg, kb, vb, 0.125)
+    cases += [
+        (torch.ops.gt_fused3s.dense_rows_fwd.default, (qg, kb, vb, 0.125)),
+        (torch.ops.gt_fused3s.dense_rows_bwd.default, (dog, qg, kb, vb, og, lse_g, 0.125)),
+        (torch.ops.gt_fused3s.dense_rows.default, (qg.clone().requires_grad_(), kb.clone().requires_grad_(), vb, 0.125)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",

@@ -142,6 +142,8 @@ def _dense_rows(qg: Tensor, k: Tensor, v: Tensor, scale: float, chunk: int = 1 <
     on a GPU stay in their dtype (the kernel's precision: fp32 scores and sums, P rounded to
     the operands' dtype for P V): the fp32 copies of K and V were the rows'
     whole cost (0.86 ms at 1M keys, 3.5 ms at 4M on an H100)."""
+    if ops.dense_rows_fit(qg, k, v):   # the keys split over thread blocks (csrc/kernels/dense_rows.cu)
+        return ops.dense_rows(qg, k, v, scale)
     B, g, H, D = qg.shape
     # (not under autograd: the packed-document gradient test failed through bmm(out_dtype=); the
     # fp32 path's gradients are the tested ones)

@@ -1,0 +1,324 @@
+// Dense rows of sequence attention (dense_rows.h): a few queries against all
+// keys, the keys split over thread blocks; fp32 on CUDA cores (the rows are
+// few, so the work is reading K and V once, not arithmetic).
+#include "dense_rows.h"
+
+#include <cmath>
+#include <type_traits>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "mma_utils.cuh"
+
+namespace gt_fused3s {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kStepKeys = 64;                              // keys a block holds in shared memory at a time
+constexpr int kSteps = kDenseRowsChunk / kStepKeys;
+constexpr int kMaxG = kDenseRowsMaxQueries;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <int kD>
+struct Tiles {
+    static constexpr int kRow = kD + 8;                    // padded row (16-bit elements): 16-byte reads spread over banks
+    static constexpr int kGroups = kThreads / kD;          // query groups of the (query, d) mapping
+    static constexpr int kPerThread = kMaxG / kGroups;     // queries a thread accumulates
+};
+
+// 8 16-bit elements (16 bytes) as floats.
+template <typename T>
+__device__ __forceinline__ void to_float8(const uint4& w, float (&x)[8]) {
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = TypeTraits<T>::unpack(words[i]);
+        x[2 * i] = f.x;
+        x[2 * i + 1] = f.y;
+    }
+}
+
+// Keys j0 .. j0 + valid - 1 of (b, h) into a padded tile (zeros past valid).
+template <typename T, int kD>
+__device__ __forceinline__ void load_tile(uint16_t* tile, const void* base, int64_t batch_stride, int64_t row_stride,
+                                          int64_t head_stride, int b, int h, int64_t j0, int valid) {
+    constexpr int kChunks = kD / 8;
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(base) + b * batch_stride + h * head_stride;
+    for (int c = threadIdx.x; c < kStepKeys * kChunks; c += kThreads) {
+        const int r = c / kChunks, col = (c % kChunks) * 8;
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (r < valid) w = __ldg(reinterpret_cast<const uint4*>(src + (j0 + r) * row_stride + col));
+        *reinterpret_cast<uint4*>(tile + r * Tiles<kD>::kRow + col) = w;
+    }
+}
+
+// <row of qs (fp32, kD), row j of a padded 16-bit tile>.
+template <typename T, int kD>
+__device__ __forceinline__ float dot_row(const float* qrow, const uint16_t* tile, int j) {
+    float s = 0.f;
+#pragma unroll
+    for (int c = 0; c < kD; c += 8) {
+        float x[8];
+        to_float8<T>(*reinterpret_cast<const uint4*>(tile + j * Tiles<kD>::kRow + c), x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s = fmaf(qrow[c + e], x[e], s);
+    }
+    return s;
+}
+
+// Element `at` of a 16-bit array as a float.
+template <typename T>
+__device__ __forceinline__ float elem(const uint16_t* x, int64_t at) {
+    const uint16_t u = x[at];
+    if constexpr (std::is_same<T, __half>::value) return __half2float(__ushort_as_half(u));
+    else return __bfloat162float(__ushort_as_bfloat16(u));
+}
+
+// Forward: block (chunk, b h) takes keys chunk * kDenseRowsChunk .., 64 at a
+// time with an online softmax per query, and writes its partial state
+// (o unnormalised, m in log2 units, l) for the merge.
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads) dense_rows_fwd_kernel(const DenseRowsParams p) {
+    using Tl = Tiles<kD>;
+    __shared__ float qs[kMaxG][kD];                        // q scale log2(e)
+    __shared__ __align__(16) uint16_t kv[kStepKeys * Tl::kRow];
+    __shared__ float ss[kMaxG][kStepKeys];                 // scores, then probabilities
+    __shared__ float m_s[kMaxG], l_s[kMaxG], alpha_s[kMaxG];
+    const int chunk = blockIdx.x, bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
+    const int G = p.queries, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float scale_log2 = p.scale * kLog2e;
+    const uint16_t* qg = reinterpret_cast<const uint16_t*>(p.qg);
+    for (int x = tid; x < G * kD; x += kThreads) {
+        const int i = x / kD, d = x % kD;
+        qs[i][d] = elem<T>(qg, ((static_cast<int64_t>(b) * G + i) * p.heads + h) * kD + d) * scale_log2;
+    }
+    if (tid < G) {
+        m_s[tid] = -INFINITY;
+        l_s[tid] = 0.f;
+    }
+    const int d = tid % kD, grp = tid / kD;
+    float o[Tl::kPerThread];
+#pragma unroll
+    for (int r = 0; r < Tl::kPerThread; ++r) o[r] = 0.f;
+
+    const int64_t key0 = static_cast<int64_t>(chunk) * kDenseRowsChunk;
+    for (int step = 0; step < kSteps; ++step) {
+        const int64_t j0 = key0 + step * kStepKeys;
+        if (j0 >= p.keys) break;   // block-uniform
+        const int valid = static_cast<int>(j0 + kStepKeys <= p.keys ? kStepKeys : p.keys - j0);
+        __syncthreads();   // the last step's reads of kv and ss done (and qs written)
+        load_tile<T, kD>(kv, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, h, j0, valid);
+        __syncthreads();
+        for (int x = tid; x < G * kStepKeys; x += kThreads) {   // consecutive threads: consecutive keys
+            const int i = x / kStepKeys, j = x % kStepKeys;
+            ss[i][j] = j < valid ? dot_row<T, kD>(qs[i], kv, j) : -INFINITY;
+        }
+        __syncthreads();
+        load_tile<T, kD>(kv, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, h, j0, valid);
+        for (int i = warp; i < G; i += kThreads / 32) {   // a warp per query: the online softmax step
+            const float s0 = ss[i][lane], s1 = ss[i][lane + 32];
+            float mx = fmaxf(s0, s1);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            const float m_new = fmaxf(m_s[i], mx);
+            const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
+            ss[i][lane] = p0;
+            ss[i][lane + 32] = p1;
+            float sum = p0 + p1;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            __syncwarp();
+            if (lane == 0) {
+                const float alpha = exp2f(m_s[i] - m_new);   // 0 on the first step (m = -inf)
+                l_s[i] = l_s[i] * alpha + sum;
+                m_s[i] = m_new;
+                alpha_s[i] = alpha;
+            }
+        }
+        __syncthreads();   // V in kv, probabilities and alpha in place
+#pragma unroll
+        for (int r = 0; r < Tl::kPerThread; ++r) {
+            const int i = grp + Tl::kGroups * r;
+            if (i >= G) break;
+            float acc = o[r] * alpha_s[i];
+            for (int j = 0; j < kStepKeys; ++j) acc = fmaf(ss[i][j], elem<T>(kv, j * Tl::kRow + d), acc);
+            o[r] = acc;
+        }
+    }
+    __syncthreads();
+    const int64_t bhs = static_cast<int64_t>(p.batch) * p.heads;
+    float* part = p.partial + (static_cast<int64_t>(chunk) * bhs + bh) * G * (kD + 2);
+#pragma unroll
+    for (int r = 0; r < Tl::kPerThread; ++r) {
+        const int i = grp + Tl::kGroups * r;
+        if (i < G) part[i * (kD + 2) + d] = o[r];
+    }
+    if (tid < G) {
+        part[tid * (kD + 2) + kD] = m_s[tid];
+        part[tid * (kD + 2) + kD + 1] = l_s[tid];
+    }
+}
+
+// Merge: thread (i, d) of block b h folds the chunks' states of query i.
+template <int kD>
+__global__ void __launch_bounds__(kThreads) dense_rows_merge_kernel(const DenseRowsParams p) {
+    const int bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads, G = p.queries;
+    const int64_t chunks = (p.keys + kDenseRowsChunk - 1) / kDenseRowsChunk, bhs = static_cast<int64_t>(p.batch) * p.heads;
+    for (int x = threadIdx.x; x < G * kD; x += kThreads) {
+        const int i = x / kD, d = x % kD;
+        float m = -INFINITY, l = 0.f, o = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const float* part = p.partial + ((c * bhs + bh) * G + i) * (kD + 2);
+            const float mc = part[kD], lc = part[kD + 1], oc = part[d];
+            const float m_new = fmaxf(m, mc);
+            const float a = exp2f(m - m_new), ac = exp2f(mc - m_new);
+            l = l * a + lc * ac;
+            o = o * a + oc * ac;
+            m = m_new;
+        }
+        p.og[((static_cast<int64_t>(b) * G + i) * p.heads + h) * kD + d] = l > 0.f ? o / l : 0.f;
+        if (d == 0) p.lse[static_cast<int64_t>(bh) * G + i] = l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+    }
+}
+
+// Backward: block (chunk, b h) recomputes P and dS of its keys against the
+// G queries, writes dK and dV of its keys (every key is one block's) and
+// adds dQ of the queries with atomics.
+//   P = exp2(s scale log2 e - lse log2 e), dS = P (dO . v - delta)
+//   dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i, dQ_i += scale sum_j dS_ij k_j
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads) dense_rows_bwd_kernel(const DenseRowsParams p) {
+    using Tl = Tiles<kD>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float(*qs)[kD] = reinterpret_cast<float(*)[kD]>(smem_raw);                        // q
+    float(*dos)[kD] = qs + kMaxG;                                                      // dO
+    uint16_t* kt = reinterpret_cast<uint16_t*>(dos + kMaxG);
+    uint16_t* vt = kt + kStepKeys * Tl::kRow;
+    float(*ps)[kStepKeys] = reinterpret_cast<float(*)[kStepKeys]>(vt + kStepKeys * Tl::kRow);
+    float(*dss)[kStepKeys] = ps + kMaxG;
+    float* lse2_s = reinterpret_cast<float*>(dss + kMaxG);
+    float* delta_s = lse2_s + kMaxG;
+
+    const int chunk = blockIdx.x, bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
+    const int G = p.queries, tid = threadIdx.x;
+    const float scale_log2 = p.scale * kLog2e;
+    const uint16_t* qg = reinterpret_cast<const uint16_t*>(p.qg);
+    const uint16_t* dog = reinterpret_cast<const uint16_t*>(p.dog);
+    for (int x = tid; x < G * kD; x += kThreads) {
+        const int i = x / kD, d = x % kD;
+        const int64_t at = ((static_cast<int64_t>(b) * G + i) * p.heads + h) * kD + d;
+        qs[i][d] = elem<T>(qg, at);
+        dos[i][d] = elem<T>(dog, at);
+    }
+    if (tid < G) {
+        lse2_s[tid] = p.lse[static_cast<int64_t>(bh) * G + tid] * kLog2e;
+        delta_s[tid] = p.delta[static_cast<int64_t>(bh) * G + tid];
+    }
+    const int d = tid % kD, grp = tid / kD;
+    float dq[Tl::kPerThread];
+#pragma unroll
+    for (int r = 0; r < Tl::kPerThread; ++r) dq[r] = 0.f;
+
+    const int64_t key0 = static_cast<int64_t>(chunk) * kDenseRowsChunk;
+    for (int step = 0; step < kSteps; ++step) {
+        const int64_t j0 = key0 + step * kStepKeys;
+        if (j0 >= p.keys) break;   // block-uniform
+        const int valid = static_cast<int>(j0 + kStepKeys <= p.keys ? kStepKeys : p.keys - j0);
+        __syncthreads();
+        load_tile<T, kD>(kt, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, h, j0, valid);
+        load_tile<T, kD>(vt, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, h, j0, valid);
+        __syncthreads();
+        for (int x = tid; x < G * kStepKeys; x += kThreads) {
+            const int i = x / kStepKeys, j = x % kStepKeys;
+            float pr = 0.f, ds = 0.f;
+            if (j < valid) {
+                pr = exp2f(dot_row<T, kD>(qs[i], kt, j) * scale_log2 - lse2_s[i]);
+                ds = pr * (dot_row<T, kD>(dos[i], vt, j) - delta_s[i]);
+            }
+            ps[i][j] = pr;
+            dss[i][j] = ds;
+        }
+        __syncthreads();
+        // dK, dV of the step's keys: 8 consecutive d of one key a thread
+        constexpr int kChunks = kD / 8;
+        for (int x = tid; x < kStepKeys * kChunks; x += kThreads) {
+            const int j = x / kChunks, c = (x % kChunks) * 8;
+            if (j >= valid) continue;
+            float ak[8] = {}, av[8] = {};
+            for (int i = 0; i < G; ++i) {
+                const float pij = ps[i][j], dsij = dss[i][j];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    av[e] = fmaf(pij, dos[i][c + e], av[e]);
+                    ak[e] = fmaf(dsij, qs[i][c + e], ak[e]);
+                }
+            }
+            uint32_t wk[4], wv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                wk[e] = TypeTraits<T>::pack(p.scale * ak[2 * e], p.scale * ak[2 * e + 1]);
+                wv[e] = TypeTraits<T>::pack(av[2 * e], av[2 * e + 1]);
+            }
+            const int64_t at = ((static_cast<int64_t>(b) * p.keys + j0 + j) * p.heads + h) * kD + c;
+            *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p.dk) + at) = make_uint4(wk[0], wk[1], wk[2], wk[3]);
+            *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p.dv) + at) = make_uint4(wv[0], wv[1], wv[2], wv[3]);
+        }
+        // dQ of the queries over the step's keys
+#pragma unroll
+        for (int r = 0; r < Tl::kPerThread; ++r) {
+            const int i = grp + Tl::kGroups * r;
+            if (i >= G) break;
+            float acc = dq[r];
+            for (int j = 0; j < kStepKeys; ++j) acc = fmaf(dss[i][j], elem<T>(kt, j * Tl::kRow + d), acc);
+            dq[r] = acc;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < Tl::kPerThread; ++r) {
+        const int i = grp + Tl::kGroups * r;
+        if (i < G) atomicAdd(p.dqg + ((static_cast<int64_t>(b) * G + i) * p.heads + h) * kD + d, p.scale * dq[r]);
+    }
+}
+
+template <int kD>
+constexpr int bwd_smem_bytes() {
+    return 2 * kMaxG * kD * 4 + 2 * kStepKeys * Tiles<kD>::kRow * 2 + 2 * kMaxG * kStepKeys * 4 + 2 * kMaxG * 4;
+}
+
+}  // namespace
+
+template <typename T, int HeadDim>
+cudaError_t run_dense_rows_fwd(const DenseRowsParams& p, cudaStream_t stream) {
+    if (p.keys <= 0 || p.queries <= 0 || p.batch <= 0 || p.heads <= 0) return cudaSuccess;
+    const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys)), static_cast<unsigned>(p.batch * p.heads));
+    dense_rows_fwd_kernel<T, HeadDim><<<grid, kThreads, 0, stream>>>(p);
+    dense_rows_merge_kernel<HeadDim><<<static_cast<unsigned>(p.batch * p.heads), kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
+template <typename T, int HeadDim>
+cudaError_t run_dense_rows_bwd(const DenseRowsParams& p, cudaStream_t stream) {
+    if (p.keys <= 0 || p.queries <= 0 || p.batch <= 0 || p.heads <= 0) return cudaSuccess;
+    constexpr int kSmem = bwd_smem_bytes<HeadDim>();
+    if (kSmem > 48 * 1024) {
+        const cudaError_t e = cudaFuncSetAttribute(dense_rows_bwd_kernel<T, HeadDim>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+        if (e != cudaSuccess) return e;
+    }
+    const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys)), static_cast<unsigned>(p.batch * p.heads));
+    dense_rows_bwd_kernel<T, HeadDim><<<grid, kThreads, kSmem, stream>>>(p);
+    return cudaGetLastError();
+}
+
+#define GT_DENSE_ROWS_INSTANCES(T)                                                                 \
+    template cudaError_t run_dense_rows_fwd<T, 32>(const DenseRowsParams&, cudaStream_t);          \
+    template cudaError_t run_dense_rows_fwd<T, 64>(const DenseRowsParams&, cudaStream_t);          \
+    template cudaError_t run_dense_rows_fwd<T, 128>(const DenseRowsParams&, cudaStream_t);         \
+    template cudaError_t run_dense_rows_bwd<T, 32>(const DenseRowsParams&, cudaStream_t);          \
+    template cudaError_t run_dense_rows_bwd<T, 64>(const DenseRowsParams&, cudaStream_t);          \
+    template cudaError_t run_dense_rows_bwd<T, 128>(const DenseRowsParams&, cudaStream_t);
+GT_DENSE_ROWS_INSTANCES(__half)
+GT_DENSE_ROWS_INSTANCES(__nv_bfloat16)
+#undef GT_DENSE_ROWS_INSTANCES
+
+}  // namespace gt_fused3s

@@ -1,0 +1,65 @@
+// Dense rows of sequence attention: a few queries (the global rows of a
+// mask: at most 32, each attending to every key of its sequence) against
+// all L keys, forward and backward, on CUDA cores in fp32.
+//
+// Why kernels of their own: as torch ops (chunked bmm and softmax, ~15
+// small ops, fp32 copies of K and V under autograd) they were most of a
+// Longformer call: 0.6 ms of host time for a 65k-token forward whose fused
+// kernel takes 0.043 ms, and ~3.7 of 6.1 ms of a 1M-token forward +
+// backward on an H200 (README). torch's scaled_dot_product_attention gives
+// the few queries one thread block for all keys (9.3 ms at 1M). Here the
+// keys are split over thread blocks (as flash-decoding does): each block
+// takes a chunk of keys and writes its partial softmax state (max, sum,
+// weighted values), and a second kernel merges the chunks; the backward
+// needs no merge for dK and dV (a block owns its keys) and adds dQ of the
+// few queries with atomics.
+//
+// Layout: qg, dog [B, G, H, D] (contiguous), k, v [B, L, H, D] (last dim
+// contiguous, rows and heads 16-byte aligned, any batch / row / head
+// strides in elements); og fp32 [B, G, H, D]; lse fp32 [B, H, G] (natural
+// log). No torch header: raw device pointers, a stream.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace gt_fused3s {
+
+constexpr int kDenseRowsMaxQueries = 32;
+
+struct DenseRowsParams {
+    const void* qg;        // [B, G, H, D]
+    const void* k;
+    const void* v;
+    int64_t k_batch_stride, k_row_stride, k_head_stride;
+    int64_t v_batch_stride, v_row_stride, v_head_stride;
+    int32_t batch, queries, heads, keys;   // B, G (<= 32), H, L
+    float scale;
+    // forward: the merged output and log-sum-exp; the chunks' partial states
+    float* og;             // [B, G, H, D] fp32
+    float* lse;            // [B, H, G] fp32
+    float* partial;        // [chunks, B H, G, D + 2] fp32 workspace (dense_rows_workspace)
+    // backward (dog, delta = rowsum(dog og) [B, H, G], lse as the forward's)
+    const void* dog;       // [B, G, H, D], the dtype of qg
+    const float* delta;
+    float* dqg;            // [B, G, H, D] fp32, added to (zeroed by the caller)
+    void* dk;              // [B, L, H, D] contiguous, the dtype of qg: written
+    void* dv;
+};
+
+// Keys per thread block of the forward and backward (the chunks).
+constexpr int kDenseRowsChunk = 1024;
+inline int64_t dense_rows_chunks(int64_t keys) { return (keys + kDenseRowsChunk - 1) / kDenseRowsChunk; }
+// Floats of the forward's workspace.
+inline int64_t dense_rows_workspace(int64_t batch, int64_t heads, int64_t queries, int64_t head_dim,
+                                    int64_t keys) {
+    return dense_rows_chunks(keys) * batch * heads * queries * (head_dim + 2);
+}
+
+// T: __half or __nv_bfloat16; HeadDim in {32, 64, 128}.
+template <typename T, int HeadDim>
+cudaError_t run_dense_rows_fwd(const DenseRowsParams& p, cudaStream_t stream);
+template <typename T, int HeadDim>
+cudaError_t run_dense_rows_bwd(const DenseRowsParams& p, cudaStream_t stream);
+
+}  // namespace gt_fused3s
