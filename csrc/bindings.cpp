@@ -963,12 +963,12 @@ DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& k, con
     TORCH_CHECK_VALUE(D == 32 || D == 64 || D == 128, "dense rows: head dim 32, 64 or 128 (got ", num(D), ")");
     for (const auto* t : {&k, &v}) {
         TORCH_CHECK(t->defined() && t->device() == qg.device() && t->scalar_type() == qg.scalar_type() &&
-                        t->dim() == 4 && t->size(0) == B && t->size(2) == H && t->size(3) == D && t->stride(3) == 1,
+                        t->dim() == 4 && t->size(0) == B && t->size(2) == H && t->size(3) == D,
                     "k and v must be [B, L, H, D] = [", num(B), ", L, ", num(H), ", ", num(D),
-                    "] with qg's dtype and device, last dim contiguous");
-        TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && t->stride(0) % 8 == 0 &&
-                        t->stride(1) % 8 == 0 && t->stride(2) % 8 == 0,
-                    "k and v rows must be 16-byte aligned");
+                    "] with qg's dtype and device");
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && t->stride(3) == 1 &&
+                        t->stride(0) % 8 == 0 && t->stride(1) % 8 == 0 && t->stride(2) % 8 == 0,
+                    "k and v rows must be 16-byte aligned (dense_rows_input copies them otherwise)");
     }
     TORCH_CHECK_VALUE(v.size(1) == k.size(1), "k and v must have the same keys");
     DenseRowsParams p{};
@@ -986,6 +986,14 @@ DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& k, con
     return p;
 }
 
+// k or v as the kernels read them: itself where its rows are 16-byte
+// aligned with the last dim contiguous, else a contiguous copy.
+at::Tensor dense_rows_input(const at::Tensor& t) {
+    const bool ok = t.dim() == 4 && t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+                    t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0;
+    return ok ? t : t.contiguous();
+}
+
 template <typename Fn>
 void dense_rows_dispatch(const at::Tensor& qg, Fn&& fn) {
     const int64_t D = qg.size(3);
@@ -1001,8 +1009,9 @@ void dense_rows_dispatch(const at::Tensor& qg, Fn&& fn) {
 }
 
 // (og fp32 [B, G, H, D], lse fp32 [B, H, G]): softmax attention of the rows qg over all keys.
-std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_cuda(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v,
-                                                       double scale) {
+std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_cuda(const at::Tensor& qg, const at::Tensor& k_in,
+                                                       const at::Tensor& v_in, double scale) {
+    const at::Tensor k = dense_rows_input(k_in), v = dense_rows_input(v_in);
     DenseRowsParams p = dense_rows_params(qg, k, v, scale);
     const c10::cuda::CUDAGuard device_guard(qg.device());
     const auto f32 = qg.options().dtype(at::kFloat);
@@ -1021,9 +1030,10 @@ std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_cuda(const at::Tensor& qg, con
 // (dqg, dk, dv) in qg's dtype: the gradients of dense_rows_fwd's og (fp32)
 // for dog (qg's dtype); dk, dv [B, L, H, D] contiguous.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_rows_bwd_cuda(const at::Tensor& dog_in, const at::Tensor& qg,
-                                                                   const at::Tensor& k, const at::Tensor& v,
+                                                                   const at::Tensor& k_in, const at::Tensor& v_in,
                                                                    const at::Tensor& og, const at::Tensor& lse,
                                                                    double scale) {
+    const at::Tensor k = dense_rows_input(k_in), v = dense_rows_input(v_in);
     DenseRowsParams p = dense_rows_params(qg, k, v, scale);
     const at::Tensor dog = dog_in.to(qg.scalar_type()).contiguous();
     TORCH_CHECK(dog.sizes() == qg.sizes() && og.sizes() == qg.sizes() && og.scalar_type() == at::kFloat,

@@ -159,25 +159,43 @@ __global__ void __launch_bounds__(kThreads) dense_rows_fwd_kernel(const DenseRow
     }
 }
 
-// Merge: thread (i, d) of block b h folds the chunks' states of query i.
+// Merge: block (b h, i) folds the chunks' states of query i; thread (part,
+// d) folds chunks part, part + kParts, ..., then the parts are folded in
+// shared memory (a 1M-key row has 1024 chunks).
 template <int kD>
 __global__ void __launch_bounds__(kThreads) dense_rows_merge_kernel(const DenseRowsParams p) {
-    const int bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads, G = p.queries;
+    constexpr int kParts = kThreads / kD;
+    __shared__ float ms[kParts], ls[kParts][kD], os[kParts][kD];
+    const int bh = blockIdx.x, i = blockIdx.y, b = bh / p.heads, h = bh % p.heads, G = p.queries;
+    const int d = threadIdx.x % kD, part = threadIdx.x / kD;
     const int64_t chunks = (p.keys + kDenseRowsChunk - 1) / kDenseRowsChunk, bhs = static_cast<int64_t>(p.batch) * p.heads;
-    for (int x = threadIdx.x; x < G * kD; x += kThreads) {
-        const int i = x / kD, d = x % kD;
-        float m = -INFINITY, l = 0.f, o = 0.f;
-        for (int64_t c = 0; c < chunks; ++c) {
-            const float* part = p.partial + ((c * bhs + bh) * G + i) * (kD + 2);
-            const float mc = part[kD], lc = part[kD + 1], oc = part[d];
-            const float m_new = fmaxf(m, mc);
-            const float a = exp2f(m - m_new), ac = exp2f(mc - m_new);
-            l = l * a + lc * ac;
-            o = o * a + oc * ac;
-            m = m_new;
+    float m = -INFINITY, l = 0.f, o = 0.f;
+    for (int64_t c = part; c < chunks; c += kParts) {
+        const float* st = p.partial + ((c * bhs + bh) * G + i) * (kD + 2);
+        const float mc = st[kD], lc = st[kD + 1], oc = st[d];
+        const float m_new = fmaxf(m, mc);
+        const float a = exp2f(m - m_new), ac = exp2f(mc - m_new);   // (m = -inf: a = 0; chunks hold keys: mc finite)
+        l = l * a + lc * ac;
+        o = o * a + oc * ac;
+        m = m_new;
+    }
+    if (d == 0) ms[part] = m;
+    ls[part][d] = l;
+    os[part][d] = o;
+    __syncthreads();
+    if (part == 0) {
+        float M = -INFINITY;
+#pragma unroll
+        for (int q = 0; q < kParts; ++q) M = fmaxf(M, ms[q]);
+        float L = 0.f, O = 0.f;
+#pragma unroll
+        for (int q = 0; q < kParts; ++q) {
+            const float a = ms[q] == -INFINITY ? 0.f : exp2f(ms[q] - M);   // a part without chunks
+            L += ls[q][d] * a;
+            O += os[q][d] * a;
         }
-        p.og[((static_cast<int64_t>(b) * G + i) * p.heads + h) * kD + d] = l > 0.f ? o / l : 0.f;
-        if (d == 0) p.lse[static_cast<int64_t>(bh) * G + i] = l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+        p.og[((static_cast<int64_t>(b) * G + i) * p.heads + h) * kD + d] = L > 0.f ? O / L : 0.f;
+        if (d == 0) p.lse[static_cast<int64_t>(bh) * G + i] = L > 0.f ? (M + log2f(L)) * 0.69314718055994531f : -INFINITY;
     }
 }
 
@@ -292,7 +310,8 @@ cudaError_t run_dense_rows_fwd(const DenseRowsParams& p, cudaStream_t stream) {
     if (p.keys <= 0 || p.queries <= 0 || p.batch <= 0 || p.heads <= 0) return cudaSuccess;
     const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys)), static_cast<unsigned>(p.batch * p.heads));
     dense_rows_fwd_kernel<T, HeadDim><<<grid, kThreads, 0, stream>>>(p);
-    dense_rows_merge_kernel<HeadDim><<<static_cast<unsigned>(p.batch * p.heads), kThreads, 0, stream>>>(p);
+    dense_rows_merge_kernel<HeadDim><<<dim3(static_cast<unsigned>(p.batch * p.heads), static_cast<unsigned>(p.queries)),
+                                       kThreads, 0, stream>>>(p);
     return cudaGetLastError();
 }
 
