@@ -1057,6 +1057,7 @@ class _DenseRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qg, k, v, scale):
+        _build.load_extension()   # callers may reach the rows before any other op
         og, lse = _op("dense_rows_fwd")(qg.contiguous(), k, v, scale)
         ctx.save_for_backward(qg, k, v, og, lse)
         ctx.scale = scale
