@@ -274,7 +274,9 @@ def test_dense_rows_kernels_equal_reference(G, L, D, dtype):
     ref = torch.einsum("bhgl,bhld->bghd", torch.softmax(s, -1), leaves[2])
     want = torch.autograd.grad(ref, leaves, g.float())
     tol = 2e-3 if dtype == torch.float16 else 2e-2
-    _err = lambda a, b: ((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()   # noqa: E731
+    # Relative to the largest entry, with a floor: with one key (L = 1) the
+    # softmax is 1 and dq is exactly 0, so both sides are rounding noise.
+    _err = lambda a, b: ((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-2)).item()   # noqa: E731
     assert _err(out, ref) <= tol
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert _err(a, b) <= 4 * tol, name
