@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <cuda_bf16.h>
@@ -822,6 +823,79 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     return {dq.to(q.scalar_type()), dk.to(q.scalar_type()), dv.to(q.scalar_type())};
 }
 
+// ---- sequence attention's eager autograd ---------------------------------------
+// seq_attention_eager: seq_fwd with its backward as a C++ autograd node, for
+// eager mode (torch.compile traces gt_fused3s::seq_attention, ops.py). An
+// autograd.Function's backward took the GIL and a Python frame per step, and
+// the views of [B, L, H, D] as [B L, H, D] were nodes of their own: on the
+// H200 machine the 65k-token local step spent 287 us of host time for 43 +
+// 136 us of kernels. Here q, k, v are [..., H, D] (contiguous in their last
+// dim, a compiled head dim: ops.seq_attention passes the others to Python);
+// the output has q's shape.
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor tokens_view(const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.defined() && t.dim() >= 3, name, " must have shape [..., H, D] (got ",
+                t.defined() ? shape(t.sizes()) : std::string("an undefined tensor"), ")");
+    return t.reshape({-1, t.size(-2), t.size(-1)});
+}
+
+struct SeqAttentionFn : public torch::autograd::Function<SeqAttentionFn> {
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
+                              const std::optional<at::Tensor>& bwd_windows, std::vector<int64_t> mask_code,
+                              double scale, int64_t num_windows) {
+        const at::Tensor q3 = tokens_view(q, "q");
+        TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "k and v must have the shape of q ",
+                    shape(q.sizes()), " (got ", shape(k.sizes()), ", ", shape(v.sizes()), ")");
+        auto [out, lse] = seq_fwd_cuda(q3, tokens_view(k, "k"), tokens_view(v, "v"), cu_seqlens, cu_windows,
+                                       mask_code, scale, num_windows, seq_block_rows(static_cast<int>(q.size(-1))));
+        out.resize_(q.sizes());   // a fresh contiguous tensor: q's shape without a view of it
+        ctx->save_for_backward({q, k, v, out, lse, cu_seqlens, cu_windows,
+                                bwd_windows.has_value() ? *bwd_windows : at::Tensor()});
+        ctx->saved_data["mask_code"] = mask_code;
+        ctx->saved_data["scale"] = scale;
+        ctx->saved_data["num_windows"] = num_windows;
+        return out;
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const variable_list s = ctx->get_saved_variables();
+        const at::Tensor &q = s[0], &k = s[1], &v = s[2];
+        const std::vector<int64_t> mask_code = ctx->saved_data["mask_code"].toIntVector();
+        const std::optional<at::Tensor> bwd_windows = s[7].defined() ? std::optional<at::Tensor>(s[7]) : std::nullopt;
+        auto [dq, dk, dv] = seq_bwd_cuda(tokens_view(grads[0], "grad_out"), tokens_view(q, "q"), tokens_view(k, "k"),
+                                         tokens_view(v, "v"), tokens_view(s[3], "out"), s[4], s[5], s[6], bwd_windows,
+                                         mask_code, ctx->saved_data["scale"].toDouble(),
+                                         ctx->saved_data["num_windows"].toInt());
+        return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes()),
+                at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
+at::Tensor seq_attention_eager_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
+                                        const std::optional<at::Tensor>& bwd_windows, c10::IntArrayRef mask_code,
+                                        double scale, int64_t num_windows) {
+    return SeqAttentionFn::apply(q, k, v, cu_seqlens, cu_windows, bwd_windows, mask_code.vec(), scale,
+                                 num_windows);
+}
+
+// Below autograd (torch.inference_mode, say): the forward alone.
+at::Tensor seq_attention_eager_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
+                                    const std::optional<at::Tensor>& bwd_windows, c10::IntArrayRef mask_code,
+                                    double scale, int64_t num_windows) {
+    (void)bwd_windows;
+    TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "k and v must have the shape of q ",
+                shape(q.sizes()), " (got ", shape(k.sizes()), ", ", shape(v.sizes()), ")");
+    at::Tensor out = std::get<0>(seq_fwd_cuda(tokens_view(q, "q"), tokens_view(k, "k"), tokens_view(v, "v"),
+                                              cu_seqlens, cu_windows, mask_code, scale, num_windows,
+                                              seq_block_rows(static_cast<int>(q.size(-1)))));
+    return out.resize_(q.sizes());
+}
+
 // ---- edge-feature products (kernels/edge_terms.h) ------------------------------
 // fp32 contiguous operands (gt_fused3s/edge_terms.py casts); each message
 // names its input.
@@ -1078,4 +1152,11 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("gather_rows", &gt_fused3s::gather_rows_cuda);
     m.impl("dense_rows_fwd", &gt_fused3s::dense_rows_fwd_cuda);
     m.impl("dense_rows_bwd", &gt_fused3s::dense_rows_bwd_cuda);
+    m.impl("seq_attention_eager", &gt_fused3s::seq_attention_eager_cuda);
+}
+
+// The one op whose autograd lives here (the others' is in ops.py): the
+// sequence kernels' eager backward without Python (see SeqAttentionFn).
+TORCH_LIBRARY_IMPL(gt_fused3s, Autograd, m) {
+    m.impl("seq_attention_eager", &gt_fused3s::seq_attention_eager_autograd);
 }

@@ -70,6 +70,10 @@ _LIB.define("seq_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_
 _LIB.define("seq_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "Tensor cu_seqlens, Tensor cu_windows, Tensor? bwd_windows, int[] mask, float scale, "
             "int num_windows) -> (Tensor dq, Tensor dk, Tensor dv)")
+# seq_fwd with seq_bwd as its autograd, both in C++ (eager mode's sequence
+# attention on q, k, v [..., H, D]: csrc/bindings.cpp, SeqAttentionFn).
+_LIB.define("seq_attention_eager(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, "
+            "Tensor? bwd_windows, int[] mask, float scale, int num_windows) -> Tensor")
 # Dense rows of sequence attention (csrc/kernels/dense_rows.h): a few
 # queries [B, G, H, D] against all keys [B, L, H, D].
 _LIB.define("dense_rows_fwd(Tensor qg, Tensor k, Tensor v, float scale) -> (Tensor og, Tensor lse)")
@@ -118,6 +122,11 @@ def _seq_fwd_fake(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, blo
 @torch.library.register_fake("gt_fused3s::seq_bwd")
 def _seq_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens, cu_windows, bwd_windows, mask, scale, num_windows):
     return tuple(q.new_empty(q.shape) for _ in range(3))
+
+
+@torch.library.register_fake("gt_fused3s::seq_attention_eager")
+def _seq_attention_eager_fake(q, k, v, cu_seqlens, cu_windows, bwd_windows, mask, scale, num_windows):
+    return q.new_empty(q.shape)
 
 
 @torch.library.register_fake("gt_fused3s::dense_rows_fwd")
@@ -1027,14 +1036,31 @@ _seq_attention_op.register_autograd(_seq_attention_backward, setup_context=_seq_
 
 def seq_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
                   scale: float, num_windows: int, bwd_windows: Tensor | None = None) -> Tensor:
-    """The sequence kernels on [T, H, D] (``gt_fused3s.sequence`` prepares the
-    arguments: documents ``cu``, row blocks ``cu_windows`` of
-    :func:`seq_block_rows` queries, the mask's ``kernel_code``, scale >= 0;
-    ``bwd_windows``: the backward's cu_windows, if the caller has them made,
-    else the backward makes them): the output, differentiable in q, k and v."""
+    """The sequence kernels on q, k, v [..., H, D], the leading dims being the
+    T tokens (``gt_fused3s.sequence`` prepares the arguments: documents
+    ``cu``, row blocks ``cu_windows`` of :func:`seq_block_rows` queries, the
+    mask's ``kernel_code``, scale >= 0; ``bwd_windows``: the backward's
+    cu_windows, if the caller has them made, else the backward makes them):
+    the output in q's shape, differentiable in q, k and v.
+
+    Eagerly on CUDA, where no cast or padding is needed, one C++ op with a C++
+    autograd node (``seq_attention_eager``: no Python in the backward, no
+    view nodes); else an autograd.Function, or under torch.compile the
+    custom op ``gt_fused3s::seq_attention``."""
     if torch.compiler.is_compiling():
-        return _seq_attention_op(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows)[0]
-    return _SeqAttention.apply(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows)
+        shape, H, D = q.shape, q.size(-2), q.size(-1)
+        q, k, v = (t.reshape(-1, H, t.size(-1)) for t in (q, k, v))
+        return _seq_attention_op(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows)[0].reshape(shape)
+    if (q.is_cuda and q.dtype in _KERNEL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.size(-1) in SEQ_HEAD_DIMS):
+        return _op("seq_attention_eager")(q, k, v, cu, cu_windows, bwd_windows, code, scale, num_windows)
+    shape, H = q.shape, q.size(-2)
+    q, k, v = (t.reshape(-1, H, t.size(-1)) for t in (q, k, v))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out = _SeqAttention.apply(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows)
+    else:   # no autograd node to make (an autograd.Function's apply was ~10 us of host time)
+        out = _seq_forward(q, k, v, cu, cu_windows, code, scale, num_windows)[0]
+    return out.reshape(shape)
 
 
 # ---------------------------------------------------------------------------

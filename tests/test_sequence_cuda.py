@@ -113,6 +113,39 @@ def test_backward_by_key_blocks_where_it_runs():
         assert not any(r.endswith(keys if not by_keys else queries) for r in ran), (name, D, ran)
 
 
+def test_eager_step_is_one_cpp_autograd_node():
+    """Eagerly, a batched call is one C++ autograd node (seq_attention_eager:
+    SeqAttentionFn in csrc/bindings.cpp) whose edges go straight to q, k and v
+    (no Python node, no view nodes); its gradients for a non-contiguous
+    output gradient equal those for the same values contiguous; under
+    torch.inference_mode the op's CUDA kernel gives the same output; opcheck
+    passes on CUDA."""
+    torch.manual_seed(5)
+    mask = MASKS["local-wider"]
+    q, k, v = (torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    out = sequence_attention(q, k, v, mask)
+    assert "SeqAttentionFn" in out.grad_fn.name(), out.grad_fn.name()
+    assert [type(f).__name__ for f, _ in out.grad_fn.next_functions[:3]] == ["AccumulateGrad"] * 3
+    assert out.shape == q.shape and out.is_contiguous()
+    g = torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.float16).transpose(1, 2)   # strided
+    got = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    want = torch.autograd.grad(out, (q, k, v), g.contiguous())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) or (a - b).abs().max() < 1e-2   # dq adds by atomics: order may differ
+    check(out.detach().reshape(600, 2, 64), *(t.detach().reshape(600, 2, 64) for t in (q, k, v)), mask,
+          [0, 300, 600], torch.float16)
+    with torch.inference_mode():
+        assert torch.equal(sequence_attention(q, k, v, mask), out.detach())
+    from gt_fused3s import ops
+    from gt_fused3s.sequence.masks import kernel_code
+    code = kernel_code(mask)
+    cu = torch.tensor([0, 300, 600], device="cuda", dtype=torch.int32)
+    fw = ops.seq_windows(cu, code[0], 64)
+    torch.library.opcheck(torch.ops.gt_fused3s.seq_attention_eager.default,
+                          (q, k, v, cu, fw, None, code, 0.125, int(fw[-1])),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
 @pytest.mark.parametrize("name", ["longformer", "bigbird", "dilated", "block-dilated"])
 def test_packed_documents_and_gradients(name):
     torch.manual_seed(1)

@@ -253,19 +253,19 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
     batched = cu_seqlens is None
     if batched:
         B, L, H, _ = q.shape
-        qf, kf, vf = (t.reshape(B * L, H, t.size(-1)) for t in (q, k, v))
+        T = B * L
     else:
-        qf, kf, vf = q, k, v
-    T = qf.size(0)
+        T = q.size(0)
 
-    if not _kernel_fits(qf):
+    if not _kernel_fits(q):
         if q.is_cuda and q.size(-1) > _KERNEL_DIMS[-1]:
             warnings.warn(f"sequence_attention: head dim {D} > 128 runs the reference", RuntimeWarning)
         cu = list(range(0, B * L + 1, L)) if batched and L > 0 else \
             ([0, 0] if batched else _host_offsets(cu_seqlens, T))
-        cdt = torch.float64 if qf.dtype == torch.float64 else torch.float32
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qf, kf, vf = (t.reshape(T, t.size(-2), t.size(-1)) for t in (q, k, v))
         out = sequence_reference(qf, kf, vf, umask, cu, scale, compute_dtype=cdt)
-        return out.reshape(q.shape) if batched else out
+        return out.reshape(q.shape)
 
     code = kernel_code(umask) if torch.compiler.is_compiling() else _code_of(umask)
     Dp = ops.seq_head_dim(D)
@@ -280,11 +280,11 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
         bwd_windows = None   # the backward makes its own (not every call has one)
     # The kernel takes the row max on raw scores (the scale folded into the
     # exponent), so it needs scale >= 0: q . k * s == (-q) . k * (-s).
-    qs, ss = (qf, scale) if scale >= 0 else (-qf, -scale)
-    out = ops.seq_attention(qs, kf, vf, cu, cu_windows, code, ss, num_windows, bwd_windows)
+    # (q, k, v go as they are: ops.seq_attention reads [B, L, H, D] as [B L, H, D])
+    qs, ss = (q, scale) if scale >= 0 else (-q, -scale)
+    out = ops.seq_attention(qs, k, v, cu, cu_windows, code, ss, num_windows, bwd_windows)
     global_rows = umask.global_rows(L if batched else 1 << 62)
-    if global_rows and batched:
-        return _global_rows_dense(q, k, v, out.reshape(q.shape), global_rows, scale, None)
     if global_rows:
-        return _global_rows_dense(qf, kf, vf, out, global_rows, scale, _host_offsets(cu_seqlens, T))
-    return out.reshape(q.shape) if batched else out
+        return _global_rows_dense(q, k, v, out, global_rows, scale,
+                                  None if batched else _host_offsets(cu_seqlens, T))
+    return out
