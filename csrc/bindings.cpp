@@ -1057,6 +1057,9 @@ DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& k, con
     p.keys = static_cast<int32_t>(k.size(1));
     p.scale = static_cast<float>(scale);
     TORCH_CHECK_VALUE(k.size(1) < (int64_t(1) << 31) && B * H < 65536, "dense rows: too many keys or batch x heads");
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, qg.get_device()));
+    p.chunk_keys = dense_rows_chunk_keys(p.keys, B * H, sms);
     return p;
 }
 
@@ -1092,7 +1095,7 @@ std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_cuda(const at::Tensor& qg, con
     auto og = at::zeros(qg.sizes(), f32);
     auto lse = at::full({qg.size(0), qg.size(2), qg.size(1)}, -INFINITY, f32);
     if (p.keys == 0) return {og, lse};
-    auto work = at::empty({dense_rows_workspace(p.batch, p.heads, p.queries, qg.size(3), p.keys)}, f32);
+    auto work = at::empty({dense_rows_workspace(p.batch, p.heads, p.queries, qg.size(3), p.keys, p.chunk_keys)}, f32);
     p.og = og.data_ptr<float>();
     p.lse = lse.data_ptr<float>();
     p.partial = work.data_ptr<float>();

@@ -1133,4 +1133,7 @@ def dense_rows(qg: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     split over thread blocks (csrc/kernels/dense_rows.cu)."""
     if torch.compiler.is_compiling():
         return _dense_rows_op(qg, k, v, scale)[0]
-    return _DenseRows.apply(qg, k, v, scale)
+    if torch.is_grad_enabled() and (qg.requires_grad or k.requires_grad or v.requires_grad):
+        return _DenseRows.apply(qg, k, v, scale)
+    _build.load_extension()
+    return _op("dense_rows_fwd")(qg.contiguous(), k, v, scale)[0].to(qg.dtype)   # no autograd node to make

@@ -14,8 +14,7 @@ namespace gt_fused3s {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kStepKeys = 64;                              // keys a block holds in shared memory at a time
-constexpr int kSteps = kDenseRowsChunk / kStepKeys;
+constexpr int kStepKeys = kDenseRowsStepKeys;             // keys a block holds in shared memory at a time
 constexpr int kMaxG = kDenseRowsMaxQueries;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -74,7 +73,7 @@ __device__ __forceinline__ float elem(const uint16_t* x, int64_t at) {
     else return __bfloat162float(__ushort_as_bfloat16(u));
 }
 
-// Forward: block (chunk, b h) takes keys chunk * kDenseRowsChunk .., 64 at a
+// Forward: block (chunk, b h) takes keys chunk * p.chunk_keys .., 64 at a
 // time with an online softmax per query, and writes its partial state
 // (o unnormalised, m in log2 units, l) for the merge.
 template <typename T, int kD>
@@ -101,10 +100,9 @@ __global__ void __launch_bounds__(kThreads) dense_rows_fwd_kernel(const DenseRow
 #pragma unroll
     for (int r = 0; r < Tl::kPerThread; ++r) o[r] = 0.f;
 
-    const int64_t key0 = static_cast<int64_t>(chunk) * kDenseRowsChunk;
-    for (int step = 0; step < kSteps; ++step) {
-        const int64_t j0 = key0 + step * kStepKeys;
-        if (j0 >= p.keys) break;   // block-uniform
+    const int64_t key0 = static_cast<int64_t>(chunk) * p.chunk_keys;
+    const int64_t key_end = key0 + p.chunk_keys < p.keys ? key0 + p.chunk_keys : p.keys;
+    for (int64_t j0 = key0; j0 < key_end; j0 += kStepKeys) {   // block-uniform
         const int valid = static_cast<int>(j0 + kStepKeys <= p.keys ? kStepKeys : p.keys - j0);
         __syncthreads();   // the last step's reads of kv and ss done (and qs written)
         load_tile<T, kD>(kv, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, h, j0, valid);
@@ -161,23 +159,36 @@ __global__ void __launch_bounds__(kThreads) dense_rows_fwd_kernel(const DenseRow
 
 // Merge: block (b h, i) folds the chunks' states of query i; thread (part,
 // d) folds chunks part, part + kParts, ..., then the parts are folded in
-// shared memory (a 1M-key row has 1024 chunks).
+// shared memory (a row has up to ~4 x SMs / (B H) chunks: dense_rows_chunk_keys).
 template <int kD>
 __global__ void __launch_bounds__(kThreads) dense_rows_merge_kernel(const DenseRowsParams p) {
     constexpr int kParts = kThreads / kD;
     __shared__ float ms[kParts], ls[kParts][kD], os[kParts][kD];
     const int bh = blockIdx.x, i = blockIdx.y, b = bh / p.heads, h = bh % p.heads, G = p.queries;
     const int d = threadIdx.x % kD, part = threadIdx.x / kD;
-    const int64_t chunks = (p.keys + kDenseRowsChunk - 1) / kDenseRowsChunk, bhs = static_cast<int64_t>(p.batch) * p.heads;
+    const int64_t chunks = (p.keys + p.chunk_keys - 1) / p.chunk_keys, bhs = static_cast<int64_t>(p.batch) * p.heads;
     float m = -INFINITY, l = 0.f, o = 0.f;
-    for (int64_t c = part; c < chunks; c += kParts) {
-        const float* st = p.partial + ((c * bhs + bh) * G + i) * (kD + 2);
-        const float mc = st[kD], lc = st[kD + 1], oc = st[d];
-        const float m_new = fmaxf(m, mc);
-        const float a = exp2f(m - m_new), ac = exp2f(mc - m_new);   // (m = -inf: a = 0; chunks hold keys: mc finite)
-        l = l * a + lc * ac;
-        o = o * a + oc * ac;
-        m = m_new;
+    constexpr int kAhead = 4;   // states loaded before they are folded: the loads overlap, not the fold's latency chain
+    for (int64_t c0 = part; c0 < chunks; c0 += kAhead * kParts) {
+        float mc[kAhead], lc[kAhead], oc[kAhead];
+#pragma unroll
+        for (int u = 0; u < kAhead; ++u) {
+            const int64_t c = c0 + u * kParts;
+            mc[u] = -INFINITY, lc[u] = 0.f, oc[u] = 0.f;
+            if (c < chunks) {
+                const float* st = p.partial + ((c * bhs + bh) * G + i) * (kD + 2);
+                mc[u] = st[kD], lc[u] = st[kD + 1], oc[u] = st[d];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kAhead; ++u) {
+            if (mc[u] == -INFINITY) continue;   // past the last chunk (a chunk holds keys: its m is finite)
+            const float m_new = fmaxf(m, mc[u]);
+            const float a = exp2f(m - m_new), ac = exp2f(mc[u] - m_new);   // (m = -inf: a = 0)
+            l = l * a + lc[u] * ac;
+            o = o * a + oc[u] * ac;
+            m = m_new;
+        }
     }
     if (d == 0) ms[part] = m;
     ls[part][d] = l;
@@ -237,10 +248,9 @@ __global__ void __launch_bounds__(kThreads) dense_rows_bwd_kernel(const DenseRow
 #pragma unroll
     for (int r = 0; r < Tl::kPerThread; ++r) dq[r] = 0.f;
 
-    const int64_t key0 = static_cast<int64_t>(chunk) * kDenseRowsChunk;
-    for (int step = 0; step < kSteps; ++step) {
-        const int64_t j0 = key0 + step * kStepKeys;
-        if (j0 >= p.keys) break;   // block-uniform
+    const int64_t key0 = static_cast<int64_t>(chunk) * p.chunk_keys;
+    const int64_t key_end = key0 + p.chunk_keys < p.keys ? key0 + p.chunk_keys : p.keys;
+    for (int64_t j0 = key0; j0 < key_end; j0 += kStepKeys) {   // block-uniform
         const int valid = static_cast<int>(j0 + kStepKeys <= p.keys ? kStepKeys : p.keys - j0);
         __syncthreads();
         load_tile<T, kD>(kt, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, h, j0, valid);
@@ -308,7 +318,7 @@ constexpr int bwd_smem_bytes() {
 template <typename T, int HeadDim>
 cudaError_t run_dense_rows_fwd(const DenseRowsParams& p, cudaStream_t stream) {
     if (p.keys <= 0 || p.queries <= 0 || p.batch <= 0 || p.heads <= 0) return cudaSuccess;
-    const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys)), static_cast<unsigned>(p.batch * p.heads));
+    const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys, p.chunk_keys)), static_cast<unsigned>(p.batch * p.heads));
     dense_rows_fwd_kernel<T, HeadDim><<<grid, kThreads, 0, stream>>>(p);
     dense_rows_merge_kernel<HeadDim><<<dim3(static_cast<unsigned>(p.batch * p.heads), static_cast<unsigned>(p.queries)),
                                        kThreads, 0, stream>>>(p);
@@ -324,7 +334,7 @@ cudaError_t run_dense_rows_bwd(const DenseRowsParams& p, cudaStream_t stream) {
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
         if (e != cudaSuccess) return e;
     }
-    const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys)), static_cast<unsigned>(p.batch * p.heads));
+    const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys, p.chunk_keys)), static_cast<unsigned>(p.batch * p.heads));
     dense_rows_bwd_kernel<T, HeadDim><<<grid, kThreads, kSmem, stream>>>(p);
     return cudaGetLastError();
 }

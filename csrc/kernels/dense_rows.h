@@ -34,6 +34,7 @@ struct DenseRowsParams {
     int64_t k_batch_stride, k_row_stride, k_head_stride;
     int64_t v_batch_stride, v_row_stride, v_head_stride;
     int32_t batch, queries, heads, keys;   // B, G (<= 32), H, L
+    int64_t chunk_keys;    // keys a thread block takes (dense_rows_chunk_keys), the forward's and backward's
     float scale;
     // forward: the merged output and log-sum-exp; the chunks' partial states
     float* og;             // [B, G, H, D] fp32
@@ -47,13 +48,23 @@ struct DenseRowsParams {
     void* dv;
 };
 
-// Keys per thread block of the forward and backward (the chunks).
-constexpr int kDenseRowsChunk = 1024;
-inline int64_t dense_rows_chunks(int64_t keys) { return (keys + kDenseRowsChunk - 1) / kDenseRowsChunk; }
+// Keys per thread block of the forward and backward (a chunk): as many as
+// spread the rows' keys over about 4 blocks a streaming multiprocessor,
+// in steps of 64 keys. (A fixed 1024 gave a 65k-key row 64 blocks for 132
+// SMs, each walking 16 steps one after the other: 45 us on an H200, as
+// long as the fused kernel's whole local band.)
+constexpr int kDenseRowsStepKeys = 64;
+inline int64_t dense_rows_chunk_keys(int64_t keys, int64_t batch_heads, int64_t sms) {
+    const int64_t blocks = 4 * (sms > 0 ? sms : 1);
+    const int64_t per = (keys * batch_heads + blocks - 1) / blocks;
+    const int64_t steps = (per + kDenseRowsStepKeys - 1) / kDenseRowsStepKeys;
+    return (steps > 0 ? steps : 1) * kDenseRowsStepKeys;
+}
+inline int64_t dense_rows_chunks(int64_t keys, int64_t chunk_keys) { return (keys + chunk_keys - 1) / chunk_keys; }
 // Floats of the forward's workspace.
 inline int64_t dense_rows_workspace(int64_t batch, int64_t heads, int64_t queries, int64_t head_dim,
-                                    int64_t keys) {
-    return dense_rows_chunks(keys) * batch * heads * queries * (head_dim + 2);
+                                    int64_t keys, int64_t chunk_keys) {
+    return dense_rows_chunks(keys, chunk_keys) * batch * heads * queries * (head_dim + 2);
 }
 
 // T: __half or __nv_bfloat16; HeadDim in {32, 64, 128}.
