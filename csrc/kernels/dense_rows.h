@@ -49,16 +49,17 @@ struct DenseRowsParams {
 };
 
 // Keys per thread block of the forward and backward (a chunk): as many as
-// spread the rows' keys over about 4 blocks a streaming multiprocessor,
-// in steps of 64 keys. (A fixed 1024 gave a 65k-key row 64 blocks for 132
-// SMs, each walking 16 steps one after the other: 45 us on an H200, as
-// long as the fused kernel's whole local band.)
+// spread the rows' keys over about 2 blocks a streaming multiprocessor, at
+// least 256, in steps of 64 keys. (H200, Longformer's 3 rows, forward's
+// kernels: a fixed 1024 gave a 65k-key row 64 blocks walking 16 steps each,
+// 46 us; 4 blocks an SM, 36 us there but 83 against 68 us at 262k keys,
+// where the merge folds twice the chunks.)
 constexpr int kDenseRowsStepKeys = 64;
 inline int64_t dense_rows_chunk_keys(int64_t keys, int64_t batch_heads, int64_t sms) {
-    const int64_t blocks = 4 * (sms > 0 ? sms : 1);
+    const int64_t blocks = 2 * (sms > 0 ? sms : 1);
     const int64_t per = (keys * batch_heads + blocks - 1) / blocks;
     const int64_t steps = (per + kDenseRowsStepKeys - 1) / kDenseRowsStepKeys;
-    return (steps > 0 ? steps : 1) * kDenseRowsStepKeys;
+    return (steps > 4 ? steps : 4) * kDenseRowsStepKeys;
 }
 inline int64_t dense_rows_chunks(int64_t keys, int64_t chunk_keys) { return (keys + chunk_keys - 1) / chunk_keys; }
 // Floats of the forward's workspace.
