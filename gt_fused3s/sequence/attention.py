@@ -5,7 +5,8 @@ documents [T, H, D] with ``cu_seqlens``.
 The forward runs the fused kernel on CUDA (fp16 / bf16; fp32 is computed in
 fp16 and returned in fp32). Global rows (queries that attend to every key)
 are a dense product of a few queries with all keys: they are computed apart
-(fp32 matmuls by chunks of keys) and written over the kernel's rows. The
+(on a GPU by the dense-rows kernels, keys split over thread blocks; else
+fp32 matmuls by chunks of keys) and written over the kernel's rows. The
 backward is fused too (the gradients from the forward's log-sum-exp over the
 same key tiles); the global rows' share goes through the dense rows' autograd
 (their rows of the kernel's output were overwritten: no gradient reaches the
