@@ -823,79 +823,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     return {dq.to(q.scalar_type()), dk.to(q.scalar_type()), dv.to(q.scalar_type())};
 }
 
-// ---- sequence attention's eager autograd ---------------------------------------
-// seq_attention_eager: seq_fwd with its backward as a C++ autograd node, for
-// eager mode (torch.compile traces gt_fused3s::seq_attention, ops.py). An
-// autograd.Function's backward took the GIL and a Python frame per step, and
-// the views of [B, L, H, D] as [B L, H, D] were nodes of their own: on the
-// H200 machine the 65k-token local step spent 287 us of host time for 43 +
-// 136 us of kernels. Here q, k, v are [..., H, D] (contiguous in their last
-// dim, a compiled head dim: ops.seq_attention passes the others to Python);
-// the output has q's shape.
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-at::Tensor tokens_view(const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.defined() && t.dim() >= 3, name, " must have shape [..., H, D] (got ",
-                t.defined() ? shape(t.sizes()) : std::string("an undefined tensor"), ")");
-    return t.reshape({-1, t.size(-2), t.size(-1)});
-}
-
-struct SeqAttentionFn : public torch::autograd::Function<SeqAttentionFn> {
-    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
-                              const std::optional<at::Tensor>& bwd_windows, std::vector<int64_t> mask_code,
-                              double scale, int64_t num_windows) {
-        const at::Tensor q3 = tokens_view(q, "q");
-        TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "k and v must have the shape of q ",
-                    shape(q.sizes()), " (got ", shape(k.sizes()), ", ", shape(v.sizes()), ")");
-        auto [out, lse] = seq_fwd_cuda(q3, tokens_view(k, "k"), tokens_view(v, "v"), cu_seqlens, cu_windows,
-                                       mask_code, scale, num_windows, seq_block_rows(static_cast<int>(q.size(-1))));
-        out.resize_(q.sizes());   // a fresh contiguous tensor: q's shape without a view of it
-        ctx->save_for_backward({q, k, v, out, lse, cu_seqlens, cu_windows,
-                                bwd_windows.has_value() ? *bwd_windows : at::Tensor()});
-        ctx->saved_data["mask_code"] = mask_code;
-        ctx->saved_data["scale"] = scale;
-        ctx->saved_data["num_windows"] = num_windows;
-        return out;
-    }
-
-    static variable_list backward(AutogradContext* ctx, variable_list grads) {
-        const variable_list s = ctx->get_saved_variables();
-        const at::Tensor &q = s[0], &k = s[1], &v = s[2];
-        const std::vector<int64_t> mask_code = ctx->saved_data["mask_code"].toIntVector();
-        const std::optional<at::Tensor> bwd_windows = s[7].defined() ? std::optional<at::Tensor>(s[7]) : std::nullopt;
-        auto [dq, dk, dv] = seq_bwd_cuda(tokens_view(grads[0], "grad_out"), tokens_view(q, "q"), tokens_view(k, "k"),
-                                         tokens_view(v, "v"), tokens_view(s[3], "out"), s[4], s[5], s[6], bwd_windows,
-                                         mask_code, ctx->saved_data["scale"].toDouble(),
-                                         ctx->saved_data["num_windows"].toInt());
-        return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes()),
-                at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    }
-};
-
-at::Tensor seq_attention_eager_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                        const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
-                                        const std::optional<at::Tensor>& bwd_windows, c10::IntArrayRef mask_code,
-                                        double scale, int64_t num_windows) {
-    return SeqAttentionFn::apply(q, k, v, cu_seqlens, cu_windows, bwd_windows, mask_code.vec(), scale,
-                                 num_windows);
-}
-
-// Below autograd (torch.inference_mode, say): the forward alone.
-at::Tensor seq_attention_eager_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
-                                    const std::optional<at::Tensor>& bwd_windows, c10::IntArrayRef mask_code,
-                                    double scale, int64_t num_windows) {
-    (void)bwd_windows;
-    TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "k and v must have the shape of q ",
-                shape(q.sizes()), " (got ", shape(k.sizes()), ", ", shape(v.sizes()), ")");
-    at::Tensor out = std::get<0>(seq_fwd_cuda(tokens_view(q, "q"), tokens_view(k, "k"), tokens_view(v, "v"),
-                                              cu_seqlens, cu_windows, mask_code, scale, num_windows,
-                                              seq_block_rows(static_cast<int>(q.size(-1)))));
-    return out.resize_(q.sizes());
-}
-
 // ---- edge-feature products (kernels/edge_terms.h) ------------------------------
 // fp32 contiguous operands (gt_fused3s/edge_terms.py casts); each message
 // names its input.
@@ -1134,6 +1061,114 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_rows_bwd_cuda(const at::Ten
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(qg.get_device()).stream();
     dense_rows_dispatch(qg, [&](auto, auto bwd) { C10_CUDA_CHECK(bwd(p, stream)); });
     return {dqg.to(qg.scalar_type()), dk, dv};
+}
+
+// ---- sequence attention's eager autograd ---------------------------------------
+// seq_attention_eager: seq_fwd with its backward as a C++ autograd node, for
+// eager mode (torch.compile traces gt_fused3s::seq_attention, ops.py). An
+// autograd.Function's backward took the GIL and a Python frame per step, and
+// the views of [B, L, H, D] as [B L, H, D] were nodes of their own: on the
+// H200 machine the 65k-token local step spent 308 us of host time for 43 +
+// 136 us of kernels (228 us this way). Here q, k, v are [..., H, D]
+// (contiguous in their last dim, a compiled head dim: ops.seq_eager_fits);
+// the output has q's shape. With global_rows (q, k, v [B, L, H, D]; int64
+// positions, at most 32) the node also computes those rows by the dense-rows
+// kernels, writes them over the kernel's rows and takes their backward: a
+// Longformer step is one node instead of five (gather, the rows' Function,
+// the overwrite, two gradient sums).
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor tokens_view(const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.defined() && t.dim() >= 3, name, " must have shape [..., H, D] (got ",
+                t.defined() ? shape(t.sizes()) : std::string("an undefined tensor"), ")");
+    return t.reshape({-1, t.size(-2), t.size(-1)});
+}
+
+// The forward: out (a fresh contiguous tensor of q's shape), the kernel's
+// lse, and where there are global rows their fp32 output and lse.
+struct SeqEagerForward {
+    at::Tensor out, lse, og, lse_rows;
+};
+
+SeqEagerForward seq_eager_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
+                                  c10::IntArrayRef mask_code, double scale, int64_t num_windows,
+                                  const std::optional<at::Tensor>& global_rows) {
+    const at::Tensor q3 = tokens_view(q, "q");
+    TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "k and v must have the shape of q ",
+                shape(q.sizes()), " (got ", shape(k.sizes()), ", ", shape(v.sizes()), ")");
+    auto [out, lse] = seq_fwd_cuda(q3, tokens_view(k, "k"), tokens_view(v, "v"), cu_seqlens, cu_windows, mask_code,
+                                   scale, num_windows, seq_block_rows(static_cast<int>(q.size(-1))));
+    out.resize_(q.sizes());   // a fresh contiguous tensor: q's shape without a view of it
+    SeqEagerForward f{out, lse, at::Tensor(), at::Tensor()};
+    if (global_rows.has_value()) {
+        TORCH_CHECK(q.dim() == 4, "global rows need q, k, v [B, L, H, D] (got q ", shape(q.sizes()), ")");
+        std::tie(f.og, f.lse_rows) = dense_rows_fwd_cuda(q.index_select(1, *global_rows), k, v, scale);
+        out.index_copy_(1, *global_rows, f.og.to(q.scalar_type()));
+    }
+    return f;
+}
+
+struct SeqAttentionFn : public torch::autograd::Function<SeqAttentionFn> {
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
+                              const std::optional<at::Tensor>& bwd_windows, std::vector<int64_t> mask_code,
+                              double scale, int64_t num_windows, const std::optional<at::Tensor>& global_rows) {
+        SeqEagerForward f = seq_eager_forward(q, k, v, cu_seqlens, cu_windows, mask_code, scale, num_windows,
+                                              global_rows);
+        ctx->save_for_backward({q, k, v, f.out, f.lse, cu_seqlens, cu_windows,
+                                bwd_windows.has_value() ? *bwd_windows : at::Tensor(),
+                                global_rows.has_value() ? *global_rows : at::Tensor(), f.og, f.lse_rows});
+        ctx->saved_data["mask_code"] = mask_code;
+        ctx->saved_data["scale"] = scale;
+        ctx->saved_data["num_windows"] = num_windows;
+        return f.out;
+    }
+
+    // The global rows' output was the dense rows': the kernel's share gets
+    // grad_out with those rows zeroed (no gradient through its own rows
+    // there), the rows' share their grad_out.
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const variable_list s = ctx->get_saved_variables();
+        const at::Tensor &q = s[0], &k = s[1], &v = s[2], &rows = s[8];
+        const std::vector<int64_t> mask_code = ctx->saved_data["mask_code"].toIntVector();
+        const double scale = ctx->saved_data["scale"].toDouble();
+        const std::optional<at::Tensor> bwd_windows = s[7].defined() ? std::optional<at::Tensor>(s[7]) : std::nullopt;
+        at::Tensor g = grads[0];
+        if (rows.defined()) g = g.clone(at::MemoryFormat::Contiguous).index_fill_(1, rows, 0);
+        auto [dq3, dk3, dv3] = seq_bwd_cuda(tokens_view(g, "grad_out"), tokens_view(q, "q"), tokens_view(k, "k"),
+                                            tokens_view(v, "v"), tokens_view(s[3], "out"), s[4], s[5], s[6],
+                                            bwd_windows, mask_code, scale, ctx->saved_data["num_windows"].toInt());
+        at::Tensor dq = dq3.view(q.sizes()), dk = dk3.view(k.sizes()), dv = dv3.view(v.sizes());
+        if (rows.defined()) {
+            auto [dqg, dk_rows, dv_rows] = dense_rows_bwd_cuda(grads[0].index_select(1, rows),
+                                                               q.index_select(1, rows), k, v, s[9], s[10], scale);
+            dq.index_add_(1, rows, dqg);
+            dk.add_(dk_rows);
+            dv.add_(dv_rows);
+        }
+        return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+                at::Tensor()};
+    }
+};
+
+at::Tensor seq_attention_eager_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
+                                        const std::optional<at::Tensor>& bwd_windows, c10::IntArrayRef mask_code,
+                                        double scale, int64_t num_windows,
+                                        const std::optional<at::Tensor>& global_rows) {
+    return SeqAttentionFn::apply(q, k, v, cu_seqlens, cu_windows, bwd_windows, mask_code.vec(), scale, num_windows,
+                                 global_rows);
+}
+
+// Below autograd (torch.inference_mode, say): the forward alone.
+at::Tensor seq_attention_eager_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
+                                    const std::optional<at::Tensor>& bwd_windows, c10::IntArrayRef mask_code,
+                                    double scale, int64_t num_windows, const std::optional<at::Tensor>& global_rows) {
+    (void)bwd_windows;
+    return seq_eager_forward(q, k, v, cu_seqlens, cu_windows, mask_code, scale, num_windows, global_rows).out;
 }
 
 }  // namespace

@@ -71,9 +71,10 @@ _LIB.define("seq_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, 
             "Tensor cu_seqlens, Tensor cu_windows, Tensor? bwd_windows, int[] mask, float scale, "
             "int num_windows) -> (Tensor dq, Tensor dk, Tensor dv)")
 # seq_fwd with seq_bwd as its autograd, both in C++ (eager mode's sequence
-# attention on q, k, v [..., H, D]: csrc/bindings.cpp, SeqAttentionFn).
+# attention on q, k, v [..., H, D]: csrc/bindings.cpp, SeqAttentionFn), with
+# the global rows of [B, L, H, D] operands by the dense-rows kernels inside.
 _LIB.define("seq_attention_eager(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, "
-            "Tensor? bwd_windows, int[] mask, float scale, int num_windows) -> Tensor")
+            "Tensor? bwd_windows, int[] mask, float scale, int num_windows, Tensor? global_rows=None) -> Tensor")
 # Dense rows of sequence attention (csrc/kernels/dense_rows.h): a few
 # queries [B, G, H, D] against all keys [B, L, H, D].
 _LIB.define("dense_rows_fwd(Tensor qg, Tensor k, Tensor v, float scale) -> (Tensor og, Tensor lse)")
@@ -125,7 +126,8 @@ def _seq_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens, cu_windows, bwd_windo
 
 
 @torch.library.register_fake("gt_fused3s::seq_attention_eager")
-def _seq_attention_eager_fake(q, k, v, cu_seqlens, cu_windows, bwd_windows, mask, scale, num_windows):
+def _seq_attention_eager_fake(q, k, v, cu_seqlens, cu_windows, bwd_windows, mask, scale, num_windows,
+                              global_rows=None):
     return q.new_empty(q.shape)
 
 
@@ -1034,6 +1036,24 @@ def _seq_attention_backward(ctx, grad_out, _grad_lse):
 _seq_attention_op.register_autograd(_seq_attention_backward, setup_context=_seq_setup_context)
 
 
+def seq_eager_fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a sequence call takes ``seq_attention_eager`` (one C++ op and
+    autograd node): eagerly, on CUDA, fp16 / bf16 operands of one dtype, a
+    compiled head dim (no cast, no padding)."""
+    return (not torch.compiler.is_compiling() and q.is_cuda and q.dtype in _KERNEL_DTYPES
+            and k.dtype == q.dtype and v.dtype == q.dtype and q.size(-1) in SEQ_HEAD_DIMS)
+
+
+def seq_attention_with_rows(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
+                            scale: float, num_windows: int, bwd_windows: Tensor | None, rows: Tensor) -> Tensor:
+    """:func:`seq_attention` of [B, L, H, D] operands whose queries ``rows``
+    (int64 positions, at most ``DENSE_ROWS_MAX``) attend to every key of
+    their sequence: the kernel, the dense-rows kernels for those rows written
+    over the kernel's, and both backwards, as one C++ autograd node (where
+    :func:`seq_eager_fits`)."""
+    return _op("seq_attention_eager")(q, k, v, cu, cu_windows, bwd_windows, code, scale, num_windows, rows)
+
+
 def seq_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
                   scale: float, num_windows: int, bwd_windows: Tensor | None = None) -> Tensor:
     """The sequence kernels on q, k, v [..., H, D], the leading dims being the
@@ -1051,8 +1071,7 @@ def seq_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tenso
         shape, H, D = q.shape, q.size(-2), q.size(-1)
         q, k, v = (t.reshape(-1, H, t.size(-1)) for t in (q, k, v))
         return _seq_attention_op(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows)[0].reshape(shape)
-    if (q.is_cuda and q.dtype in _KERNEL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
-            and q.size(-1) in SEQ_HEAD_DIMS):
+    if seq_eager_fits(q, k, v):
         return _op("seq_attention_eager")(q, k, v, cu, cu_windows, bwd_windows, code, scale, num_windows)
     shape, H = q.shape, q.size(-2)
     q, k, v = (t.reshape(-1, H, t.size(-1)) for t in (q, k, v))

@@ -337,6 +337,24 @@ def _assert_near(got, want, rel):
     assert err <= rel * top, f"{err:.3e} > {rel:.0e} x {top:.3e}"
 
 
+def test_offsets_made_under_inference_mode_serve_a_training_call(stand_in_kernels):
+    """The per-shape offsets and global-row indices a first call makes under
+    torch.inference_mode are cached as normal tensors: a later training call
+    saves them for its backward (an inference tensor there raised)."""
+    from gt_fused3s.sequence import attention as attention_mod
+    attention_mod._OFFSETS.clear()
+    attention_mod._ROW_INDEX.clear()
+    mask, q, k, v, g = _kernel_path_case("bigbird", seed=6)
+    with torch.inference_mode():
+        first = sequence_attention(q, k, v, mask)
+    out = sequence_attention(q, k, v, mask)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    assert torch.equal(first, out.detach())
+    ref, want = _reference_grads(mask, q, k, v, g)
+    for a, b in zip(got, want):
+        _assert_near(a.reshape(b.shape), b, 2e-2)
+
+
 @pytest.mark.parametrize("scale", [None, -0.3])
 @pytest.mark.parametrize("name", ["local-wider", "bigbird", "dilated", "global-then-wide"])
 def test_kernel_path_equals_reference(stand_in_kernels, name, scale):

@@ -88,10 +88,14 @@ def _cached(cache: dict, key: tuple, make):
     would be the graph's output, which CUDA graphs (``mode="reduce-overhead"``)
     overwrite at the next replay (and a captured one is not even computed
     until a replay), so such a miss is made for the call only (a few small
-    kernels, replayed with the graph); an entry an eager call made is read."""
+    kernels, replayed with the graph); an entry an eager call made is read.
+    Made outside inference mode: an inference tensor made by a first call
+    under ``torch.inference_mode`` could not be saved by a later training
+    call's autograd node."""
     got = cache.get(key)
     if got is None:
-        got = make()
+        with torch.inference_mode(False):   # kept for calls that save it for a backward
+            got = make()
         if not _in_capture_or_compile():
             cache[key] = got
             if len(cache) > 256:
@@ -283,8 +287,12 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
     # exponent), so it needs scale >= 0: q . k * s == (-q) . k * (-s).
     # (q, k, v go as they are: ops.seq_attention reads [B, L, H, D] as [B L, H, D])
     qs, ss = (q, scale) if scale >= 0 else (-q, -scale)
-    out = ops.seq_attention(qs, k, v, cu, cu_windows, code, ss, num_windows, bwd_windows)
     global_rows = umask.global_rows(L if batched else 1 << 62)
+    if global_rows and batched and len(global_rows) <= ops.DENSE_ROWS_MAX and ops.seq_eager_fits(qs, k, v):
+        # the kernel, the global rows and both backwards as one C++ autograd node
+        return ops.seq_attention_with_rows(qs, k, v, cu, cu_windows, code, ss, num_windows, bwd_windows,
+                                           _row_index(global_rows, q.device))
+    out = ops.seq_attention(qs, k, v, cu, cu_windows, code, ss, num_windows, bwd_windows)
     if global_rows:
         return _global_rows_dense(q, k, v, out, global_rows, scale,
                                   None if batched else _host_offsets(cu_seqlens, T))
