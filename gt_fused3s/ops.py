@@ -1068,7 +1068,7 @@ def seq_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tenso
     view nodes); else an autograd.Function, or under torch.compile the
     custom op ``gt_fused3s::seq_attention``."""
     if torch.compiler.is_compiling():
-        shape, H, D = q.shape, q.size(-2), q.size(-1)
+        shape, H = q.shape, q.size(-2)
         q, k, v = (t.reshape(-1, H, t.size(-1)) for t in (q, k, v))
         return _seq_attention_op(q, k, v, cu, cu_windows, code, scale, num_windows, bwd_windows)[0].reshape(shape)
     if seq_eager_fits(q, k, v):
