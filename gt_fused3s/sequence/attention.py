@@ -6,11 +6,13 @@ The forward runs the fused kernel on CUDA (fp16 / bf16; fp32 is computed in
 fp16 and returned in fp32). Global rows (queries that attend to every key)
 are a dense product of a few queries with all keys: they are computed apart
 (on a GPU by the dense-rows kernels, keys split over thread blocks; else
-fp32 matmuls by chunks of keys) and written over the kernel's rows. The
-backward is fused too (the gradients from the forward's log-sum-exp over the
-same key tiles); the global rows' share goes through the dense rows' autograd
-(their rows of the kernel's output were overwritten: no gradient reaches the
-kernel there). On the CPU everything runs the reference.
+fp32 matmuls by chunks of keys) and written over the kernel's rows; an
+eager batched call on a GPU does all of it, and the backward, in one C++
+autograd node (ops.seq_attention_with_rows). The backward is fused too (the
+gradients from the forward's log-sum-exp over the same key tiles); the
+global rows' share goes through the dense rows' backward (their rows of the
+kernel's output were overwritten: no gradient reaches the kernel there). On
+the CPU everything runs the reference.
 """
 from __future__ import annotations
 
