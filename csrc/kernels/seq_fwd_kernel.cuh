@@ -32,7 +32,9 @@
 // thread's cp.async address arithmetic), the walk knows a band's full tiles
 // from one interval per segment, and Q lives in shared memory (16 registers
 // a thread freed: the spills went from 130 bytes to 16): local 1M on an H200
-// 1.68 -> 1.52 -> 1.40 ms (README).
+// 1.68 -> 1.52 -> 1.40 ms (README). Masks of local windows only take an
+// instance whose walk runs a band's full TMA tiles in a loop of their own
+// (seq_walk.cuh: kBulkRuns): local 1M 1.27 -> 1.17 ms on an H200 (README).
 //
 // Measured (H100, Nsight Compute, README): the kernel's speed followed its
 // code size, which the instruction cache must hold (the mask policy's rare
@@ -90,7 +92,9 @@ struct SeqFwdConfig {
     static constexpr int kMinBlocks = kHeadDim <= 64 ? 4 : 2;
 };
 
-template <typename T, int kHeadDim>
+// kBandRuns (masks of local windows only, D = 64): the walk's own loop for
+// a band's runs of full TMA tiles (seq_walk.cuh).
+template <typename T, int kHeadDim, bool kBandRuns = false>
 __global__ void __launch_bounds__(SeqFwdConfig<kHeadDim>::kThreads, SeqFwdConfig<kHeadDim>::kMinBlocks)
 seq_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ SeqKvMaps maps) {
     using Cfg = SeqFwdConfig<kHeadDim>;
@@ -297,7 +301,7 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ S
             }
         }
     };
-    seq_walk_tiles<Cfg::kWgmma>(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {
+    seq_walk_tiles<Cfg::kWgmma, Cfg::kWgmma && kBandRuns>(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {
         if (full) tile_step(std::true_type{}, cur, stage);
         else tile_step(std::false_type{}, cur, stage);
     }, wait_bulk);
@@ -334,9 +338,6 @@ void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream) {
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
         if (major == 9) smem += Cfg::kQBytes;
     }
-    if (smem > 48 * 1024) {   // opt in to more than 48 KB (D = 128), on this device
-        cudaFuncSetAttribute(seq_fwd_kernel<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    }
     // The TMA's tensor maps where the kernel may use them (D = 64; compiled
     // for sm_90a it does; elsewhere they go unread).
     SeqKvMaps maps{};
@@ -346,7 +347,18 @@ void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream) {
                   tma_encode_rows(&maps.v, params.v_ptr, tokens, heads, params.v_row_stride, params.v_head_stride);
     }
     const dim3 grid(static_cast<unsigned>(params.num_windows), static_cast<unsigned>(params.num_heads));
-    seq_fwd_kernel<T, kHeadDim><<<grid, Cfg::kThreads, smem, stream>>>(params, maps);
+    auto launch = [&](auto kernel) {
+        if (smem > 48 * 1024) {   // opt in to more than 48 KB (D = 128), on this device
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        }
+        kernel<<<grid, Cfg::kThreads, smem, stream>>>(params, maps);
+    };
+    if constexpr (kHeadDim == 64) {   // masks of local windows only: the kernel with the band's loop
+        bool band = params.mask.num_parts > 0;
+        for (int i = 0; i < params.mask.num_parts; ++i) band = band && params.mask.parts[i].kind == kSeqLocal;
+        if (band) return launch(seq_fwd_kernel<T, kHeadDim, true>);
+    }
+    launch(seq_fwd_kernel<T, kHeadDim, false>);
 }
 
 }  // namespace gt_fused3s

@@ -63,8 +63,14 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
 // true: it ended with one) before it is refilled.
 // full: seq_tile_full for the whole block of `rows` queries (no mask bits
 // needed). Uniform across the block. kAsyncReads: the body reads the stage
-// through the async proxy (wgmma).
-template <bool kAsyncReads = false, typename LoadKV, typename Body, typename WaitBulk>
+// through the async proxy (wgmma). kBulkRuns (a body that returns nothing;
+// load_kv brings a segment's full tiles in bulk when it brought the one
+// before in bulk: the forward's TMA): a run of such tiles takes a loop of
+// its own, unrolled over the two stages (constant stage offsets), without
+// the cursor's bookkeeping or cp.async groups. The forward instantiates it
+// for masks of local windows only: its copies of the body cost the other
+// masks' instruction cache more than they gain.
+template <bool kAsyncReads = false, bool kBulkRuns = false, typename LoadKV, typename Body, typename WaitBulk>
 __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindow& blk, int32_t rows, LoadKV&& load_kv,
                                                Body&& body, WaitBulk&& wait_bulk) {
     SeqTileCursor cur;
@@ -72,6 +78,26 @@ __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindo
     bool bulk = more && load_kv(cur.at(), 0);
     int stage = 0;
     while (more) {
+        if constexpr (kBulkRuns) {
+            // invariant, as in the loop below: cur's tile is loading into `stage` (in bulk when `bulk`)
+            auto run_step = [&](auto stage_c) {   // one tile of the run; false: the run ended
+                constexpr int kStage = decltype(stage_c)::value;
+                if (cur.tile < cur.full_lo || cur.tile >= cur.full_hi) return false;   // this tile and the next full
+                const bool next_bulk = load_kv(SeqTile{cur.part, cur.tile + 1, cur.ks}, kStage ^ 1);
+                wait_bulk(kStage);
+                body(cur.at(), kStage, true);
+                __syncthreads();
+                ++cur.tile;
+                stage = kStage ^ 1;
+                bulk = next_bulk;
+                return next_bulk;
+            };
+            if (bulk && cur.full_known && blk.rows == rows) {
+                while ((stage == 1 || run_step(std::integral_constant<int, 0>{})) &&
+                       run_step(std::integral_constant<int, 1>{})) {
+                }
+            }
+        }
         SeqTileCursor nxt = cur;
         const bool has_next = nxt.next(mk, blk);
         bool next_bulk = false;
