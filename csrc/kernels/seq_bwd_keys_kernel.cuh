@@ -69,7 +69,9 @@ struct SeqBwdKeysConfig {
 // __launch_bounds__ tells the host which code the device got: the full
 // kernel where it was compiled for sm_90a, a trap elsewhere (smaller bound),
 // read back by seq_bwd_keys_ready() through cudaFuncGetAttributes.
-template <typename T>
+// kBandRuns (masks of local windows only): the walk's own loop for a band's
+// runs of full TMA tiles (seq_walk.cuh).
+template <typename T, bool kBandRuns = false>
 __global__ void __launch_bounds__(GT_WGMMA ? SeqBwdKeysConfig::kThreads : 32, SeqBwdKeysConfig::kMinBlocks)
 seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_constant__ SeqBwdKeysMaps maps) {
 #if GT_WGMMA
@@ -303,7 +305,7 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         }
         return false;
     };
-    seq_walk_tiles<true>(mk, blk, Cfg::kRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {
+    seq_walk_tiles<true, kBandRuns>(mk, blk, Cfg::kRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {
         return full ? tile_step(std::true_type{}, cur, stage) : tile_step(std::false_type{}, cur, stage);
     }, wait_bulk);
 
@@ -349,7 +351,6 @@ template <typename T>
 void run_seq_bwd_keys(const SeqBwdKeysParams& params, cudaStream_t stream) {
     using Cfg = SeqBwdKeysConfig;
     if (params.fwd.num_windows <= 0 || params.fwd.num_heads <= 0) return;
-    cudaFuncSetAttribute(seq_bwd_keys_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
     SeqBwdKeysMaps maps{};
     const SeqFwdParams& f = params.fwd;
     maps.ok = tma_encode_rows(&maps.q, f.q_ptr, f.num_tokens, f.num_heads, f.q_row_stride, f.q_head_stride) &&
@@ -360,7 +361,12 @@ void run_seq_bwd_keys(const SeqBwdKeysParams& params, cudaStream_t stream) {
               tma_encode_f32_halves(&maps.dq, params.dq_ptr, f.num_tokens, f.num_heads, params.grad_row_stride,
                                     params.grad_head_stride);
     const dim3 grid(static_cast<unsigned>(f.num_windows), static_cast<unsigned>(f.num_heads));
-    seq_bwd_keys_kernel<T><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, maps);
+    auto launch = [&](auto kernel) {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+        kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, maps);
+    };
+    if (seq_mask_local_only(f.mask)) launch(seq_bwd_keys_kernel<T, true>);   // the band's loop
+    else launch(seq_bwd_keys_kernel<T, false>);
 }
 
 }  // namespace gt_fused3s

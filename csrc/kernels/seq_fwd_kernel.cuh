@@ -354,9 +354,7 @@ void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream) {
         kernel<<<grid, Cfg::kThreads, smem, stream>>>(params, maps);
     };
     if constexpr (kHeadDim == 64) {   // masks of local windows only: the kernel with the band's loop
-        bool band = params.mask.num_parts > 0;
-        for (int i = 0; i < params.mask.num_parts; ++i) band = band && params.mask.parts[i].kind == kSeqLocal;
-        if (band) return launch(seq_fwd_kernel<T, kHeadDim, true>);
+        if (seq_mask_local_only(params.mask)) return launch(seq_fwd_kernel<T, kHeadDim, true>);
     }
     launch(seq_fwd_kernel<T, kHeadDim, false>);
 }

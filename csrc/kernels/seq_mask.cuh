@@ -101,6 +101,14 @@ struct KeySeg {
     int32_t start, step, count, qb;
 };
 
+// A mask of local windows only: the kernels' instances with the band's own
+// loop (seq_walk.cuh: kBulkRuns) serve it.
+GT_SEQ_HD bool seq_mask_local_only(const SeqMask& mk) {
+    bool local = mk.num_parts > 0;
+    for (int i = 0; i < mk.num_parts; ++i) local = local && mk.parts[i].kind == kSeqLocal;
+    return local;
+}
+
 // Number of segments part `pt` gives the window (random blocks: one per key
 // block of each query block the window's rows meet).
 GT_SEQ_HD int32_t seq_num_segs(const SeqMaskPart& pt, const SeqWindow& win) {

@@ -63,13 +63,13 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
 // true: it ended with one) before it is refilled.
 // full: seq_tile_full for the whole block of `rows` queries (no mask bits
 // needed). Uniform across the block. kAsyncReads: the body reads the stage
-// through the async proxy (wgmma). kBulkRuns (a body that returns nothing;
-// load_kv brings a segment's full tiles in bulk when it brought the one
-// before in bulk: the forward's TMA): a run of such tiles takes a loop of
-// its own, unrolled over the two stages (constant stage offsets), without
-// the cursor's bookkeeping or cp.async groups. The forward instantiates it
-// for masks of local windows only: its copies of the body cost the other
-// masks' instruction cache more than they gain.
+// through the async proxy (wgmma). kBulkRuns (load_kv brings a segment's
+// full tiles in bulk when it brought the one before in bulk: the TMA of
+// both sequence kernels on Hopper): a run of such tiles takes a loop of its
+// own, unrolled over the two stages (constant stage offsets), without the
+// cursor's bookkeeping or cp.async groups. The kernels instantiate it for
+// masks of local windows only (seq_mask_local_only): its copies of the
+// body cost the other masks' instruction cache more than they gain.
 template <bool kAsyncReads = false, bool kBulkRuns = false, typename LoadKV, typename Body, typename WaitBulk>
 __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindow& blk, int32_t rows, LoadKV&& load_kv,
                                                Body&& body, WaitBulk&& wait_bulk) {
@@ -85,8 +85,12 @@ __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindo
                 if (cur.tile < cur.full_lo || cur.tile >= cur.full_hi) return false;   // this tile and the next full
                 const bool next_bulk = load_kv(SeqTile{cur.part, cur.tile + 1, cur.ks}, kStage ^ 1);
                 wait_bulk(kStage);
-                body(cur.at(), kStage, true);
-                __syncthreads();
+                if constexpr (std::is_void_v<decltype(body(cur.at(), kStage, true))>) {
+                    body(cur.at(), kStage, true);
+                    __syncthreads();
+                } else if (!body(cur.at(), kStage, true)) {
+                    __syncthreads();
+                }
                 ++cur.tile;
                 stage = kStage ^ 1;
                 bulk = next_bulk;
