@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include "mma_utils.cuh"
+#include "smem_tile.cuh"
 
 namespace gt_fused3s {
 namespace {
@@ -37,18 +38,70 @@ __device__ __forceinline__ void to_float8(const uint4& w, float (&x)[8]) {
     }
 }
 
-// Keys j0 .. j0 + valid - 1 of (b, h) into a padded tile (zeros past valid).
-template <typename T, int kD>
+// Keys j0 .. j0 + valid - 1 of (b, h) into a padded tile, by cp.async
+// (zeros past valid; the caller commits the group). The kernels copy the
+// next step's K and V while this step computes: with the copies in line
+// (each step waiting for its own) the forward was latency-bound, 0.23 ms
+// for the 256 MB of K and V at 1M keys on an H200 (README).
+template <int kD>
 __device__ __forceinline__ void load_tile(uint16_t* tile, const void* base, int64_t batch_stride, int64_t row_stride,
                                           int64_t head_stride, int b, int h, int64_t j0, int valid) {
     constexpr int kChunks = kD / 8;
     const uint16_t* src = reinterpret_cast<const uint16_t*>(base) + b * batch_stride + h * head_stride;
+    const uint32_t dst = smem_addr(tile);
     for (int c = threadIdx.x; c < kStepKeys * kChunks; c += kThreads) {
         const int r = c / kChunks, col = (c % kChunks) * 8;
-        uint4 w = make_uint4(0u, 0u, 0u, 0u);
-        if (r < valid) w = __ldg(reinterpret_cast<const uint4*>(src + (j0 + r) * row_stride + col));
-        *reinterpret_cast<uint4*>(tile + r * Tiles<kD>::kRow + col) = w;
+        const bool ok = r < valid;
+        cp_async_16(dst + 2 * (r * Tiles<kD>::kRow + col), src + (ok ? (j0 + r) * row_stride + col : 0), ok);
     }
+}
+
+// The K and V tiles of kStages steps: the step of keys j0 .. in stage
+// (j0 / 64) % kStages, its K tile (which = 0) and V tile (1). Two stages
+// (three measured 5-7% slower on an H100 at 1M keys); the backward at
+// D = 128 keeps one (the copies in line), where two would cost the second
+// block an SM that the chunks are sized for (dense_rows.h).
+template <int kD>
+constexpr int kFwdStages = 2;
+template <int kD>
+constexpr int kBwdStages = kD >= 128 ? 1 : 2;
+template <int kD, int kStages>
+__device__ __forceinline__ uint16_t* kv_tile(uint16_t* tiles, int64_t j0, int which) {
+    return tiles + (2 * static_cast<int>((j0 / kStepKeys) % kStages) + which) * kStepKeys * Tiles<kD>::kRow;
+}
+__device__ __forceinline__ int step_valid(const DenseRowsParams& p, int64_t j0) {
+    return static_cast<int>(j0 + kStepKeys <= p.keys ? kStepKeys : p.keys - j0);
+}
+
+// The copy of the step of keys j0 .. (nothing past the chunk's end: an
+// empty group, so that every step commits one and the wait counts hold).
+template <int kD, int kStages>
+__device__ __forceinline__ void load_step(uint16_t* tiles, const DenseRowsParams& p, int b, int h, int64_t j0,
+                                          int64_t key_end) {
+    if (j0 < key_end) {
+        const int valid = step_valid(p, j0);
+        load_tile<kD>(kv_tile<kD, kStages>(tiles, j0, 0), p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, h,
+                      j0, valid);
+        load_tile<kD>(kv_tile<kD, kStages>(tiles, j0, 1), p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, h,
+                      j0, valid);
+    }
+    cp_async_commit();
+}
+
+// The first kStages - 1 steps' copies; then each step starts the copy
+// kStages - 1 steps ahead and waits for its own.
+template <int kD, int kStages>
+__device__ __forceinline__ void load_first_steps(uint16_t* tiles, const DenseRowsParams& p, int b, int h,
+                                                 int64_t key0, int64_t key_end) {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) load_step<kD, kStages>(tiles, p, b, h, key0 + s * kStepKeys, key_end);
+}
+template <int kD, int kStages>
+__device__ __forceinline__ void next_step_ready(uint16_t* tiles, const DenseRowsParams& p, int b, int h, int64_t j0,
+                                                int64_t key_end) {
+    load_step<kD, kStages>(tiles, p, b, h, j0 + (kStages - 1) * kStepKeys, key_end);
+    cp_async_wait<kStages - 1>();
+    __syncthreads();   // this step's K and V, every thread's
 }
 
 // <row of qs (fp32, kD), row j of a padded 16-bit tile>.
@@ -79,9 +132,10 @@ __device__ __forceinline__ float elem(const uint16_t* x, int64_t at) {
 template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads) dense_rows_fwd_kernel(const DenseRowsParams p) {
     using Tl = Tiles<kD>;
-    __shared__ float qs[kMaxG][kD];                        // q scale log2(e)
-    __shared__ __align__(16) uint16_t kv[kStepKeys * Tl::kRow];
-    __shared__ float ss[kMaxG][kStepKeys];                 // scores, then probabilities
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float(*qs)[kD] = reinterpret_cast<float(*)[kD]>(smem_raw);                           // q scale log2(e)
+    float(*ss)[kStepKeys] = reinterpret_cast<float(*)[kStepKeys]>(qs + kMaxG);         // scores, then probabilities
+    uint16_t* tiles = reinterpret_cast<uint16_t*>(ss + kMaxG);                           // K, V of kStages steps
     __shared__ float m_s[kMaxG], l_s[kMaxG], alpha_s[kMaxG];
     const int chunk = blockIdx.x, bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
     const int G = p.queries, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -102,17 +156,17 @@ __global__ void __launch_bounds__(kThreads) dense_rows_fwd_kernel(const DenseRow
 
     const int64_t key0 = static_cast<int64_t>(chunk) * p.chunk_keys;
     const int64_t key_end = key0 + p.chunk_keys < p.keys ? key0 + p.chunk_keys : p.keys;
+    constexpr int kSt = kFwdStages<kD>;
+    load_first_steps<kD, kSt>(tiles, p, b, h, key0, key_end);
     for (int64_t j0 = key0; j0 < key_end; j0 += kStepKeys) {   // block-uniform
-        const int valid = static_cast<int>(j0 + kStepKeys <= p.keys ? kStepKeys : p.keys - j0);
-        __syncthreads();   // the last step's reads of kv and ss done (and qs written)
-        load_tile<T, kD>(kv, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, h, j0, valid);
-        __syncthreads();
+        next_step_ready<kD, kSt>(tiles, p, b, h, j0, key_end);   // (and qs, at the first)
+        const int valid = step_valid(p, j0);
+        const uint16_t* kt = kv_tile<kD, kSt>(tiles, j0, 0);
         for (int x = tid; x < G * kStepKeys; x += kThreads) {   // consecutive threads: consecutive keys
             const int i = x / kStepKeys, j = x % kStepKeys;
-            ss[i][j] = j < valid ? dot_row<T, kD>(qs[i], kv, j) : -INFINITY;
+            ss[i][j] = j < valid ? dot_row<T, kD>(qs[i], kt, j) : -INFINITY;
         }
         __syncthreads();
-        load_tile<T, kD>(kv, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, h, j0, valid);
         for (int i = warp; i < G; i += kThreads / 32) {   // a warp per query: the online softmax step
             const float s0 = ss[i][lane], s1 = ss[i][lane + 32];
             float mx = fmaxf(s0, s1);
@@ -133,17 +187,18 @@ __global__ void __launch_bounds__(kThreads) dense_rows_fwd_kernel(const DenseRow
                 alpha_s[i] = alpha;
             }
         }
-        __syncthreads();   // V in kv, probabilities and alpha in place
+        __syncthreads();   // probabilities and alpha in place
+        const uint16_t* vt = kv_tile<kD, kSt>(tiles, j0, 1);
 #pragma unroll
         for (int r = 0; r < Tl::kPerThread; ++r) {
             const int i = grp + Tl::kGroups * r;
             if (i >= G) break;
             float acc = o[r] * alpha_s[i];
-            for (int j = 0; j < kStepKeys; ++j) acc = fmaf(ss[i][j], elem<T>(kv, j * Tl::kRow + d), acc);
+            for (int j = 0; j < kStepKeys; ++j) acc = fmaf(ss[i][j], elem<T>(vt, j * Tl::kRow + d), acc);
             o[r] = acc;
         }
+        __syncthreads();   // every read of this stage and of ss done before the next copy into it
     }
-    __syncthreads();
     const int64_t bhs = static_cast<int64_t>(p.batch) * p.heads;
     float* part = p.partial + (static_cast<int64_t>(chunk) * bhs + bh) * G * (kD + 2);
 #pragma unroll
@@ -221,9 +276,8 @@ __global__ void __launch_bounds__(kThreads) dense_rows_bwd_kernel(const DenseRow
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float(*qs)[kD] = reinterpret_cast<float(*)[kD]>(smem_raw);                        // q
     float(*dos)[kD] = qs + kMaxG;                                                      // dO
-    uint16_t* kt = reinterpret_cast<uint16_t*>(dos + kMaxG);
-    uint16_t* vt = kt + kStepKeys * Tl::kRow;
-    float(*ps)[kStepKeys] = reinterpret_cast<float(*)[kStepKeys]>(vt + kStepKeys * Tl::kRow);
+    uint16_t* tiles = reinterpret_cast<uint16_t*>(dos + kMaxG);                        // K, V of kStages steps
+    float(*ps)[kStepKeys] = reinterpret_cast<float(*)[kStepKeys]>(tiles + 2 * kBwdStages<kD> * kStepKeys * Tl::kRow);
     float(*dss)[kStepKeys] = ps + kMaxG;
     float* lse2_s = reinterpret_cast<float*>(dss + kMaxG);
     float* delta_s = lse2_s + kMaxG;
@@ -250,12 +304,13 @@ __global__ void __launch_bounds__(kThreads) dense_rows_bwd_kernel(const DenseRow
 
     const int64_t key0 = static_cast<int64_t>(chunk) * p.chunk_keys;
     const int64_t key_end = key0 + p.chunk_keys < p.keys ? key0 + p.chunk_keys : p.keys;
+    constexpr int kSt = kBwdStages<kD>;
+    load_first_steps<kD, kSt>(tiles, p, b, h, key0, key_end);
     for (int64_t j0 = key0; j0 < key_end; j0 += kStepKeys) {   // block-uniform
-        const int valid = static_cast<int>(j0 + kStepKeys <= p.keys ? kStepKeys : p.keys - j0);
-        __syncthreads();
-        load_tile<T, kD>(kt, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, h, j0, valid);
-        load_tile<T, kD>(vt, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, h, j0, valid);
-        __syncthreads();
+        next_step_ready<kD, kSt>(tiles, p, b, h, j0, key_end);   // (and q, dO, lse, delta at the first)
+        const int valid = step_valid(p, j0);
+        const uint16_t* kt = kv_tile<kD, kSt>(tiles, j0, 0);
+        const uint16_t* vt = kv_tile<kD, kSt>(tiles, j0, 1);
         for (int x = tid; x < G * kStepKeys; x += kThreads) {
             const int i = x / kStepKeys, j = x % kStepKeys;
             float pr = 0.f, ds = 0.f;
@@ -300,6 +355,7 @@ __global__ void __launch_bounds__(kThreads) dense_rows_bwd_kernel(const DenseRow
             for (int j = 0; j < kStepKeys; ++j) acc = fmaf(dss[i][j], elem<T>(kt, j * Tl::kRow + d), acc);
             dq[r] = acc;
         }
+        __syncthreads();   // every read of this stage, ps and dss done before the next copy into it
     }
 #pragma unroll
     for (int r = 0; r < Tl::kPerThread; ++r) {
@@ -309,8 +365,20 @@ __global__ void __launch_bounds__(kThreads) dense_rows_bwd_kernel(const DenseRow
 }
 
 template <int kD>
+constexpr int fwd_smem_bytes() {
+    return kMaxG * kD * 4 + kMaxG * kStepKeys * 4 + 2 * kFwdStages<kD> * kStepKeys * Tiles<kD>::kRow * 2;
+}
+template <int kD>
 constexpr int bwd_smem_bytes() {
-    return 2 * kMaxG * kD * 4 + 2 * kStepKeys * Tiles<kD>::kRow * 2 + 2 * kMaxG * kStepKeys * 4 + 2 * kMaxG * 4;
+    return 2 * kMaxG * kD * 4 + 2 * kBwdStages<kD> * kStepKeys * Tiles<kD>::kRow * 2 + 2 * kMaxG * kStepKeys * 4 +
+           2 * kMaxG * 4;
+}
+
+// A kernel's dynamic shared memory, opted in past 48 KB.
+template <typename Kernel>
+cudaError_t set_smem(Kernel kernel, int bytes) {
+    if (bytes <= 48 * 1024) return cudaSuccess;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
 }  // namespace
@@ -318,8 +386,11 @@ constexpr int bwd_smem_bytes() {
 template <typename T, int HeadDim>
 cudaError_t run_dense_rows_fwd(const DenseRowsParams& p, cudaStream_t stream) {
     if (p.keys <= 0 || p.queries <= 0 || p.batch <= 0 || p.heads <= 0) return cudaSuccess;
+    constexpr int kSmem = fwd_smem_bytes<HeadDim>();
+    const cudaError_t e = set_smem(dense_rows_fwd_kernel<T, HeadDim>, kSmem);
+    if (e != cudaSuccess) return e;
     const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys, p.chunk_keys)), static_cast<unsigned>(p.batch * p.heads));
-    dense_rows_fwd_kernel<T, HeadDim><<<grid, kThreads, 0, stream>>>(p);
+    dense_rows_fwd_kernel<T, HeadDim><<<grid, kThreads, kSmem, stream>>>(p);
     dense_rows_merge_kernel<HeadDim><<<dim3(static_cast<unsigned>(p.batch * p.heads), static_cast<unsigned>(p.queries)),
                                        kThreads, 0, stream>>>(p);
     return cudaGetLastError();
@@ -329,11 +400,8 @@ template <typename T, int HeadDim>
 cudaError_t run_dense_rows_bwd(const DenseRowsParams& p, cudaStream_t stream) {
     if (p.keys <= 0 || p.queries <= 0 || p.batch <= 0 || p.heads <= 0) return cudaSuccess;
     constexpr int kSmem = bwd_smem_bytes<HeadDim>();
-    if (kSmem > 48 * 1024) {
-        const cudaError_t e = cudaFuncSetAttribute(dense_rows_bwd_kernel<T, HeadDim>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-        if (e != cudaSuccess) return e;
-    }
+    const cudaError_t e = set_smem(dense_rows_bwd_kernel<T, HeadDim>, kSmem);
+    if (e != cudaSuccess) return e;
     const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys, p.chunk_keys)), static_cast<unsigned>(p.batch * p.heads));
     dense_rows_bwd_kernel<T, HeadDim><<<grid, kThreads, kSmem, stream>>>(p);
     return cudaGetLastError();
