@@ -374,17 +374,21 @@ GT_SEQ_HD bool seq_part_band(const SeqMaskPart& own, const SeqWindow& win, const
 
 // The 8 bits of a pair of a band part (seq_part_band: offsets in [lo, hi])
 // with no earlier part near it (the edge of a band: most masked pairs): one
-// range test per element.
+// range test per element. A band's keys are a progression (step >= 1, never
+// the global list), so key - row is one base plus the element's multiples
+// of the step and the row stride (the global list's lookup, in seg_key, is
+// left out of the composite masks' hottest loop).
 template <bool kKeyRows>
-GT_SEQ_HD uint32_t seq_band_pair_bits(const SeqMask& mk, const SeqWindow& win, int32_t lo, int32_t hi,
-                                      const KeySeg& ks, int32_t n0, int32_t valid, int lane) {
+GT_SEQ_HD uint32_t seq_band_pair_bits(const SeqWindow& win, int32_t lo, int32_t hi, const KeySeg& ks, int32_t n0,
+                                      int32_t valid, int lane) {
+    const int32_t base = ks.start + ks.step * n0 - win.base;
     uint32_t bits = 0u;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         int kc;
         int32_t row;
         const bool in = seq_pair_elem<kKeyRows>(win, lane, e, valid, kc, row);
-        const int32_t d = seg_key(mk, ks, n0 + kc) - row;
+        const int32_t d = base + ks.step * kc - (row - win.base);
         bits |= static_cast<uint32_t>(in && d >= lo && d <= hi) << e;
     }
     return bits;
@@ -418,7 +422,7 @@ GT_SEQ_HD bool seq_pair_bits(const SeqMask& mk, const SeqWindow& win, int part, 
     }
     int32_t lo, hi;
     if (!overlap && seq_part_band(own, win, ks, lo, hi)) {
-        bits = seq_band_pair_bits<kKeyRows>(mk, win, lo, hi, ks, n0, valid, lane);
+        bits = seq_band_pair_bits<kKeyRows>(win, lo, hi, ks, n0, valid, lane);
         return true;
     }
     // Everything else, element by element (a loop: unrolled, the switches of
@@ -512,7 +516,7 @@ GT_SEQ_HD uint32_t seq_tile_bits(const SeqMask& mk, const SeqWindow& win, int pa
                     continue;   // warp-uniform
                 }
                 on |= 1u << sl;
-                bits[sl] = seq_band_pair_bits<false>(mk, win, lo, hi, ks, p0, valid, lane);
+                bits[sl] = seq_band_pair_bits<false>(win, lo, hi, ks, p0, valid, lane);
             }
             return on;
         }
