@@ -88,20 +88,25 @@ __device__ __forceinline__ void load_step(uint16_t* tiles, const DenseRowsParams
     cp_async_commit();
 }
 
-// The first kStages - 1 steps' copies; then each step starts the copy
-// kStages - 1 steps ahead and waits for its own.
-template <int kD, int kStages>
-__device__ __forceinline__ void load_first_steps(uint16_t* tiles, const DenseRowsParams& p, int b, int h,
-                                                 int64_t key0, int64_t key_end) {
+// The walk of both kernels over chunk `chunk`'s keys, 64 at a time (block-
+// uniform): the first kStages - 1 steps' copies, then each step starts the
+// copy kStages - 1 steps ahead, waits for its own and calls
+// step(j0, valid, K tile, V tile); the barrier after it (every read of the
+// stage done before the next copy into it).
+template <int kD, int kStages, typename Step>
+__device__ __forceinline__ void for_each_step(uint16_t* tiles, const DenseRowsParams& p, int b, int h, int chunk,
+                                              Step&& step) {
+    const int64_t key0 = static_cast<int64_t>(chunk) * p.chunk_keys;
+    const int64_t key_end = key0 + p.chunk_keys < p.keys ? key0 + p.chunk_keys : p.keys;
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) load_step<kD, kStages>(tiles, p, b, h, key0 + s * kStepKeys, key_end);
-}
-template <int kD, int kStages>
-__device__ __forceinline__ void next_step_ready(uint16_t* tiles, const DenseRowsParams& p, int b, int h, int64_t j0,
-                                                int64_t key_end) {
-    load_step<kD, kStages>(tiles, p, b, h, j0 + (kStages - 1) * kStepKeys, key_end);
-    cp_async_wait<kStages - 1>();
-    __syncthreads();   // this step's K and V, every thread's
+    for (int64_t j0 = key0; j0 < key_end; j0 += kStepKeys) {
+        load_step<kD, kStages>(tiles, p, b, h, j0 + (kStages - 1) * kStepKeys, key_end);
+        cp_async_wait<kStages - 1>();
+        __syncthreads();   // this step's K and V, every thread's (and what the kernel staged before the walk)
+        step(j0, step_valid(p, j0), kv_tile<kD, kStages>(tiles, j0, 0), kv_tile<kD, kStages>(tiles, j0, 1));
+        __syncthreads();   // every read of the stage (and of the kernel's per-step arrays) before the next copy
+    }
 }
 
 // <row of qs (fp32, kD), row j of a padded 16-bit tile>.
@@ -154,14 +159,8 @@ __global__ void __launch_bounds__(kThreads) dense_rows_fwd_kernel(const DenseRow
 #pragma unroll
     for (int r = 0; r < Tl::kPerThread; ++r) o[r] = 0.f;
 
-    const int64_t key0 = static_cast<int64_t>(chunk) * p.chunk_keys;
-    const int64_t key_end = key0 + p.chunk_keys < p.keys ? key0 + p.chunk_keys : p.keys;
-    constexpr int kSt = kFwdStages<kD>;
-    load_first_steps<kD, kSt>(tiles, p, b, h, key0, key_end);
-    for (int64_t j0 = key0; j0 < key_end; j0 += kStepKeys) {   // block-uniform
-        next_step_ready<kD, kSt>(tiles, p, b, h, j0, key_end);   // (and qs, at the first)
-        const int valid = step_valid(p, j0);
-        const uint16_t* kt = kv_tile<kD, kSt>(tiles, j0, 0);
+    for_each_step<kD, kFwdStages<kD>>(tiles, p, b, h, chunk, [&](int64_t, int valid, const uint16_t* kt,
+                                                                  const uint16_t* vt) {
         for (int x = tid; x < G * kStepKeys; x += kThreads) {   // consecutive threads: consecutive keys
             const int i = x / kStepKeys, j = x % kStepKeys;
             ss[i][j] = j < valid ? dot_row<T, kD>(qs[i], kt, j) : -INFINITY;
@@ -188,7 +187,6 @@ __global__ void __launch_bounds__(kThreads) dense_rows_fwd_kernel(const DenseRow
             }
         }
         __syncthreads();   // probabilities and alpha in place
-        const uint16_t* vt = kv_tile<kD, kSt>(tiles, j0, 1);
 #pragma unroll
         for (int r = 0; r < Tl::kPerThread; ++r) {
             const int i = grp + Tl::kGroups * r;
@@ -197,8 +195,7 @@ __global__ void __launch_bounds__(kThreads) dense_rows_fwd_kernel(const DenseRow
             for (int j = 0; j < kStepKeys; ++j) acc = fmaf(ss[i][j], elem<T>(vt, j * Tl::kRow + d), acc);
             o[r] = acc;
         }
-        __syncthreads();   // every read of this stage and of ss done before the next copy into it
-    }
+    });
     const int64_t bhs = static_cast<int64_t>(p.batch) * p.heads;
     float* part = p.partial + (static_cast<int64_t>(chunk) * bhs + bh) * G * (kD + 2);
 #pragma unroll
@@ -302,15 +299,8 @@ __global__ void __launch_bounds__(kThreads) dense_rows_bwd_kernel(const DenseRow
 #pragma unroll
     for (int r = 0; r < Tl::kPerThread; ++r) dq[r] = 0.f;
 
-    const int64_t key0 = static_cast<int64_t>(chunk) * p.chunk_keys;
-    const int64_t key_end = key0 + p.chunk_keys < p.keys ? key0 + p.chunk_keys : p.keys;
-    constexpr int kSt = kBwdStages<kD>;
-    load_first_steps<kD, kSt>(tiles, p, b, h, key0, key_end);
-    for (int64_t j0 = key0; j0 < key_end; j0 += kStepKeys) {   // block-uniform
-        next_step_ready<kD, kSt>(tiles, p, b, h, j0, key_end);   // (and q, dO, lse, delta at the first)
-        const int valid = step_valid(p, j0);
-        const uint16_t* kt = kv_tile<kD, kSt>(tiles, j0, 0);
-        const uint16_t* vt = kv_tile<kD, kSt>(tiles, j0, 1);
+    for_each_step<kD, kBwdStages<kD>>(tiles, p, b, h, chunk, [&](int64_t j0, int valid, const uint16_t* kt,
+                                                                  const uint16_t* vt) {
         for (int x = tid; x < G * kStepKeys; x += kThreads) {
             const int i = x / kStepKeys, j = x % kStepKeys;
             float pr = 0.f, ds = 0.f;
@@ -355,8 +345,7 @@ __global__ void __launch_bounds__(kThreads) dense_rows_bwd_kernel(const DenseRow
             for (int j = 0; j < kStepKeys; ++j) acc = fmaf(dss[i][j], elem<T>(kt, j * Tl::kRow + d), acc);
             dq[r] = acc;
         }
-        __syncthreads();   // every read of this stage, ps and dss done before the next copy into it
-    }
+    });
 #pragma unroll
     for (int r = 0; r < Tl::kPerThread; ++r) {
         const int i = grp + Tl::kGroups * r;
