@@ -128,19 +128,25 @@ void check_edge_array(const std::optional<at::Tensor>& t, const char* name, int6
     TORCH_CHECK(t->is_contiguous(), name, " must be contiguous");
 }
 
-// The edge slots of one pass (nnz_offset [T + 1], slot_edge [E], int32), which
-// every per-edge term needs. Returns whether given (then E = slot_edge's size).
+// The edge slots of one pass (nnz_offset [T + 1], slot_edge [E], int32;
+// slot_pos [E] uint8), which every per-edge term needs. Returns whether given
+// (then E = slot_edge's size).
 bool check_slots(const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
-                 const at::Tensor& bitmap, const at::Tensor& q, const char* which) {
+                 const std::optional<at::Tensor>& slot_pos, const at::Tensor& bitmap, const at::Tensor& q,
+                 const char* which) {
     const std::string pre = which;
-    TORCH_CHECK(nnz_offset.has_value() == slot_edge.has_value(), pre,
-                "nnz_offset and slot_edge come together (GraphPlan.bias_args)");
+    TORCH_CHECK(nnz_offset.has_value() == slot_edge.has_value() && slot_edge.has_value() == slot_pos.has_value(), pre,
+                "nnz_offset, slot_edge and slot_pos come together (GraphPlan.bias_args)");
     if (!slot_edge.has_value()) return false;
     check_index(*nnz_offset, (pre + "nnz_offset").c_str(), at::kInt, q);
     check_index(*slot_edge, (pre + "slot_edge").c_str(), at::kInt, q);
+    check_index(*slot_pos, (pre + "slot_pos").c_str(), at::kByte, q);
     TORCH_CHECK(nnz_offset->dim() == 1 && nnz_offset->numel() == bitmap.size(0) + 1, pre, "nnz_offset must have T + 1 = ",
                 num(bitmap.size(0) + 1), " entries (got ", num(nnz_offset->numel()), ")");
     TORCH_CHECK(slot_edge->dim() == 1, pre, "slot_edge must be 1-D");
+    TORCH_CHECK(slot_pos->dim() == 1 && slot_pos->numel() == slot_edge->numel(), pre,
+                "slot_pos must have one entry per non-zero, as slot_edge (", num(slot_edge->numel()), "; got ",
+                num(slot_pos->numel()), ")");
     return true;
 }
 
@@ -169,8 +175,8 @@ const float* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() 
 // order, reached through this pass's slot_edge (nnz_offset, slot_edge absent:
 // no edge terms).
 EdgeBiasArgs edge_args(const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
-                       int64_t num_heads, const std::optional<at::Tensor>& bias, float* grad,
-                       const std::optional<at::Tensor>& dp_bias) {
+                       const std::optional<at::Tensor>& slot_pos, int64_t num_heads,
+                       const std::optional<at::Tensor>& bias, float* grad, const std::optional<at::Tensor>& dp_bias) {
     if (!nnz_offset.has_value()) return EdgeBiasArgs{};
     EdgeBiasArgs eb{};
     eb.bias = opt_ptr(bias);
@@ -178,6 +184,7 @@ EdgeBiasArgs edge_args(const std::optional<at::Tensor>& nnz_offset, const std::o
     eb.dp_bias = opt_ptr(dp_bias);
     eb.nnz_offset = nnz_offset->data_ptr<int32_t>();
     eb.slot_edge = slot_edge->data_ptr<int32_t>();
+    eb.slot_pos = slot_pos->data_ptr<uint8_t>();
     eb.num_heads = static_cast<int32_t>(num_heads);
     return eb;
 }
@@ -201,8 +208,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
         const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& rw_offset,
         const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& window_order, const at::Tensor& items,
         const at::Tensor& slots, double scale, bool out_fp32, const std::optional<at::Tensor>& edge_bias,
-        const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge, double dropout_p,
-        int64_t dropout_seed, bool return_scores) {
+        const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
+        const std::optional<at::Tensor>& slot_pos, double dropout_p, int64_t dropout_seed, bool return_scores) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
     const at::Tensor q = kernel_input(q_in, "q", q_in);
@@ -241,12 +248,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
                 num(items.size(0)), " x ", num(H), " heads)");
     TORCH_CHECK(slots.size(0) * H * 16 * D < (int64_t(1) << 40), "partial workspace too large");
     TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
-    const bool has_bias = check_slots(nnz_offset, slot_edge, bitmap, q, "");   // the edge-term instance
+    const bool has_bias = check_slots(nnz_offset, slot_edge, slot_pos, bitmap, q, "");   // the edge-term instance
     TORCH_CHECK(has_bias || (!edge_bias.has_value() && dropout_p == 0.0),
-                "an edge_bias or dropout needs the graph's nnz_offset and slot_edge (GraphPlan.bias_args)");
+                "an edge_bias or dropout needs the graph's edge slots (GraphPlan.bias_args)");
     if (has_bias) check_edge_array(edge_bias, "edge_bias", slot_edge->numel(), q);
     check_dropout(dropout_p);
-    TORCH_CHECK(has_bias || !return_scores, "scores need the graph's nnz_offset and slot_edge (GraphPlan.bias_args)");
+    TORCH_CHECK(has_bias || !return_scores, "scores need the graph's edge slots (GraphPlan.bias_args)");
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     auto out = at::empty({Nq, H, D}, q.options().dtype(out_fp32 ? at::kFloat : q.scalar_type()));
@@ -287,7 +294,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     p.num_nodes = static_cast<int32_t>(Nq);   // rows read and written; windows past them have no edges
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-    p.bias = edge_args(nnz_offset, slot_edge, H, edge_bias, nullptr, std::nullopt);
+    p.bias = edge_args(nnz_offset, slot_edge, slot_pos, H, edge_bias, nullptr, std::nullopt);
     if (has_bias) set_dropout(p.bias, dropout_p, dropout_seed);
     p.scores_ptr = return_scores ? scores.data_ptr<float>() : nullptr;
 
@@ -311,10 +318,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& items, const at::Tensor& slots, double scale,
                                             bool out_fp32, const std::optional<at::Tensor>& edge_bias,
                                             const std::optional<at::Tensor>& nnz_offset,
-                                            const std::optional<at::Tensor>& slot_edge, double dropout_p,
+                                            const std::optional<at::Tensor>& slot_edge,
+                                            const std::optional<at::Tensor>& slot_pos, double dropout_p,
                                             int64_t dropout_seed) {
     auto [out, lse, scores] = fwd_impl(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale,
-                                       out_fp32, edge_bias, nnz_offset, slot_edge, dropout_p, dropout_seed, false);
+                                       out_fp32, edge_bias, nnz_offset, slot_edge, slot_pos, dropout_p, dropout_seed,
+                                       false);
     return {out, lse};
 }
 
@@ -325,9 +334,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_scores_cuda(
         const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rw_offset,
         const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& window_order, const at::Tensor& items,
         const at::Tensor& slots, double scale, bool out_fp32, const std::optional<at::Tensor>& edge_bias,
-        const at::Tensor& nnz_offset, const at::Tensor& slot_edge, double dropout_p, int64_t dropout_seed) {
+        const at::Tensor& nnz_offset, const at::Tensor& slot_edge, const at::Tensor& slot_pos, double dropout_p,
+        int64_t dropout_seed) {
     return fwd_impl(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32, edge_bias,
-                    nnz_offset, slot_edge, dropout_p, dropout_seed, true);
+                    nnz_offset, slot_edge, slot_pos, dropout_p, dropout_seed, true);
 }
 
 // ---- Backward ------------------------------------------------------------------
@@ -376,8 +386,8 @@ void check_pass(const char* which, const at::Tensor& cols, const at::Tensor& bit
 // are the graph's BSB and schedule (dQ pass), `t_*` those of the transposed
 // graph (dKV pass). out and lse are the forward's outputs (out in q's dtype or
 // fp32). The gradients are in q's dtype, or fp32 if grad_fp32. Per-edge
-// terms (in the caller's edge order) need each pass's nnz_offset and
-// slot_edge: the edge_bias of the forward (its gradient dS [E, H] fp32
+// terms (in the caller's edge order) need each pass's nnz_offset, slot_edge
+// and slot_pos: the edge_bias of the forward (its gradient dS [E, H] fp32
 // comes fourth; else an empty tensor),
 // dp_bias [E, H] added to dP and delta_extra [N, H] added to delta (the
 // gradient of returned probabilities, see ops.py).
@@ -388,8 +398,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& slots, const at::Tensor& t_cols, const at::Tensor& t_bitmap, const at::Tensor& t_items,
     const at::Tensor& t_slots, double scale, bool grad_fp32, const std::optional<at::Tensor>& edge_bias,
     const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
-    const std::optional<at::Tensor>& t_nnz_offset,
-    const std::optional<at::Tensor>& t_slot_edge,
+    const std::optional<at::Tensor>& slot_pos, const std::optional<at::Tensor>& t_nnz_offset,
+    const std::optional<at::Tensor>& t_slot_edge, const std::optional<at::Tensor>& t_slot_pos,
     const std::optional<at::Tensor>& dp_bias, const std::optional<at::Tensor>& delta_extra, double dropout_p,
     int64_t dropout_seed) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
@@ -414,8 +424,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     check_pass("graph", cols, bitmap, items, slots, q, N);
     check_pass("transposed graph", t_cols, t_bitmap, t_items, t_slots, q, N);
     TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
-    const bool has_edges = check_slots(nnz_offset, slot_edge, bitmap, q, "");
-    TORCH_CHECK(check_slots(t_nnz_offset, t_slot_edge, t_bitmap, q, "transposed graph ") == has_edges,
+    const bool has_edges = check_slots(nnz_offset, slot_edge, slot_pos, bitmap, q, "");
+    TORCH_CHECK(check_slots(t_nnz_offset, t_slot_edge, t_slot_pos, t_bitmap, q, "transposed graph ") == has_edges,
                 "the edge slots of the graph and of the transposed graph come together");
     TORCH_CHECK(has_edges || !(edge_bias.has_value() || dp_bias.has_value() || delta_extra.has_value() ||
                                dropout_p != 0.0),
@@ -488,7 +498,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dq_pass.num_slots = static_cast<int32_t>(S);
     dq_pass.counters_ptr = S + St > 0 ? counters.data_ptr<int32_t>() : nullptr;
     dq_pass.part1_ptr = S > 0 ? part_q.data_ptr<float>() : nullptr;
-    dq_pass.bias = edge_args(nnz_offset, slot_edge, H, edge_bias, has_bias ? grad_bias.data_ptr<float>() : nullptr,
+    dq_pass.bias = edge_args(nnz_offset, slot_edge, slot_pos, H, edge_bias, has_bias ? grad_bias.data_ptr<float>() : nullptr,
                              dp_bias);
     if (has_edges) set_dropout(dq_pass.bias, dropout_p, dropout_seed);
 
@@ -509,7 +519,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dkv_pass.counters_ptr = S + St > 0 ? counters.data_ptr<int32_t>() + S * H : nullptr;
     dkv_pass.part1_ptr = St > 0 ? part_k.data_ptr<float>() : nullptr;
     dkv_pass.part2_ptr = St > 0 ? part_v.data_ptr<float>() : nullptr;
-    dkv_pass.bias = edge_args(t_nnz_offset, t_slot_edge, H, edge_bias, nullptr, dp_bias);
+    dkv_pass.bias = edge_args(t_nnz_offset, t_slot_edge, t_slot_pos, H, edge_bias, nullptr, dp_bias);
     if (has_edges) set_dropout(dkv_pass.bias, dropout_p, dropout_seed);
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();

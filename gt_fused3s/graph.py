@@ -670,18 +670,22 @@ def _window_columns(key: Tensor, num_nodes: int) -> tuple[Tensor, ...]:
     return first, win, src, row_in, rank, cols_per_win
 
 
-def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor]:
+def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Where the edges of ``edge_index`` (the graph ``bsb`` was built from,
     in any order) sit in the format's non-zero order: TCBs in order, inside
     a TCB word 0 then word 1 of the bitmap, bits ascending.
 
     Returns ``nnz_offset`` int32 [T + 1] (first non-zero of each TCB, over
-    the capacity in static mode) and ``slot_edge`` int32 [E] (the index in
-    ``edge_index`` of each non-zero). Copies of one edge take its columns in
-    the order they are listed. Built once per graph with vectorised ops and
-    static shapes (no host synchronisation), for the kernels' per-edge terms,
-    which they read and write in the caller's edge order through
-    ``slot_edge``.
+    the capacity in static mode), ``slot_edge`` int32 [E] (the index in
+    ``edge_index`` of each non-zero) and ``slot_pos`` uint8 [E] (its place
+    among the mma fragments of its pair of TCBs, ``128 x + 4 lane + i``: TCB
+    x of the pair, lane ``4 (row % 8) + column // 2`` and element ``i = 2
+    (row >= 8) + column % 2`` of the m16n8 accumulator, where the kernels
+    put its bias and find its score: csrc/kernels/edge_bias.cuh). Copies of
+    one edge take its columns in the order they are listed. Built once per
+    graph with vectorised ops and static shapes (no host synchronisation),
+    for the kernels' per-edge terms, which they read and write in the
+    caller's edge order through ``slot_edge``.
     """
     _check_edge_index(edge_index)
     if edge_index.size(1) != bsb.num_edges:
@@ -697,13 +701,20 @@ def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor]:
     tcb = bsb.rw_offset.long()[win] + (rank >> 3)
     word = row_in >> 3
     bit = ((row_in & 7) << 3) | (rank & 7)
-    return nnz_slots(bsb.bitmap, tcb, word, bit, order)
+    nnz_offset, slot_edge, nnz = nnz_slots(bsb.bitmap, tcb, word, bit, order)
+    # bit 8 (row % 8) + column: lane bit // 2, element 2 word + bit % 2 of TCB
+    # x = (rank // 8) % 2 of the window's pairs (work items start at even TCBs)
+    pos = (((rank >> 3) & 1) << 7) | ((bit >> 1) << 2) | (word << 1) | (bit & 1)
+    slot_pos = torch.empty_like(order, dtype=torch.uint8).scatter_(0, nnz, pos.to(torch.uint8))
+    return nnz_offset, slot_edge, slot_pos
 
 
-def nnz_slots(bitmap: Tensor, tcb: Tensor, word: Tensor, bit: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
+def nnz_slots(bitmap: Tensor, tcb: Tensor, word: Tensor, bit: Tensor, order: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor]:
     """``(nnz_offset, slot_edge)`` of a window format (:func:`edge_slots`)
     from each edge's block, word and bit and its index ``order`` in the
-    caller's edge list. The non-zero order: blocks in order, inside a block
+    caller's edge list, and each of those edges' non-zero index (int64, in
+    ``order``'s order). The non-zero order: blocks in order, inside a block
     word 0 then word 1, bits ascending."""
     counts = _popcount64(bitmap)                                  # [T, 2]
     nnz_offset = torch.zeros(bitmap.size(0) + 1, dtype=torch.long, device=bitmap.device)
@@ -711,7 +722,7 @@ def nnz_slots(bitmap: Tensor, tcb: Tensor, word: Tensor, bit: Tensor, order: Ten
     below = _popcount64(bitmap[tcb, word] & ((torch.ones_like(bit) << bit) - 1))
     nnz = nnz_offset[tcb] + below + torch.where(word == 1, counts[tcb, 0], 0)
     slot_edge = torch.empty_like(order, dtype=torch.int32).scatter_(0, nnz, order.int())
-    return nnz_offset.int(), slot_edge
+    return nnz_offset.int(), slot_edge, nnz
 
 
 def node_csr(idx: Tensor, num_nodes: int) -> tuple[Tensor, Tensor]:

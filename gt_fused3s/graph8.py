@@ -102,7 +102,7 @@ class BSBGraph8(WindowFormat):
             edge_index[0].long(), edge_index[1].long(), self.num_nodes, ROWS_PER_WINDOW)
         tcb = self.rw_offset.long()[win] + torch.div(rank, COLS_PER_TCB, rounding_mode="floor")
         col_in = rank % COLS_PER_TCB
-        return nnz_slots(self.bitmap, tcb, col_in >> 3, ((col_in & 7) << 3) | row_in, order)
+        return nnz_slots(self.bitmap, tcb, col_in >> 3, ((col_in & 7) << 3) | row_in, order)[:2]
 
     def decode_edges(self) -> Tensor:
         """Edges [2, E] (source, destination), duplicates included, read back

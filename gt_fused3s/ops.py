@@ -43,20 +43,20 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _LIB = torch.library.Library("gt_fused3s", "FRAGMENT")
 _LIB.define("fwd(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
             "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32, "
-            "Tensor? edge_bias=None, Tensor? nnz_offset=None, Tensor? slot_edge=None, "
+            "Tensor? edge_bias=None, Tensor? nnz_offset=None, Tensor? slot_edge=None, Tensor? slot_pos=None, "
             "float dropout_p=0.0, int dropout_seed=0) -> (Tensor out, Tensor lse)")
 _LIB.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cols, "
             "Tensor bitmap, Tensor items, Tensor slots, Tensor t_cols, Tensor t_bitmap, Tensor t_items, "
             "Tensor t_slots, float scale, bool grad_fp32, Tensor? edge_bias=None, "
-            "Tensor? nnz_offset=None, Tensor? slot_edge=None, "
-            "Tensor? t_nnz_offset=None, Tensor? t_slot_edge=None, Tensor? dp_bias=None, "
+            "Tensor? nnz_offset=None, Tensor? slot_edge=None, Tensor? slot_pos=None, "
+            "Tensor? t_nnz_offset=None, Tensor? t_slot_edge=None, Tensor? t_slot_pos=None, Tensor? dp_bias=None, "
             "Tensor? delta_extra=None, float dropout_p=0.0, int dropout_seed=0) "
             "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_bias)")
 # The forward that also returns each edge's raw dot product q_i.k_j [E, H]
 # fp32 in the caller's edge order (the weights follow from it and lse).
 _LIB.define("fwd_scores(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
             "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32, "
-            "Tensor? edge_bias, Tensor nnz_offset, Tensor slot_edge, "
+            "Tensor? edge_bias, Tensor nnz_offset, Tensor slot_edge, Tensor slot_pos, "
             "float dropout_p=0.0, int dropout_seed=0) -> (Tensor out, Tensor lse, Tensor scores)")
 # (SymInt: under torch.compile(dynamic=True) the node count stays symbolic;
 # an int specialised it and recompiled the graph for every node count)
@@ -89,7 +89,7 @@ _LIB.define("gather_rows(Tensor x, Tensor index) -> Tensor")
 
 @torch.library.register_fake("gt_fused3s::fwd")
 def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-              edge_bias=None, nnz_offset=None, slot_edge=None, dropout_p=0.0, dropout_seed=0):
+              edge_bias=None, nnz_offset=None, slot_edge=None, slot_pos=None, dropout_p=0.0, dropout_seed=0):
     N, H, D = q.shape       # q's rows: k and v may have more (the graph's nodes)
     return (q.new_empty((N, H, D), dtype=torch.float32 if out_fp32 else q.dtype),
             q.new_empty((N, H), dtype=torch.float32))
@@ -97,8 +97,8 @@ def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scal
 
 @torch.library.register_fake("gt_fused3s::bwd")
 def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items,
-              t_slots, scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None,
-              t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None,
+              t_slots, scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None, slot_pos=None,
+              t_nnz_offset=None, t_slot_edge=None, t_slot_pos=None, dp_bias=None, delta_extra=None,
               dropout_p=0.0, dropout_seed=0):
     dtype = torch.float32 if grad_fp32 else q.dtype
     grad_bias = (torch.empty_like(edge_bias) if edge_bias is not None
@@ -109,7 +109,7 @@ def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t
 
 @torch.library.register_fake("gt_fused3s::fwd_scores")
 def _fwd_scores_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-                     edge_bias, nnz_offset, slot_edge, dropout_p=0.0, dropout_seed=0):
+                     edge_bias, nnz_offset, slot_edge, slot_pos, dropout_p=0.0, dropout_seed=0):
     return (*_fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32),
             q.new_empty((slot_edge.size(0), q.size(1)), dtype=torch.float32))
 
@@ -575,7 +575,7 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: flo
     Dp = padded_head_dim(D)
     if q.dtype != cdt or D != Dp:
         q, k, v = (_kernel_operand(t, cdt, Dp) for t in (q, k, v))
-    edge = (bias, *slots[:2], *drop) if slots else ()
+    edge = (bias, *slots[:3], *drop) if slots else ()   # the BSB's three slot arrays
     probs = None
     if dst is None:
         out, lse = _op("fwd")(q, k, v, *fwd_args, scale, out_dtype != cdt, *edge)
@@ -594,7 +594,7 @@ def _kernel_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     """Gradients of :func:`_kernel_forward` with respect to q, k, v, in their
     dtype (fp32 inputs get fp32 gradients straight from the fp32 accumulators),
     and to the edge bias (fp32 [E, H]; empty without a bias). ``edge``: ()
-    or the bwd op's per-edge arguments (edge_bias or None, the plan's four
+    or the bwd op's per-edge arguments (edge_bias or None, the plan's six
     slot arrays, dp_bias or None, delta_extra or None, dropout p and seed).
     ``in_dtype``: the inputs' dtype where q, k, v are their casts to the
     compute dtype (saved so by the forward; default q's)."""

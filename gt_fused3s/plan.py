@@ -253,8 +253,8 @@ class GraphPlan:
     def bias_args(self) -> tuple[Tensor, ...]:
         """The kernels' per-edge arguments (:func:`~gt_fused3s.graph.edge_slots`),
         for an ``edge_bias`` or weights in the order of :attr:`edge_index`:
-        ``nnz_offset`` and ``slot_edge`` of the BSB, then those of the
-        transposed BSB."""
+        ``nnz_offset``, ``slot_edge`` and ``slot_pos`` of the BSB, then those
+        of the transposed BSB."""
         if self._bias_args is None and self._outside_graph():
             return _build_eagerly(self.bias_args)
         if self._bias_args is None:

@@ -21,17 +21,22 @@ KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def decode(items: torch.Tensor, cols: torch.Tensor, bitmap: torch.Tensor,
-           nnz_offset: torch.Tensor | None = None, slot_edge: torch.Tensor | None = None):
+           nnz_offset: torch.Tensor | None = None, slot_edge: torch.Tensor | None = None,
+           slot_pos: torch.Tensor | None = None):
     """Edges [2, E] (source, destination) of a BSB as the kernels read it:
     the TCBs the items cover, in their windows, in the format's non-zero
     order. With ``nnz_offset`` and ``slot_edge``: also the caller's edge id
     of each, found as the kernels find it (first non-zero of the TCB + the
-    TCB's set bits below)."""
+    TCB's set bits below). With ``slot_pos``: checks each non-zero's place
+    in its pair's fragments (128 x + 4 lane + i, the kernels' pairs starting
+    at each item's first TCB)."""
     it = items[items[:, 0] >= 0].long()
     T = bitmap.size(0)
     tcb_win = torch.full((T,), -1, dtype=torch.long)
+    pair_start = torch.full((T,), -1, dtype=torch.long)   # the first TCB of each TCB's item
     for w, b, e, _ in it.tolist():
         tcb_win[b:e] = w
+        pair_start[b:e] = b
     bit = torch.arange(64)
     on = ((bitmap.unsqueeze(-1) >> bit) & 1).bool()            # [T, 2, 64]
     t, word, b = on.nonzero(as_tuple=True)
@@ -44,6 +49,11 @@ def decode(items: torch.Tensor, cols: torch.Tensor, bitmap: torch.Tensor,
         return edges
     first = torch.searchsorted(t, t)                            # first non-zero of each TCB
     nnz = nnz_offset.long()[t] + torch.arange(t.numel()) - first
+    if slot_pos is not None:
+        assert slot_pos.dtype == torch.uint8 and slot_pos.numel() == slot_edge.numel()
+        x = (t - pair_start[t]) & 1
+        want = (x << 7) | ((b >> 1) << 2) | (word << 1) | (b & 1)
+        assert torch.equal(slot_pos.long()[nnz], want), "slot_pos: a non-zero's place in its pair"
     return edges, slot_edge.long()[nnz]
 
 
@@ -87,14 +97,14 @@ def _reference_backward(q, k, v, do, edge_index, scale, bias=None, dp_bias=None,
     return dq, dk, dv, ds
 
 
-def _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge):
+def _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge, slot_pos):
     """The decoded edges and, with a bias, each one's bias row ([E', H] fp32)."""
     if edge_bias is None:
         return decode(items, cols, bitmap), None
     assert edge_bias.dtype == torch.float32 and edge_bias.is_contiguous()
     assert nnz_offset.dtype == slot_edge.dtype == torch.int32
     assert nnz_offset.numel() == bitmap.size(0) + 1
-    ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge)
+    ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge, slot_pos)
     return ei, edge_bias[ids]
 
 
@@ -135,41 +145,43 @@ class StandIns:
         self.calls: list[str] = []
 
     def fwd(self, q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-            edge_bias=None, nnz_offset=None, slot_edge=None, dropout_p=0.0, dropout_seed=0):
+            edge_bias=None, nnz_offset=None, slot_edge=None, slot_pos=None, dropout_p=0.0, dropout_seed=0):
         _check_operands(q, k, v)
         assert items.size(0) >= rw_offset.numel() - 1
+        assert (nnz_offset is None) == (slot_edge is None) == (slot_pos is None)
         self.calls.append("fwd")
-        ei, bias = _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge)
+        ei, bias = _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge, slot_pos)
         mask = _dropout_mask(items, cols, bitmap, nnz_offset, slot_edge, dropout_p, dropout_seed, q.size(1))
         out = attention_reference(q, k, v, ei, scale, edge_bias=bias, dropout_mask=mask, out_dtype=torch.float32)
         return (out if out_fp32 else out.to(q.dtype)), _lse(q, k, ei, scale, bias)
 
     def fwd_scores(self, q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-                   edge_bias, nnz_offset, slot_edge, dropout_p=0.0, dropout_seed=0):
+                   edge_bias, nnz_offset, slot_edge, slot_pos, dropout_p=0.0, dropout_seed=0):
         out, lse = self.fwd(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-                            edge_bias, nnz_offset, slot_edge, dropout_p, dropout_seed)
+                            edge_bias, nnz_offset, slot_edge, slot_pos, dropout_p, dropout_seed)
         self.calls[-1] = "fwd_scores"
         _check_permutation(slot_edge)
-        ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge)
+        ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge, slot_pos)
         scores = torch.empty(slot_edge.numel(), q.size(1))
         scores[ids] = _scores(q, k, ei, 1.0)          # raw q_i.k_j, the caller's edge order
         return out, lse, scores
 
     def bwd(self, do, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items, t_slots,
-            scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None,
-            t_nnz_offset=None, t_slot_edge=None, dp_bias=None, delta_extra=None, dropout_p=0.0,
+            scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None, slot_pos=None,
+            t_nnz_offset=None, t_slot_edge=None, t_slot_pos=None, dp_bias=None, delta_extra=None, dropout_p=0.0,
             dropout_seed=0):
         _check_operands(q, k, v, do)
-        ei, bias = _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge)
+        ei, bias = _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge, slot_pos)
         # the transposed format holds exactly the reversed edges (and, with
         # edge terms, finds each under the same edge id)
-        t_ei, t_bias = _decode_with_bias(t_items, t_cols, t_bitmap, edge_bias, t_nnz_offset, t_slot_edge)
+        t_ei, t_bias = _decode_with_bias(t_items, t_cols, t_bitmap, edge_bias, t_nnz_offset, t_slot_edge,
+                                         t_slot_pos)
         assert torch.equal(_sorted(t_ei.flip(0)), _sorted(ei))
         ids = None
         if slot_edge is not None:
             _check_permutation(slot_edge)
-            ids = decode(items, cols, bitmap, nnz_offset, slot_edge)[1]
-            t_ids = decode(t_items, t_cols, t_bitmap, t_nnz_offset, t_slot_edge)[1]
+            ids = decode(items, cols, bitmap, nnz_offset, slot_edge, slot_pos)[1]
+            t_ids = decode(t_items, t_cols, t_bitmap, t_nnz_offset, t_slot_edge, t_slot_pos)[1]
             assert torch.equal(torch.sort(ids).values, torch.arange(slot_edge.numel()))
             by_id = torch.empty_like(ei)
             by_id[:, ids] = ei

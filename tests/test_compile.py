@@ -203,16 +203,16 @@ def test_opcheck_on_registered_ops(stand_in_kernels):
     slots = list(plan.bias_args())
     bias = torch.randn(ei.size(1), 2, generator=g)
     out, lse = torch.ops.gt_fused3s.fwd(q, k, v, *fwd, 0.3, False)
-    out_b, lse_b = torch.ops.gt_fused3s.fwd(q, k, v, *fwd, 0.3, False, bias, *slots[:2])
+    out_b, lse_b = torch.ops.gt_fused3s.fwd(q, k, v, *fwd, 0.3, False, bias, *slots[:3])
     bwd_graph = (fwd[1], fwd[2], fwd[4], fwd[5], *bwd)
     dst, feats = ei[1], torch.randn(ei.size(1), 4, generator=g)
     cases = [
         (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False)),
-        (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False, bias, *slots[:2])),
+        (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False, bias, *slots[:3])),
         (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out, lse, *bwd_graph, 0.3, False)),
         (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out_b, lse_b, *bwd_graph, 0.3, False, bias, *slots)),
         (torch.ops.gt_fused3s.bsb_build.default, (ei, N)),
-        (torch.ops.gt_fused3s.fwd_scores.default, (q, k, v, *fwd, 0.3, False, bias, *slots[:2])),
+        (torch.ops.gt_fused3s.fwd_scores.default, (q, k, v, *fwd, 0.3, False, bias, *slots[:3])),
         (torch.ops.gt_fused3s.edge_probs.default, (bias, None, lse_b, ei[1].long(), 0.3)),
         (torch.ops.gt_fused3s.attention.default,       # the differentiable one
          (q.clone().requires_grad_(), k.clone().requires_grad_(), v, fwd, bwd, 0.3, torch.float16, None, None,
@@ -222,7 +222,7 @@ def test_opcheck_on_registered_ops(stand_in_kernels):
           slots, ei[1], 0.0, 0)),
         (torch.ops.gt_fused3s.attention.default,       # with attention dropout
          (q.clone().requires_grad_(), k, v, fwd, bwd, 0.3, torch.float16, None, None, slots, None, 0.25, 1234)),
-        (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False, None, *slots[:2], 0.25, 1234)),
+        (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False, None, *slots[:3], 0.25, 1234)),
         (torch.ops.gt_fused3s.edge_dot_term.default,      # the edge terms' differentiable ops
          (torch.randn(N, 2, 4, generator=g).requires_grad_(), feats.requires_grad_(), dst, *node_csr(dst, N))),
         (torch.ops.gt_fused3s.edge_scatter_term.default,

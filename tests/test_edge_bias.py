@@ -39,10 +39,11 @@ def _loop_reference(q, k, v, ei, bias, scale):
     return out
 
 
-def _check_slots(bsb: BSBGraph, ei: torch.Tensor, nnz_offset, slot_edge) -> None:
+def _check_slots(bsb: BSBGraph, ei: torch.Tensor, nnz_offset, slot_edge, slot_pos) -> None:
     items = torch.stack([torch.arange(bsb.num_windows), bsb.rw_offset[:-1], bsb.rw_offset[1:],
                          torch.full((bsb.num_windows,), -1)], 1).int()
-    decoded, ids = decode(items, bsb.cols, bsb.bitmap, nnz_offset, slot_edge)
+    # (decode also checks each non-zero's place in its pair's mma fragments)
+    decoded, ids = decode(items, bsb.cols, bsb.bitmap, nnz_offset, slot_edge, slot_pos)
     assert torch.equal(torch.sort(ids).values, torch.arange(ei.size(1)))   # a bijection
     assert torch.equal(ei[:, ids], decoded)                                 # each slot holds its edge
 
@@ -51,10 +52,10 @@ def _check_slots(bsb: BSBGraph, ei: torch.Tensor, nnz_offset, slot_edge) -> None
 def test_edge_slots_find_every_edge_once(name):
     ei, n = _shuffled(name)
     bsb = BSBGraph.from_edge_index(ei, n)
-    nnz_offset, slot_edge = edge_slots(bsb, ei)
-    assert nnz_offset.dtype == slot_edge.dtype == torch.int32
+    nnz_offset, slot_edge, slot_pos = edge_slots(bsb, ei)
+    assert nnz_offset.dtype == slot_edge.dtype == torch.int32 and slot_pos.dtype == torch.uint8
     assert nnz_offset.numel() == bsb.num_tcbs + 1 and int(nnz_offset[-1]) == ei.size(1)
-    _check_slots(bsb, ei, nnz_offset, slot_edge)
+    _check_slots(bsb, ei, nnz_offset, slot_edge, slot_pos)
     # the transposed format, for the backward's dK/dV pass, with the same ids
     t = BSBGraph.from_edge_index(ei.flip(0), n)
     _check_slots(t, ei.flip(0), *edge_slots(t, ei.flip(0)))
@@ -63,10 +64,10 @@ def test_edge_slots_find_every_edge_once(name):
 def test_edge_slots_of_a_static_build(stand_in_kernels):
     ei, n = _shuffled("duplicates")
     plan = GraphPlan.from_edge_index(ei, n, static=True).prepare(1, 16, edge_bias=True)
-    nnz_offset, slot_edge, t_nnz_offset, t_slot_edge = plan.bias_args()
+    nnz_offset, slot_edge, slot_pos, t_nnz_offset, t_slot_edge, t_slot_pos = plan.bias_args()
     assert nnz_offset.numel() == plan.bsb.tcb_capacity + 1      # over the capacity
-    _check_slots(plan.bsb, ei, nnz_offset, slot_edge)
-    _check_slots(plan.transposed, ei.flip(0), t_nnz_offset, t_slot_edge)
+    _check_slots(plan.bsb, ei, nnz_offset, slot_edge, slot_pos)
+    _check_slots(plan.transposed, ei.flip(0), t_nnz_offset, t_slot_edge, t_slot_pos)
 
 
 def test_edge_slots_refuse_another_graph():

@@ -154,7 +154,7 @@ def test_bad_edge_inputs_through_the_ops(ops):
     plan = GraphPlan.from_edge_index(ei, n).prepare(2, 32, edge_bias=True)
     q, k, v = (torch.randn(n, 2, 32, device=DEV, dtype=torch.float16) for _ in range(3))
     fwd = plan.forward_args(2, 32)
-    nnz_offset, slot_edge = plan.bias_args()[:2]
+    nnz_offset, slot_edge, slot_pos = plan.bias_args()[:3]
     bias = torch.randn(ei.size(1), 2, device=DEV)
 
     def call(fn, match):
@@ -163,16 +163,26 @@ def test_bad_edge_inputs_through_the_ops(ops):
         torch.cuda.synchronize()
 
     call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, None, None), "an edge_bias or dropout needs the graph's")
-    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, None, None, None, 0.2, 1), "an edge_bias or dropout needs")
-    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, None, nnz_offset, slot_edge, 1.0, 1), r"dropout_p must be in \[0, 1\)")
-    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias[:-1], nnz_offset, slot_edge),
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, None, None, None, None, 0.2, 1), "an edge_bias or dropout needs")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, None, nnz_offset, slot_edge, slot_pos, 1.0, 1),
+         r"dropout_p must be in \[0, 1\)")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias[:-1], nnz_offset, slot_edge, slot_pos),
          r"edge_bias must have shape \[E, H\]")
-    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias.half(), nnz_offset, slot_edge), "edge_bias must be float32")
-    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset.long(), slot_edge), "nnz_offset must be int32")
-    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset[:-1], slot_edge), r"nnz_offset must have T \+ 1")
-    call(lambda: ops.fwd_scores(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge.long()),
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias.half(), nnz_offset, slot_edge, slot_pos),
+         "edge_bias must be float32")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset.long(), slot_edge, slot_pos),
+         "nnz_offset must be int32")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset[:-1], slot_edge, slot_pos),
+         r"nnz_offset must have T \+ 1")
+    call(lambda: ops.fwd_scores(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge.long(), slot_pos),
          "slot_edge must be int32")
-    out, lse, scores = ops.fwd_scores(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge)
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge, None),
+         "nnz_offset, slot_edge and slot_pos come together")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge, slot_pos.int()),
+         "slot_pos must be uint8")
+    call(lambda: ops.fwd(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge, slot_pos[:-1]),
+         "slot_pos must have one entry per non-zero")
+    out, lse, scores = ops.fwd_scores(q, k, v, *fwd, 0.1, False, bias, nnz_offset, slot_edge, slot_pos)
     dst = ei[1].long()
     call(lambda: ops.edge_probs(scores, bias[:-1], lse, dst, 0.1), "bias must have the shape of scores")
     call(lambda: ops.edge_probs(scores, bias, lse, dst.int(), 0.1), "idx")

@@ -122,7 +122,7 @@ def test_fwd_scores_op():
     want = (q.double()[dst] * k.double()[src]).sum(-1)
     for b, p in ((None, 0.0), (bias, 0.0), (bias, 0.3)):
         torch.full((3 * ei.size(1), h), float("nan"), device=DEV)     # a reused block shows as NaN
-        args = (q, k, v, *plan.forward_args(h, d), 0.2, False, b, *plan.bias_args()[:2], p, 5)
+        args = (q, k, v, *plan.forward_args(h, d), 0.2, False, b, *plan.bias_args()[:3], p, 5)
         out, lse, scores = torch.ops.gt_fused3s.fwd_scores(*args)
         out2, lse2 = torch.ops.gt_fused3s.fwd(*args)
         assert torch.equal(out, out2) and torch.equal(lse, lse2)

@@ -17,18 +17,24 @@
 // columns hold about one edge each; BSBGraph.stats: nnz_per_pair_*). So the warp loads a pair's edge ids and
 // values together, lane l taking non-zeros l and l + 32 (two coalesced loads
 // where each thread had eight dependent gathers, and 6 registers carried to
-// the next pair instead of 24), and each thread takes its scores' values by
-// shuffles from the lane of their rank in the pair (PairBias::expand).
-// Per-edge outputs go the other way through a warp's 64 floats of shared memory
-// (store_all). A pair with more than 64 non-zeros (denser than those graphs;
-// tests: dense_pairs) reads and writes per element instead. A null bias
-// (weights or dropout alone) reads as 0. Measured on an H100 (attention with
-// an edge bias over attention without, forward + backward, 200k power-law
-// graph, H = 4 / 1 / 8, D = 16 / 64 / 32; docs/edge_attention_h100_*.csv):
-// 2.84 / 2.38 / 2.49x before, 1.81 / 1.44 / 1.66x with this and the backward's
-// occupancy; forward alone 2.1 -> 1.8x. The eight gathers per thread, and the
-// half occupancy they needed, were the cost, not their order: the caller's
-// edges permuted into the format's order changed nothing (same run).
+// the next pair instead of 24). Each non-zero's place among the threads' mma
+// fragments, slot_pos = 128 x + 4 lane + i (element i of TCB x of the pair
+// in that lane: online_softmax.cuh), is built with the plan
+// (graph.edge_slots), so a lane writes its non-zeros' values to their places
+// in the warp's 256 floats of shared memory (PairSlots) and each thread reads
+// its 8 places as two float4, free of bank conflicts (PairBias::expand);
+// per-edge outputs go the other way (store_all). A pair with more than 64 non-zeros (denser than those
+// graphs; tests: dense_pairs) moves the rest the same way, 32 a round, loaded
+// where used. A null bias (weights or dropout alone) reads as 0.
+// Measured on an H100 (attention with an edge bias over attention without,
+// forward + backward, 200k power-law graph, H = 4 / 1 / 8, D = 16 / 64 / 32;
+// docs/edge_attention_h100_*.csv): 2.84 / 2.38 / 2.49x before, 1.81 / 1.44 /
+// 1.66x with the lane loads and the backward's occupancy; forward alone 2.1
+// -> 1.8x. The eight gathers per thread, and the half occupancy they needed,
+// were the cost, not their order: the caller's edges permuted into the
+// format's order changed nothing (same run). Then the ranks of each thread's
+// 8 bits (16 popcounts a pair) and a shuffle per element were (README: the
+// places of the non-zeros).
 #pragma once
 
 #include <cstdint>
@@ -47,11 +53,14 @@ namespace gt_fused3s {
 struct EdgeCursor {
     int32_t off, end;   // the next pair's first non-zero; the item's end
     int32_t le[2];      // slot_edge[off + lane], [off + lane + 32] (-1 past end), in flight
+    uint32_t lp;        // their slot_pos, bytes 0 and 1 (one register: the bias instances are at their limit)
     __device__ __forceinline__ void fetch(const EdgeBiasArgs& eb, int lane) {
+        lp = 0u;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int j = off + lane + 32 * h;
             le[h] = j < end ? __ldg(eb.slot_edge + j) : -1;
+            if (j < end) lp |= static_cast<uint32_t>(__ldg(eb.slot_pos + j)) << (8 * h);
         }
     }
     __device__ __forceinline__ void start(const EdgeBiasArgs& eb, int tcb_begin, int tcb_end, int lane) {
@@ -60,30 +69,6 @@ struct EdgeCursor {
         fetch(eb, lane);
     }
 };
-
-// Ranks in the pair's run of this thread's 8 scores, in the mma C layout of
-// the tiles (x: TCB a, b; i = 0, 1 row g, cols 2t, 2t+1; i = 2, 3 row g+8),
-// one byte each (element (x, i) in byte i of rank[x]), and which of them are
-// edges (bit 4x + i of `on`); n: the pair's non-zeros.
-__device__ __forceinline__ void pair_ranks(uint32_t (&rank)[2], uint32_t& on, int& n, const PairRaw& r, int lane) {
-    const int sh = 2 * lane;   // bits 2L, 2L+1 of word 0 (row g) and word 1 (row g+8)
-    const uint64_t below = (uint64_t(1) << sh) - 1u;
-    int base = 0;
-    on = 0u;
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-        const uint4 w = x ? r.wb : r.wa;
-        const uint64_t w0 = (uint64_t(w.y) << 32) | w.x, w1 = (uint64_t(w.w) << 32) | w.z;
-        const int r0 = base + __popcll(w0 & below);
-        const int r1 = base + __popcll(w0) + __popcll(w1 & below);
-        const uint32_t b0 = static_cast<uint32_t>(w0 >> sh) & 3u, b1 = static_cast<uint32_t>(w1 >> sh) & 3u;
-        rank[x] = static_cast<uint32_t>(r0) | (static_cast<uint32_t>(r0 + (b0 & 1u)) << 8) |
-                  (static_cast<uint32_t>(r1) << 16) | (static_cast<uint32_t>(r1 + (b1 & 1u)) << 24);
-        on |= (b0 | (b1 << 2)) << (4 * x);
-        base += __popcll(w0) + __popcll(w1);
-    }
-    n = base;
-}
 
 // Attention dropout: a counter-based hash of (seed, head, caller's edge id),
 // so the backward regenerates the forward's mask and a test can reproduce
@@ -106,38 +91,66 @@ __device__ __forceinline__ uint32_t dropout_hash(const EdgeBiasArgs& eb, int hea
 // Non-zeros one warp moves per pair through lanes (two per lane).
 constexpr int kPairLaneNnz = 64;
 
+// One warp's shared memory for its pairs' edge terms: element (x, i) of
+// lane l at 128 x + 4 l + i (the places of slot_pos), for the bias, the dP
+// bias (kDpBias) and the dropout flags (kDrop: 1 = dropped).
+template <bool kDpBias, bool kDrop>
+struct PairSlots {
+    alignas(16) float bias[256];
+    alignas(16) float dp[kDpBias ? 256 : 4];
+    alignas(16) uint8_t drop[kDrop ? 256 : 16];
+};
+
+// The 8 floats of this lane's places.
+__device__ __forceinline__ void read_places(const float* slots, int lane, float (&v)[2][4]) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const float4 a = *reinterpret_cast<const float4*>(slots + 128 * x + 4 * lane);
+        v[x][0] = a.x; v[x][1] = a.y; v[x][2] = a.z; v[x][3] = a.w;
+    }
+}
+__device__ __forceinline__ void write_places(float* slots, int lane, const float (&v)[2][4]) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        *reinterpret_cast<float4*>(slots + 128 * x + 4 * lane) = make_float4(v[x][0], v[x][1], v[x][2], v[x][3]);
+    }
+}
+
 // The edge terms of one TCB pair. `load` (one pair ahead of use) fetches the
-// pair's run lane by lane; `expand` (in uniform control flow: it shuffles)
-// gives this thread's 8 scores their values: the bias in log2 units, the dP
-// bias (kDpBias, backward) and the dropout mask (kDrop: only the instances
-// with dropout pay for it).
+// first kPairLaneNnz non-zeros of the pair's run lane by lane; `expand` (in
+// uniform control flow: it synchronises the warp) gives this thread's 8
+// scores their values through the warp's places (PairSlots): the bias in
+// log2 units, the dP bias (kDpBias, backward) and the dropout mask (kDrop:
+// only the instances with dropout pay for it). A pair of more non-zeros
+// (denser than the graphs above) moves the rest in rounds of 32, loaded
+// where used.
 template <bool kEdges, bool kDpBias = false, bool kDrop = false>
 struct PairBias {
+    using Slots = PairSlots<kDpBias, kDrop>;
     // Loaded: the run [off, off + n); lane l's non-zeros l and l + 32 (edge
-    // id, -1 past n; bias log2e; dP bias); this thread's ranks and edge bits.
+    // id, -1 past n; places; bias log2e; dP bias).
     int32_t off, n;
-    uint32_t rank[2], on;
     int32_t le[2];
+    uint32_t lp;   // places, bytes 0 and 1
     float lb[2];
-    float lc[kDpBias ? 2 : 1];
-    // Expanded: per element (x, i) of this thread; edge ids only for a pair
-    // beyond kPairLaneNnz (for its dropout hashes and bias loads).
+    float lc[2];   // (unused without kDpBias)
+    // Expanded: per element (x, i) of this thread.
     float b2[2][4];
     float c[kDpBias ? 2 : 1][4];
-    int32_t edge[2][4];
     uint32_t keep;   // bit 4x + i: element (x, i) survives dropout (all set without dropout)
 
-    __device__ __forceinline__ bool has(int x, int i) const { return (on >> (4 * x + i)) & 1u; }
-    __device__ __forceinline__ int rank_of(int x, int i) const { return (rank[x] >> (8 * i)) & 0xffu; }
+    __device__ __forceinline__ uint32_t place(int h) const { return (lp >> (8 * h)) & 0xffu; }
 
     // The pair of `r`, the cursor's next; the cursor moves on to the pair
-    // after it and fetches that one's edge ids.
+    // after it and fetches that one's edge ids and places.
     __device__ __forceinline__ void load(const PairRaw& r, EdgeCursor& ec, const EdgeBiasArgs& eb, int lane,
                                          int head) {
-        pair_ranks(rank, on, n, r, lane);
+        n = __popc(r.wa.x) + __popc(r.wa.y) + __popc(r.wa.z) + __popc(r.wa.w) + __popc(r.wb.x) + __popc(r.wb.y) +
+            __popc(r.wb.z) + __popc(r.wb.w);
         off = ec.off;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) le[h] = (lane + 32 * h < n && n <= kPairLaneNnz) ? ec.le[h] : -1;
+        for (int h = 0; h < 2; ++h) le[h] = lane + 32 * h < n ? ec.le[h] : -1;
+        lp = ec.lp;
         ec.off += n;
         ec.fetch(eb, lane);
 #pragma unroll
@@ -148,64 +161,56 @@ struct PairBias {
         }
     }
 
-    __device__ __forceinline__ void expand(const EdgeBiasArgs& eb, int head) {
+    // Non-zero `edge`'s terms into its place (dropped: flag 1).
+    __device__ __forceinline__ void put(Slots& sl, const EdgeBiasArgs& eb, int head, int32_t edge, uint32_t at, float b,
+                                        float cv) const {
+        sl.bias[at] = b;
+        if (kDpBias && eb.dp_bias != nullptr) sl.dp[at] = cv;
+        if constexpr (kDrop) {
+            if (dropout_hash(eb, head, edge) < eb.drop_threshold) sl.drop[at] = 1u;
+        }
+    }
+
+    __device__ __forceinline__ void expand(const EdgeBiasArgs& eb, int head, Slots& sl, int lane) {
+        // this lane's places cleared (no edge: bias 0, kept), then every
+        // lane's non-zeros written to their places, then this lane's read
+        const float zero[2][4] = {};
+        write_places(sl.bias, lane, zero);
+        const bool dp = kDpBias && eb.dp_bias != nullptr;   // (uniform: a null dP bias reads as 0)
+        if (dp) write_places(sl.dp, lane, zero);
+        if constexpr (kDrop) {
+            *reinterpret_cast<uint32_t*>(sl.drop + 4 * lane) = 0u;
+            *reinterpret_cast<uint32_t*>(sl.drop + 128 + 4 * lane) = 0u;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (le[h] >= 0) put(sl, eb, head, le[h], place(h), lb[h], kDpBias ? lc[h] : 0.f);
+        }
+        for (int r = kPairLaneNnz + lane; r < n; r += 32) {   // a dense pair's further non-zeros
+            const int32_t e = __ldg(eb.slot_edge + off + r);
+            const int64_t at = static_cast<int64_t>(e) * eb.num_heads + head;
+            put(sl, eb, head, e, __ldg(eb.slot_pos + off + r),
+                eb.bias != nullptr ? __ldg(eb.bias + at) * 1.4426950408889634f : 0.f,
+                (kDpBias && eb.dp_bias != nullptr) ? __ldg(eb.dp_bias + at) : 0.f);
+        }
+        __syncwarp();
+        read_places(sl.bias, lane, b2);
+        if constexpr (kDpBias) {
+            if (dp) {
+                read_places(sl.dp, lane, c);
+            } else {
+#pragma unroll
+                for (int x = 0; x < 2; ++x) c[x][0] = c[x][1] = c[x][2] = c[x][3] = 0.f;
+            }
+        }
         keep = 0xffu;
-        if (n <= kPairLaneNnz) {   // warp-uniform
-            const bool two = n > 32;
+        if constexpr (kDrop) {
+            const uint32_t d[2] = {*reinterpret_cast<const uint32_t*>(sl.drop + 4 * lane),
+                                   *reinterpret_cast<const uint32_t*>(sl.drop + 128 + 4 * lane)};
 #pragma unroll
-            for (int x = 0; x < 2; ++x) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    // every lane shuffles (a shuffle under a lane-dependent
-                    // condition hangs the warp); `two` is warp-uniform
-                    const int k = rank_of(x, i);
-                    float b = __shfl_sync(0xffffffffu, lb[0], k & 31);
-                    if (two) {
-                        const float b1 = __shfl_sync(0xffffffffu, lb[1], k & 31);
-                        b = k < 32 ? b : b1;
-                    }
-                    b2[x][i] = has(x, i) ? b : 0.f;
-                    if constexpr (kDpBias) {
-                        float cv = __shfl_sync(0xffffffffu, lc[0], k & 31);
-                        if (two) {
-                            const float c1 = __shfl_sync(0xffffffffu, lc[1], k & 31);
-                            cv = k < 32 ? cv : c1;
-                        }
-                        c[x][i] = has(x, i) ? cv : 0.f;
-                    }
-                }
-            }
-            if constexpr (kDrop) {   // one hash per non-zero, spread by ballots
-                const uint32_t k0 = __ballot_sync(0xffffffffu, le[0] >= 0 && dropout_hash(eb, head, le[0]) >= eb.drop_threshold);
-                const uint32_t k1 = __ballot_sync(0xffffffffu, le[1] >= 0 && dropout_hash(eb, head, le[1]) >= eb.drop_threshold);
-#pragma unroll
-                for (int x = 0; x < 2; ++x) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int k = rank_of(x, i);
-                        const uint32_t bit = ((k < 32 ? k0 : k1) >> (k & 31)) & 1u;
-                        if (has(x, i) && !bit) keep &= ~(1u << (4 * x + i));
-                    }
-                }
-            }
-        } else {   // a dense pair: per element
-#pragma unroll
-            for (int x = 0; x < 2; ++x) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) edge[x][i] = has(x, i) ? __ldg(eb.slot_edge + off + rank_of(x, i)) : -1;
-            }
-#pragma unroll
-            for (int x = 0; x < 2; ++x) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int e = edge[x][i];
-                    const int64_t at = static_cast<int64_t>(e) * eb.num_heads + head;
-                    b2[x][i] = (e >= 0 && eb.bias != nullptr) ? __ldg(eb.bias + at) * 1.4426950408889634f : 0.f;
-                    if constexpr (kDpBias) c[x][i] = (e >= 0 && eb.dp_bias != nullptr) ? __ldg(eb.dp_bias + at) : 0.f;
-                    if constexpr (kDrop) {
-                        if (e >= 0 && dropout_hash(eb, head, e) < eb.drop_threshold) keep &= ~(1u << (4 * x + i));
-                    }
-                }
+            for (int e = 0; e < 8; ++e) {
+                if (((d[e >> 2] >> (8 * (e & 3))) & 0xffu) != 0u) keep &= ~(1u << e);
             }
         }
     }
@@ -223,36 +228,21 @@ struct PairBias {
         else return v;
     }
     // out[edge * H + head] = v[x][i] for every edge of the pair (after
-    // expand; the whole warp calls it). xfer: 64 floats of shared memory of
-    // this warp, where the values go from their rank's thread to its lane.
+    // expand; the whole warp calls it): this thread's values into its places,
+    // then each non-zero's read by its lane.
     __device__ __forceinline__ void store_all(float* out, int num_heads, int head, const float (&v)[2][4],
-                                              float* xfer, int lane, const EdgeBiasArgs& eb) const {
-        if (n <= kPairLaneNnz) {
+                                              Slots& sl, int lane, const EdgeBiasArgs& eb) const {
+        write_places(sl.bias, lane, v);
+        __syncwarp();
 #pragma unroll
-            for (int x = 0; x < 2; ++x) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    if (has(x, i)) xfer[rank_of(x, i)] = v[x][i];
-                }
-            }
-            __syncwarp();
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (le[h] >= 0) out[static_cast<int64_t>(le[h]) * num_heads + head] = xfer[lane + 32 * h];
-            }
-            __syncwarp();   // xfer is free for the next pair
-        } else {   // edge ids read again (not kept in registers from expand)
-#pragma unroll
-            for (int x = 0; x < 2; ++x) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    if (has(x, i)) {
-                        const int e = __ldg(eb.slot_edge + off + rank_of(x, i));
-                        out[static_cast<int64_t>(e) * num_heads + head] = v[x][i];
-                    }
-                }
-            }
+        for (int h = 0; h < 2; ++h) {
+            if (le[h] >= 0) out[static_cast<int64_t>(le[h]) * num_heads + head] = sl.bias[place(h)];
         }
+        for (int r = kPairLaneNnz + lane; r < n; r += 32) {   // a dense pair's further non-zeros
+            out[static_cast<int64_t>(__ldg(eb.slot_edge + off + r)) * num_heads + head] =
+                sl.bias[__ldg(eb.slot_pos + off + r)];
+        }
+        __syncwarp();   // the places are free for the next pair
     }
 };
 
@@ -260,8 +250,9 @@ struct PairBias {
 // every trace of it).
 template <>
 struct PairBias<false, false> {
+    using Slots = PairSlots<false, false>;
     __device__ __forceinline__ void load(const PairRaw&, EdgeCursor&, const EdgeBiasArgs&, int, int) {}
-    __device__ __forceinline__ void expand(const EdgeBiasArgs&, int) {}
+    __device__ __forceinline__ void expand(const EdgeBiasArgs&, int, Slots&, int) {}
     __device__ __forceinline__ float add(float v, int, int) const { return v; }
     __device__ __forceinline__ float add_dp(float v, int, int) const { return v; }
     __device__ __forceinline__ float drop(float v, int, int, const EdgeBiasArgs&) const { return v; }

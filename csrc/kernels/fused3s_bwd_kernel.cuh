@@ -144,8 +144,9 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     // D = 256: partial S and dP of the team's warps, [double buffer][part][16][32].
     __shared__ float s_xchg[kSplit > 1 ? 2 * kSplit * 16 * 32 : 1];
     __shared__ int s_bcast;
-    // The bias gradient of a pair on its way to the edges' lanes (edge_bias.cuh: store_all).
-    __shared__ float s_edge_xfer[kBias && !kDKV ? kPairLaneNnz : 1];
+    // Each warp's places of its pairs' edge terms (edge_bias.cuh: PairSlots).
+    using Bias = PairBias<kBias, kBias, kEdges == 2>;
+    __shared__ typename Bias::Slots s_slots[kBias ? kSplit : 1];
 
     const int lane = threadIdx.x & 31;
     const int part = threadIdx.x >> 5;
@@ -234,7 +235,8 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
         if constexpr (kBias) ec.start(p.bias, tcb_begin, tcb_end, lane);
         load_raw(tcb_begin);
         PairMeta cur = decode_pair(raw, lane);
-        PairBias<kBias, kBias, kEdges == 2> bcur, bnxt;
+        Bias bcur, bnxt;
+        typename Bias::Slots& slots = s_slots[kBias ? part : 0];
         bcur.load(raw, ec, p.bias, lane, head);
         Tile::load_async(tile_g(0, 0), g1, p.g1.row_stride, tile_g(0, 1), g2, p.g2.row_stride, raw.c, lane);
         cp_async_commit();
@@ -268,6 +270,9 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             cp_async_commit();
             cp_async_wait<1>();   // this pair's rows (and the window tiles) have landed
             __syncwarp();
+            // this pair's edge terms per element (edge_bias.cuh), ahead of the
+            // products, whose latency hides the places' round trip
+            bcur.expand(p.bias, head, slots, lane);
 
             // Scores and dP for TCBs a (x = 0) and b (x = 1).
             float s[2][4] = {}, dp[2][4] = {};
@@ -319,7 +324,6 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             // P and dS in the mma C layout: i = 0, 1 row g, i = 2, 3 row g+8;
             // column 2t + (i & 1) of TCB x.
             float pv[2][4], ds[2][4];
-            bcur.expand(p.bias, head);
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
 #pragma unroll
@@ -335,7 +339,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             if constexpr (kBias && !kDKV) {
                 // d loss / d bias_e = dS_ij: each edge is one score of one chunk, written once.
                 if (p.bias.grad != nullptr && part == 0) {   // warp-uniform
-                    bcur.store_all(p.bias.grad, p.bias.num_heads, head, ds, s_edge_xfer, lane, p.bias);
+                    bcur.store_all(p.bias.grad, p.bias.num_heads, head, ds, slots, lane, p.bias);
                 }
             }
             // As A operands [16, 16]: k 0..7 = TCB a's columns, k 8..15 = TCB b's.

@@ -84,8 +84,9 @@ fused3s_fwd_kernel(const Fused3SParams p) {
     // [double buffer][part][8 values][32 lanes] fp32.
     __shared__ float s_xchg[2][kSplit][8][32];
     __shared__ int s_bcast;
-    // Per-edge scores on their way from their rank's thread to its lane (PairBias::store_all).
-    __shared__ float s_edge_xfer[edge_scores(kEdges) ? kPairLaneNnz : 1];
+    // Each warp's places of its pairs' edge terms (edge_bias.cuh: PairSlots).
+    using Bias = PairBias<kBias, false, edge_dropout(kEdges)>;
+    __shared__ typename Bias::Slots s_slots[kBias ? kSplit : 1];
 
     // Synchronise the warps of the team (a warp alone: __syncwarp).
     auto team_sync = [&]() {
@@ -140,7 +141,8 @@ fused3s_fwd_kernel(const Fused3SParams p) {
             if constexpr (kBias) ec.start(p.bias, tcb_begin, tcb_end, lane);
             load_raw(tcb_begin);
             PairMeta cur = decode_pair(raw, lane);
-            PairBias<kBias, false, edge_dropout(kEdges)> bcur, bnxt;
+            Bias bcur, bnxt;
+            typename Bias::Slots& slots = s_slots[kBias ? part : 0];
             bcur.load(raw, ec, p.bias, lane, head);
             if (tcb_begin + 2 < tcb_end) load_raw(tcb_begin + 2);
 
@@ -168,6 +170,9 @@ fused3s_fwd_kernel(const Fused3SParams p) {
             load_v(cur);
 
             for (int base = tcb_begin;; base += 2) {
+                // this pair's bias (and dropout mask) per score (edge_bias.cuh),
+                // ahead of the product, whose latency hides the places' round trip
+                bcur.expand(p.bias, head, slots, lane);
                 float s[2][4];
                 sddmm_pair<T, kDW>(s, qf, kf);
                 if constexpr (kSplit > 1) {
@@ -196,9 +201,8 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                 uint32_t pa[4];
                 if constexpr (edge_scores(kEdges)) {
                     // the raw dot products q_i.k_j (the caller adds scale and bias)
-                    if (part == 0) bcur.store_all(p.scores_ptr, p.num_heads, head, s, s_edge_xfer, lane, p.bias);
+                    if (part == 0) bcur.store_all(p.scores_ptr, p.num_heads, head, s, slots, lane, p.bias);
                 }
-                bcur.expand(p.bias, head);   // this pair's bias (and dropout mask) per score
                 online_softmax_pair<T, kNT>(s, cur.mask, p.scale_log2, bcur, p.bias, st, o, pa);
                 spmm_pair<T, kDW>(o, pa, vf);
                 if (!has_next) break;

@@ -45,6 +45,7 @@ struct EdgeBiasArgs {
                                   // returned probabilities, or of terms built on them)
     const int32_t* nnz_offset;    // [T + 1] first non-zero of each TCB of this pass's BSB
     const int32_t* slot_edge;     // [E] the caller's edge id of each non-zero of this BSB
+    const uint8_t* slot_pos;      // [E] its place in its TCB pair's mma fragments (edge_bias.cuh)
     int32_t num_heads;            // H: the stride between edges
     // Attention dropout (edge_bias.cuh: dropout_hash, keyed by the edge id):
     // off if drop_threshold is 0.
