@@ -109,6 +109,24 @@ def test_block_stats_rows():
     assert rows[0]["kv_w32_over_w16"] <= 1.0 and rows[0]["kv_w128_over_w16"] <= rows[0]["kv_w64_over_w16"]
 
 
+def test_kernel_benchmark_prints_the_block_statistics():
+    """scripts/bench_kernel.py's rows carry both formats' counts for the
+    setting's head dim, and its block table prints them beside the kernel
+    time (the counts checked against the brute-force ones)."""
+    from gt_fused3s.bench.kernel import block_stat_columns, format_block_stats
+    ei, n = GRAPH_CASES["random_1003"]()
+    cols = block_stat_columns(BSBGraph.from_edge_index(ei, n), 64)
+    want16, want8 = _brute_format(ei, n, 16, 8, 64), _brute_format(ei, n, 8, 16, 64)
+    assert cols["stat_num_tcbs"] == want16["num_blocks"] and cols["stat_mma_fwd"] == want16["mma_fwd"]
+    assert cols["stat_w8_num_blocks"] == want8["num_blocks"] and cols["stat_w8_mma_fwd"] == want8["mma_fwd"]
+    assert cols["stat_kv_bytes_fwd"] == 2 * want16["kv_rows"] * 64 * 2
+    rows = [{"graph": "g", "setting": "d64h8bf16", "fused3s_kernel_ms": 0.25, **cols},
+            {"graph": "h", "setting": "d64h8bf16"}]          # a row without statistics is left out
+    table = format_block_stats(rows).splitlines()
+    assert len(table) == 3 and table[2].startswith("| g | d64h8bf16 | 0.2500 | " + str(want16["num_blocks"]))
+    assert f"| {want8['num_blocks']} |" in table[2]
+
+
 def test_kv_rows_of_taller_windows():
     """K/V rows per window: distinct (source, copy) pairs, counted here by
     brute force; at 16 rows the BSB's count."""

@@ -247,7 +247,8 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
             bytes_gather = (2 * n * H * D + 2 * valid_cols * H * D) * elem + bsb_bytes
             flops = T * H * 2 * (2 * 16 * 8 * D)
             row = {**env, "graph": gname, "N": n, "nnz": bsb.num_edges, "tcbs": T, "setting": sname,
-                   "D": D, "H": H, "dtype": str(dtype).replace("torch.", ""), "bsb_build_ms": tb["median"]}
+                   "D": D, "H": H, "dtype": str(dtype).replace("torch.", ""), "bsb_build_ms": tb["median"],
+                   **block_stat_columns(bsb, D)}
             # Schedule (once per graph and setting, in the plan), then the op alone.
             t0 = time.perf_counter()
             fwd_args = plan.forward_args(H, padded_head_dim(D))
@@ -330,8 +331,45 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
     log("")
     log(format_table(rows))
     log("")
+    log(format_block_stats(rows))
+    log("")
     log(format_builds(builds))
     return rows
+
+
+# The block statistics printed next to the times (issue 13, FlashSparse's
+# Figure 1): per head, of the 16 x 8 format the kernels run and of 8-row
+# windows of 8 x 16 blocks (counted from the edges, no kernel reads them).
+BLOCK_STAT_KEYS = ("num_tcbs", "mma_fwd", "mma_fwd_kernel", "nnz_per_tcb_mean", "kv_bytes_fwd",
+                   "w8_num_blocks", "w8_mma_fwd", "w8_nnz_per_block_mean", "w8_kv_bytes_fwd")
+
+
+def block_stat_columns(bsb, head_dim: int) -> dict:
+    """The row's block statistics for head dim ``head_dim``
+    (:meth:`~gt_fused3s.graph.BSBGraph.stats`), under ``stat_<key>``."""
+    st = bsb.stats(head_dim=head_dim)
+    return {f"stat_{k}": st[k] for k in BLOCK_STAT_KEYS}
+
+
+def format_block_stats(rows: list[dict]) -> str:
+    """Blocks, mma.m16n8k16 invocations and K / V bytes gathered by one
+    forward per head, with the rows' kernel times: the 16 x 8 format (what
+    the kernel runs: whole pairs of TCBs) and 8-row windows of 8 x 16
+    blocks."""
+    head = ("graph", "setting", "fused3s kernel ms", "TCBs", "nnz/TCB", "MMA (kernel)", "K/V MB",
+            "8x16 blocks", "nnz/block", "8x16 MMA", "8x16 K/V MB")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "stat_num_tcbs" not in r:
+            continue
+        km = r.get("fused3s_kernel_ms")
+        lines.append("| " + " | ".join([
+            r["graph"], r["setting"], f"{km:.4f}" if isinstance(km, float) else "-",
+            str(r["stat_num_tcbs"]), f"{r['stat_nnz_per_tcb_mean']:.2f}",
+            f"{r['stat_mma_fwd']} ({r['stat_mma_fwd_kernel']})", f"{r['stat_kv_bytes_fwd'] / 1e6:.1f}",
+            str(r["stat_w8_num_blocks"]), f"{r['stat_w8_nnz_per_block_mean']:.2f}", str(r["stat_w8_mma_fwd"]),
+            f"{r['stat_w8_kv_bytes_fwd'] / 1e6:.1f}"]) + " |")
+    return "\n".join(lines)
 
 
 class _Skip(Exception):
