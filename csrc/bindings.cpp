@@ -498,8 +498,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dq_pass.num_slots = static_cast<int32_t>(S);
     dq_pass.counters_ptr = S + St > 0 ? counters.data_ptr<int32_t>() : nullptr;
     dq_pass.part1_ptr = S > 0 ? part_q.data_ptr<float>() : nullptr;
-    dq_pass.bias = edge_args(nnz_offset, slot_edge, slot_pos, H, edge_bias, has_bias ? grad_bias.data_ptr<float>() : nullptr,
-                             dp_bias);
+    dq_pass.bias = edge_args(nnz_offset, slot_edge, slot_pos, H, edge_bias,
+                             has_bias ? grad_bias.data_ptr<float>() : nullptr, dp_bias);
     if (has_edges) set_dropout(dq_pass.bias, dropout_p, dropout_seed);
 
     Fused3SBwdParams dkv_pass = common;
