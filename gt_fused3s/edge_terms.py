@@ -94,8 +94,18 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
         ops._check_plan_for(plan, q, k)
         ops._check_kernel_inputs(q, k, v)
         drop = ops._dropout(dropout_p, dropout_seed)
-        out, agg, alpha = _EdgeFeatureTerms.apply(q, k, v, qe, edge_attr, plan, dst, csr, scale, drop,
+        # the per-edge arrays grouped by destination where the caller's order
+        # scatters them (plan.edge_grouping); not with dropout (its mask is
+        # keyed by the caller's edge ids)
+        grouping = plan.edge_grouping() if not drop[0] else None
+        a, slots = edge_attr, plan.bias_args()
+        if grouping is not None:
+            a = ops._permute_rows(edge_attr, grouping.perm, grouping.inv)
+            dst, csr, slots = grouping.dst, grouping.csr, grouping.slots
+        out, agg, alpha = _EdgeFeatureTerms.apply(q, k, v, qe, a, plan, dst, csr, slots, scale, drop,
                                                   return_weights)
+        if grouping is not None and alpha is not None:
+            alpha = ops._permute_rows(alpha, grouping.inv, grouping.perm)
     else:
         edge_bias = edge_dot(qe, edge_attr, dst, csr)
         out, alpha = fused3s_attention(q, k, v, graph, scale, edge_bias=edge_bias, return_weights=True,
@@ -112,7 +122,9 @@ class _EdgeFeatureTerms(torch.autograd.Function):
     """The attention with a key term (the bias ``<qe_i, a_e>``) and a value
     sum (``agg_i = sum_e used_e a_e``, ``used`` the weights after dropout)
     on the kernels, as one autograd node: (out, agg, alpha or None) from q, k, v,
-    qe [N, H, F] (the queries projected by W_e, scaled) and a [E, F].
+    qe [N, H, F] (the queries projected by W_e, scaled) and a [E, F]; ``dst``,
+    ``csr`` and ``slots`` (the plan's ``bias_args()``) in a's edge order: the
+    caller's, or the plan's grouped one (``plan.edge_grouping()``).
 
     Its backward is the composed one's (edge_dot, the attention, edge_scatter)
     with what the composition recomputed or added up folded: the value sum's
@@ -123,10 +135,10 @@ class _EdgeFeatureTerms(torch.autograd.Function):
     [E, F] tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, qe, a, plan, dst, csr, scale, drop, return_weights):
+    def forward(ctx, q, k, v, qe, a, plan, dst, csr, slots, scale, drop, return_weights):
         H, D = q.size(1), q.size(2)
         Dp = ops.padded_head_dim(D)
-        fwd_args, slots = plan.forward_args(H, Dp), plan.bias_args()
+        fwd_args = plan.forward_args(H, Dp)
         q, k, v, in_dtype = ops._cast_once(q, k, v, None)
         bias = ops._edge_dot(qe, a, dst).float()
         out, lse, alpha = ops._kernel_forward(q, k, v, fwd_args, scale, in_dtype or q.dtype, None, bias,
@@ -180,4 +192,4 @@ class _EdgeFeatureTerms(torch.autograd.Function):
                 da = ops._edge_weighted_rows(ds, qe, dst, alpha if keep is None else alpha * keep, grad_agg)
             da = da.to(a.dtype)
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dqe, da,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)

@@ -70,6 +70,46 @@ def test_edge_slots_of_a_static_build(stand_in_kernels):
     _check_slots(plan.transposed, ei.flip(0), t_nnz_offset, t_slot_edge, t_slot_pos)
 
 
+@pytest.mark.parametrize("name", ["duplicates", "self_loops", "empty_rows"])
+def test_edge_grouping_is_the_destination_order(stand_in_kernels, name):
+    """plan.edge_grouping(): for edges in a shuffled order, the stable
+    destination order and its inverse, the slots naming grouped positions of
+    the same edges, each grouped edge's row and the grouped CSR; None for
+    edges already grouped and for a static plan."""
+    ei, n = _shuffled(name, seed=5)
+    plan = GraphPlan.from_edge_index(ei, n)
+    gr = plan.edge_grouping()
+    assert gr is not None and plan.edge_grouping() is gr            # decided once
+    E = ei.size(1)
+    assert torch.equal(gr.perm, torch.sort(ei[1], stable=True).indices)
+    assert torch.equal(gr.perm[gr.inv], torch.arange(E)) and torch.equal(gr.inv[gr.perm], torch.arange(E))
+    assert torch.equal(gr.dst, ei[1][gr.perm]) and bool((gr.dst[1:] >= gr.dst[:-1]).all())
+    caller = plan.bias_args()
+    for i in (1, 4):        # slot_edge of the BSB and of its transpose
+        assert gr.slots[i].dtype == torch.int32
+        assert torch.equal(gr.perm[gr.slots[i].long()], caller[i].long())
+    for i in (0, 2, 3, 5):
+        assert gr.slots[i] is caller[i]
+    rowptr, order = gr.csr
+    assert torch.equal(order, torch.arange(E))
+    assert torch.equal(rowptr, torch.searchsorted(gr.dst, torch.arange(n + 1)))
+    grouped = ei[:, gr.perm]
+    assert GraphPlan.from_edge_index(grouped, n).edge_grouping() is None
+    static = GraphPlan.from_edge_index(ei, n, static=True)
+    assert static.static and static.edge_grouping() is None
+
+
+def test_edge_grouping_only_from_a_million_edges(monkeypatch):
+    """The default threshold (the tests lower it to 0, conftest.py): a plan
+    of fewer edges keeps the caller's order."""
+    import gt_fused3s.plan as plan_mod
+    monkeypatch.setattr(plan_mod, "EDGE_GROUPING_MIN_EDGES", 1 << 20)
+    ei, n = _shuffled("duplicates", seed=5)
+    assert GraphPlan.from_edge_index(ei, n).edge_grouping() is None
+    monkeypatch.setattr(plan_mod, "EDGE_GROUPING_MIN_EDGES", ei.size(1))
+    assert GraphPlan.from_edge_index(ei, n).edge_grouping() is not None
+
+
 def test_edge_slots_refuse_another_graph():
     ei, n = _shuffled("duplicates")
     with pytest.raises(ValueError, match="edges but the BSB graph was built from"):
@@ -99,7 +139,10 @@ def test_kernel_path_bias_output_and_gradients(stand_in_kernels, graph_kind):
     leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
     out = fused3s_attention(*leaves[:3], graph, 0.3, edge_bias=leaves[3])
     out.backward(do)
-    assert stand_in_kernels.calls[-2:] == ["fwd", "bwd"]
+    assert [c for c in stand_in_kernels.calls if c in ("fwd", "bwd")][-2:] == ["fwd", "bwd"]
+    # the shuffled edges' bias goes in grouped by destination and its
+    # gradient comes back (plan.edge_grouping), except on a static plan
+    assert ("gather_rows" in stand_in_kernels.calls) == (graph_kind != "static_plan")
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v, bias)]
     ref = attention_reference(*ref_leaves[:3], ei, 0.3, edge_bias=ref_leaves[3])
     ref.backward(do.float())
