@@ -52,7 +52,7 @@ def padded_head_dim(head_dim: int) -> int:
 
 #: Edges from which a plan groups per-edge arrays by destination
 #: (:meth:`GraphPlan.edge_grouping`): below, the gathers in and out cost more
-#: than the grouped reads save (github, 578k edges: +1-7% per forward +
+#: than the grouped reads save (github, 578k edges: +1-8% per forward +
 #: backward; the 200k power-law graph, 6.9M: -7 to -12%; H100, README).
 #: ``GT_FUSED3S_EDGE_GROUPING_MIN_EDGES`` sets it (0: every plan, for tests).
 EDGE_GROUPING_MIN_EDGES = int(os.environ.get("GT_FUSED3S_EDGE_GROUPING_MIN_EDGES", 1 << 20))
