@@ -319,17 +319,23 @@ class GraphPlan:
         if self.static or _in_capture_or_compile():
             return None                # decided on a later eager call, if any
         dst = self._kernel_edges[1].long()
-        perm = self.destination_csr()[1] if self.order is None else torch.sort(dst, stable=True).indices
         if bool((dst[1:] >= dst[:-1]).all()):        # already grouped (the one host sync)
             self._grouping = None
             return None
+        # the kernels' rows are the caller's nodes unless the plan is reordered
+        if self.order is None:
+            rowptr, perm = self.destination_csr()
+            grouped = dst[perm]
+        else:
+            perm = torch.sort(dst, stable=True).indices
+            grouped = dst[perm]
+            rowptr = torch.searchsorted(grouped, torch.arange(self.num_rows + 1, device=dst.device))
+        positions = torch.arange(perm.numel(), device=perm.device)
         inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        inv[perm] = positions
         nnz, slot_edge, pos, t_nnz, t_slot_edge, t_pos = self.bias_args()
         slots = (nnz, inv[slot_edge.long()].int(), pos, t_nnz, inv[t_slot_edge.long()].int(), t_pos)
-        rowptr = torch.searchsorted(dst[perm], torch.arange(self.num_rows + 1, device=dst.device))
-        self._grouping = EdgeGrouping(perm, inv, slots, dst[perm], (rowptr, torch.arange(perm.numel(),
-                                                                                        device=perm.device)))
+        self._grouping = EdgeGrouping(perm, inv, slots, grouped, (rowptr, positions))
         return self._grouping
 
     def _transposed(self) -> BSBGraph:
