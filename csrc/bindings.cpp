@@ -27,6 +27,7 @@
 #include "kernels/fused3s_bwd_params.h"
 #include "kernels/fused3s_params.h"
 #include "kernels/gather_rows.h"
+#include "kernels/rows8_params.h"
 #include "kernels/seq_params.h"
 
 namespace gt_fused3s {
@@ -535,6 +536,134 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                                         : launch(std::integral_constant<int, 2>{});
     C10_CUDA_CHECK(err);
     return {dq, dk, dv, grad_bias};
+}
+
+// ---- 8-row windows (rows8_params.h) ------------------------------------------
+// The 8-row format's arrays (gt_fused3s/graph8.py) for a graph of N nodes.
+Rows8Format rows8_format(const at::Tensor& rw_offset, const at::Tensor& cols, const at::Tensor& bitmap,
+                         const at::Tensor& windows, int64_t N, const at::Tensor& q, const char* which) {
+    check_index(rw_offset, "rw_offset", at::kInt, q);
+    check_index(cols, "cols", at::kInt, q);
+    check_index(bitmap, "bitmap", at::kLong, q);
+    check_index(windows, "windows", at::kInt, q);
+    const int64_t R = (N + 7) / 8;
+    TORCH_CHECK(rw_offset.dim() == 1 && rw_offset.numel() == R + 1 && windows.dim() == 2 && windows.size(0) == R &&
+                    windows.size(1) == 4,
+                which, "rw_offset / windows have shapes ", shape(rw_offset.sizes()), " / ", shape(windows.sizes()),
+                " but the graph has N = ", num(N), " nodes, which needs [ceil(N / 8) + 1] / [ceil(N / 8), 4] = ",
+                shape({R + 1}), " / ", shape({R, 4}), "; the 8-row format was built for another graph");
+    TORCH_CHECK(bitmap.dim() == 2 && bitmap.size(1) == 2, which, "bitmap must have shape [T, 2] (got ",
+                shape(bitmap.sizes()), ")");
+    const int64_t T = bitmap.size(0);
+    TORCH_CHECK(cols.dim() == 1 && cols.numel() == 16 * T, which, "cols must have 16 * T = ", num(16 * T),
+                " entries (got ", num(cols.numel()), ")");
+    TORCH_CHECK(T < (int64_t(1) << 27), "too many blocks (", num(T), ") for int32 column offsets");
+    TORCH_CHECK(R * q.size(1) < (int64_t(1) << 31), "too many windows x heads for one launch");
+    return {cols.data_ptr<int32_t>(), reinterpret_cast<const uint4*>(bitmap.data_ptr<int64_t>()),
+            reinterpret_cast<const int4*>(windows.data_ptr<int32_t>()), static_cast<int32_t>(R)};
+}
+
+// q, k, v as the 8-row kernels take them: contiguous [N, H, D], D compiled.
+at::Tensor rows8_input(const at::Tensor& t, const char* name, const at::Tensor& q) {
+    return kernel_input(t, name, q).contiguous();
+}
+
+int64_t rows8_head_dim(const at::Tensor& q) {
+    const int64_t D = q.size(2);
+    TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128,
+                "the 8-row kernels take head dims 16, 32, 64 or 128 (got ", num(D),
+                "; pad other multiples of 8 up to 128, or use the 16-row format)");
+    TORCH_CHECK(q.size(0) < (int64_t(1) << 31), "q has ", num(q.size(0)), " nodes, more than int32 allows");
+    return D;
+}
+
+template <typename Params, typename Run>
+void rows8_dispatch(const at::Tensor& q, int64_t D, const Params& p, Run run) {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    const bool half = q.scalar_type() == at::kHalf;
+    auto go = [&](auto tag, auto dim) {
+        using T = decltype(tag);
+        C10_CUDA_CHECK((run.template operator()<T, decltype(dim)::value>(p, stream)));
+    };
+    switch (D) {
+        case 16: half ? go(__half{}, std::integral_constant<int, 16>{}) : go(__nv_bfloat16{}, std::integral_constant<int, 16>{}); break;
+        case 32: half ? go(__half{}, std::integral_constant<int, 32>{}) : go(__nv_bfloat16{}, std::integral_constant<int, 32>{}); break;
+        case 64: half ? go(__half{}, std::integral_constant<int, 64>{}) : go(__nv_bfloat16{}, std::integral_constant<int, 64>{}); break;
+        default: half ? go(__half{}, std::integral_constant<int, 128>{}) : go(__nv_bfloat16{}, std::integral_constant<int, 128>{});
+    }
+}
+
+struct RunFwd8 {
+    template <typename T, int D>
+    cudaError_t operator()(const Fwd8Params& p, cudaStream_t s) const { return run_fused3s_fwd8<T, D>(p, s); }
+};
+struct RunBwd8 {
+    template <typename T, int D>
+    cudaError_t operator()(const Bwd8Params& p, cudaStream_t s) const { return run_fused3s_bwd8<T, D>(p, s); }
+};
+
+// The forward over 8-row windows: out [N, H, D] (q's dtype or fp32), lse [N, H].
+std::tuple<at::Tensor, at::Tensor> fwd8_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                             const at::Tensor& rw_offset, const at::Tensor& cols,
+                                             const at::Tensor& bitmap, const at::Tensor& windows, double scale,
+                                             bool out_fp32) {
+    TORCH_CHECK(q_in.defined() && q_in.is_cuda(), "q must be a CUDA tensor");
+    const at::Tensor q = rows8_input(q_in, "q", q_in), k = rows8_input(k_in, "k", q), v = rows8_input(v_in, "v", q);
+    const int64_t N = q.size(0), H = q.size(1), D = rows8_head_dim(q);
+    TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
+    Fwd8Params p{};
+    p.fmt = rows8_format(rw_offset, cols, bitmap, windows, N, q, "");
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    auto out = at::empty({N, H, D}, q.options().dtype(out_fp32 ? at::kFloat : q.scalar_type()));
+    auto lse = at::empty({N, H}, q.options().dtype(at::kFloat));
+    if (N == 0 || H == 0) return {out, lse};
+    p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
+    p.out = out.data_ptr(); p.out_fp32 = out_fp32; p.lse = lse.data_ptr<float>();
+    p.num_nodes = static_cast<int32_t>(N); p.num_heads = static_cast<int32_t>(H);
+    p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    rows8_dispatch(q, D, p, RunFwd8{});
+    return {out, lse};
+}
+
+// Its backward: dq, dk, dv (q's dtype or fp32), over the graph's 8-row
+// format (the dQ pass) and the transposed graph's (t_*: the dK / dV pass).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd8_cuda(
+        const at::Tensor& grad_out_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+        const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& rw_offset, const at::Tensor& cols,
+        const at::Tensor& bitmap, const at::Tensor& windows, const at::Tensor& t_rw_offset,
+        const at::Tensor& t_cols, const at::Tensor& t_bitmap, const at::Tensor& t_windows, double scale,
+        bool grad_fp32) {
+    TORCH_CHECK(q_in.defined() && q_in.is_cuda(), "q must be a CUDA tensor");
+    const at::Tensor q = rows8_input(q_in, "q", q_in), k = rows8_input(k_in, "k", q), v = rows8_input(v_in, "v", q);
+    const at::Tensor dout = rows8_input(grad_out_in, "grad_out", q);
+    const int64_t N = q.size(0), H = q.size(1), D = rows8_head_dim(q);
+    TORCH_CHECK(out_in.defined() && out_in.device() == q.device() && out_in.sizes() == q.sizes() &&
+                    (out_in.scalar_type() == q.scalar_type() || out_in.scalar_type() == at::kFloat),
+                "out must be the forward's output: shape ", shape(q.sizes()), ", q's dtype or float32, on q's device");
+    const at::Tensor out = out_in.contiguous();
+    TORCH_CHECK(lse_in.defined() && lse_in.device() == q.device() && lse_in.scalar_type() == at::kFloat &&
+                    lse_in.dim() == 2 && lse_in.size(0) == N && lse_in.size(1) == H,
+                "lse must be a float32 [N, H] = ", shape({N, H}), " tensor on the device of q");
+    const at::Tensor lse = lse_in.contiguous();
+    TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
+    Bwd8Params p{};
+    p.fmt = rows8_format(rw_offset, cols, bitmap, windows, N, q, "");
+    p.t_fmt = rows8_format(t_rw_offset, t_cols, t_bitmap, t_windows, N, q, "t_");
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    const auto gopt = q.options().dtype(grad_fp32 ? at::kFloat : q.scalar_type());
+    auto dq = at::empty({N, H, D}, gopt), dk = at::empty({N, H, D}, gopt), dv = at::empty({N, H, D}, gopt);
+    if (N == 0 || H == 0) return {dq, dk, dv};
+    auto stats = at::empty({N, H, 2}, q.options().dtype(at::kFloat));
+    p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
+    p.out = out.data_ptr(); p.o_fp32 = out.scalar_type() == at::kFloat;
+    p.dout = dout.data_ptr(); p.lse = lse.data_ptr<float>();
+    p.stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
+    p.dq = dq.data_ptr(); p.dk = dk.data_ptr(); p.dv = dv.data_ptr(); p.grad_fp32 = grad_fp32;
+    p.num_nodes = static_cast<int32_t>(N); p.num_heads = static_cast<int32_t>(H);
+    p.scale = static_cast<float>(scale);
+    p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    rows8_dispatch(q, D, p, RunBwd8{});
+    return {dq, dk, dv};
 }
 
 // ---- BSB builder -------------------------------------------------------------
@@ -1190,6 +1319,8 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("fwd", &gt_fused3s::fwd_cuda);
     m.impl("fwd_scores", &gt_fused3s::fwd_scores_cuda);
     m.impl("bwd", &gt_fused3s::bwd_cuda);
+    m.impl("fwd8", &gt_fused3s::fwd8_cuda);
+    m.impl("bwd8", &gt_fused3s::bwd8_cuda);
     m.impl("bsb_build", &gt_fused3s::bsb_build_cuda);
     m.impl("seq_fwd", &gt_fused3s::seq_fwd_cuda);
     m.impl("seq_bwd", &gt_fused3s::seq_bwd_cuda);
