@@ -164,10 +164,22 @@ class WindowFormat:
         """Number of edges, duplicates included (each is a term of the attention)."""
         return self.edge_index.size(1)
 
+    #: how errors name the format
+    format_name = "window format"
+
+    @property
+    def device(self) -> torch.device:
+        return self.rw_offset.device
+
     def tcb_nnz(self) -> Tensor:
         """int64 [T]: number of edges in each TCB (the capacity's padding
         TCBs of static mode are left out)."""
         return _popcount64(self.bitmap[:self.num_tcbs]).sum(1)
+
+    def check_nodes(self, num_nodes: int, what: str = "q") -> None:
+        if num_nodes != self.num_nodes:
+            raise ValueError(f"{what} has {num_nodes} nodes but the {self.format_name} was built for "
+                             f"num_nodes={self.num_nodes}; build the format for this graph")
 
 
 @dataclass(eq=False)
@@ -181,6 +193,7 @@ class BSBGraph(WindowFormat):
     counters: Tensor
     #: built without host synchronisation, cols / bitmap at capacity
     static: bool = False
+    format_name = "BSB graph"
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -315,10 +328,6 @@ class BSBGraph(WindowFormat):
         """The largest TCB count of a row window (static mode: a host synchronisation)."""
         return int(self.counters[4])
 
-    @property
-    def device(self) -> torch.device:
-        return self.rw_offset.device
-
     def to(self, device: torch.device | str) -> "BSBGraph":
         """A copy on ``device`` (``self`` if already there)."""
         device = torch.device(device)
@@ -421,11 +430,6 @@ class BSBGraph(WindowFormat):
     def to_dense_mask(self) -> Tensor:
         """bool [N, N]: mask[i, j] is True iff the edge j -> i exists."""
         return self.to_dense_counts() > 0
-
-    def check_nodes(self, num_nodes: int, what: str = "q") -> None:
-        if num_nodes != self.num_nodes:
-            raise ValueError(f"{what} has {num_nodes} nodes but the BSB graph was built for "
-                             f"num_nodes={self.num_nodes}; build the format for this graph")
 
     def __repr__(self) -> str:
         tcbs = f"tcb_capacity={self.tcb_capacity}, static=True" if self.static else f"num_tcbs={self.num_tcbs}"

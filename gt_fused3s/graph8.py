@@ -1,5 +1,6 @@
 """The 8-row window format (FlashSparse's swap-and-transpose, issue 13): the
-builder half of the 8-row kernel variant; no kernel reads it yet.
+builder half of the 8-row kernel variant (``csrc/kernels/rows8_params.h``;
+a plan built with ``window_rows=8`` runs on it).
 
 The BSB format (:mod:`gt_fused3s.graph`) puts a window's 16 rows on the mma's
 m = 16 side, so a window whose rows have few common sources fills its 16 x 8
@@ -29,6 +30,10 @@ and rows ``2 (L % 4)``, ``+1``: bits ``2L``, ``2L + 1`` of words 0 and 1, as
 in the BSB, so the kernels' bitmap decoding serves both formats.
 Built on the input's device with vectorised ops (one sort and scatters), in
 exact mode (T read back once); no CUDA builder and no static mode yet.
+
+The kernels run a window's blocks in one warp (no split of long windows, as
+the 16-row format's schedule does): :meth:`BSBGraph8.max_window_blocks`
+tells how long the longest window is.
 """
 from __future__ import annotations
 
@@ -69,6 +74,31 @@ class BSBGraph8(WindowFormat):
     @property
     def num_tcbs(self) -> int:
         return self.bitmap.size(0)
+
+    #: always built exactly (no static mode yet)
+    static = False
+    format_name = "8-row format"
+
+    def window_items(self) -> Tensor:
+        """int32 [R, 4]: per window, heaviest first (``window_order``),
+        (window, its first block, one past its last block, 0): what the
+        8-row kernels read per warp, in one 16-byte load."""
+        wo = self.window_order.long()
+        rw = self.rw_offset
+        return torch.stack([wo.int(), rw[wo], rw[wo + 1], torch.zeros_like(rw[wo])], 1).int().contiguous()
+
+    def max_window_blocks(self) -> int:
+        """The most blocks of one window (a host synchronisation): the
+        length of the longest warp's walk in the 8-row kernels."""
+        return int((self.rw_offset[1:] - self.rw_offset[:-1]).max()) if self.num_windows else 0
+
+    def to(self, device: torch.device | str) -> "BSBGraph8":
+        """A copy on ``device`` (``self`` if already there)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return BSBGraph8(self.num_nodes, self.rw_offset.to(device), self.cols.to(device), self.bitmap.to(device),
+                         self.window_order.to(device), self.edge_index.to(device))
 
     def stats(self, head_dim: int = 128) -> dict:
         """Blocks and the work of one forward per head of dimension D, read

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from . import _build
 from .graph import _in_capture_or_compile, node_csr, tcb_capacity
-from .plan import GraphPlan, as_plan, padded_head_dim
+from .plan import ROWS8_NO_EDGE_TERMS, GraphPlan, as_plan, padded_head_dim
 from .reference import _check_qkv, attention_reference, default_scale
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -85,6 +85,16 @@ _LIB.define("edge_rows(Tensor w, Tensor x, Tensor idx, Tensor? w2=None, Tensor? 
 _LIB.define("edge_probs(Tensor scores, Tensor? bias, Tensor lse, Tensor idx, float scale) -> Tensor")
 _LIB.define("edge_scatter(Tensor w, Tensor a, Tensor rowptr, Tensor order) -> Tensor")
 _LIB.define("gather_rows(Tensor x, Tensor index) -> Tensor")
+# The kernels over 8-row windows (csrc/kernels/rows8_params.h): the 8-row
+# format's rw_offset, cols, bitmap and its windows heaviest first
+# (BSBGraph8.window_items), no schedule, no edge terms;
+# the backward takes the graph's and the transposed graph's (t_*).
+_LIB.define("fwd8(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
+            "Tensor windows, float scale, bool out_fp32) -> (Tensor out, Tensor lse)")
+_LIB.define("bwd8(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor rw_offset, "
+            "Tensor cols, Tensor bitmap, Tensor windows, Tensor t_rw_offset, Tensor t_cols, "
+            "Tensor t_bitmap, Tensor t_windows, float scale, bool grad_fp32) "
+            "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)")
 
 
 @torch.library.register_fake("gt_fused3s::fwd")
@@ -105,6 +115,27 @@ def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t
                  else q.new_empty((0,), dtype=torch.float32))
     return (q.new_empty(q.shape, dtype=dtype), *(k.new_empty(k.shape, dtype=dtype) for _ in range(2)),
             grad_bias)
+
+
+@torch.library.register_fake("gt_fused3s::fwd8")
+def _fwd8_fake(q, k, v, rw_offset, cols, bitmap, windows, scale, out_fp32):
+    N, H, D = q.shape
+    return (q.new_empty((N, H, D), dtype=torch.float32 if out_fp32 else q.dtype),
+            q.new_empty((N, H), dtype=torch.float32))
+
+
+@torch.library.register_fake("gt_fused3s::bwd8")
+def _bwd8_fake(grad_out, q, k, v, out, lse, rw_offset, cols, bitmap, windows, t_rw_offset, t_cols,
+               t_bitmap, t_windows, scale, grad_fp32):
+    dtype = torch.float32 if grad_fp32 else q.dtype
+    return tuple(t.new_empty(t.shape, dtype=dtype) for t in (q, k, v))
+
+
+def _is_rows8(fwd_args: tuple) -> bool:
+    """Whether a plan's forward arguments are the 8-row format's four
+    arrays (the 16-row ones are six: the format's four, the schedule's
+    items and slots)."""
+    return len(fwd_args) == 4
 
 
 @torch.library.register_fake("gt_fused3s::fwd_scores")
@@ -269,6 +300,8 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
         out = _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype)
         if out is not None:
             return out
+    elif isinstance(graph, GraphPlan) and graph.window_rows == 8:
+        raise ValueError(ROWS8_NO_EDGE_TERMS)
     N, H, D = _check_qkv(q, k, v, rows=True)
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)} (got {tuple(v.shape)})")
@@ -458,7 +491,7 @@ def _fast_path(q, k, v, graph, scale, out_dtype, compute_dtype) -> Tensor | None
         if bwd_args is None:
             return None
         return _FusedAttention.apply(q, k, v, None, fwd_args, bwd_args, (), None, scale, q.dtype, None)[0]
-    return _op("fwd")(q, k, v, *fwd_args, scale, False)[0]
+    return _forward_op(q, k, v, fwd_args, scale)
 
 
 def _fast_path_reordered(q, k, v, plan, order, fwd_args, scale) -> Tensor | None:
@@ -475,7 +508,12 @@ def _fast_path_reordered(q, k, v, plan, order, fwd_args, scale) -> Tensor | None
         out = _FusedAttention.apply(q, k, v, None, fwd_args, bwd_args, (), None, scale, q.dtype, None)[0]
         return _permute_rows(out, inv, perm)
     q, k, v = (gather_rows(t, perm) for t in (q, k, v))
-    return gather_rows(_op("fwd")(q, k, v, *fwd_args, scale, False)[0], inv)
+    return gather_rows(_forward_op(q, k, v, fwd_args, scale), inv)
+
+
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: float) -> Tensor:
+    """The output of the forward op of the plan's format, in q's dtype."""
+    return _op("fwd8" if _is_rows8(fwd_args) else "fwd")(q, k, v, *fwd_args, scale, False)[0]
 
 
 _OPS: dict[str, object] = {}
@@ -592,7 +630,9 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: flo
         q, k, v = (_kernel_operand(t, cdt, Dp) for t in (q, k, v))
     edge = (bias, *slots[:3], *drop) if slots else ()   # the BSB's three slot arrays
     probs = None
-    if dst is None:
+    if _is_rows8(fwd_args):       # plain attention (the op refused edge terms)
+        out, lse = _op("fwd8")(q, k, v, *fwd_args, scale, out_dtype != cdt)
+    elif dst is None:
         out, lse = _op("fwd")(q, k, v, *fwd_args, scale, out_dtype != cdt, *edge)
     else:
         out, lse, scores = _op("fwd_scores")(q, k, v, *fwd_args, scale, out_dtype != cdt, *edge)
@@ -613,20 +653,27 @@ def _kernel_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     slot arrays, dp_bias or None, delta_extra or None, dropout p and seed).
     ``in_dtype``: the inputs' dtype where q, k, v are their casts to the
     compute dtype (saved so by the forward; default q's)."""
-    _, cols, bitmap, _, items, slots = fwd_args
     dtype = in_dtype or q.dtype
+    if _is_rows8(fwd_args):
+        def run(grad_out, q, k, v, out, grad_fp32):
+            return (*_op("bwd8")(grad_out, q, k, v, out, lse, *fwd_args, *bwd_args, scale, grad_fp32),
+                    q.new_empty((0,), dtype=torch.float32))
+    else:
+        _, cols, bitmap, _, items, slots = fwd_args
+
+        def run(grad_out, q, k, v, out, grad_fp32):
+            return _op("bwd")(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, *bwd_args, scale,
+                              grad_fp32, *edge)
     if dtype in _KERNEL_DTYPES and grad_out.dtype == dtype and out.dtype == dtype and q.size(-1) in _KERNEL_DIMS:
         # the kernel's own operands: nothing to convert (the common case)
-        return _op("bwd")(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, *bwd_args, scale, False,
-                          *edge)
+        return run(grad_out, q, k, v, out, False)
     cdt = _compute_dtype(q, compute_dtype)
     D = q.size(-1)
     Dp = padded_head_dim(D)
     grad_out, q, k, v = (_kernel_operand(t, cdt, Dp) for t in (grad_out, q, k, v))
     # O enters only delta = rowsum(dO * O): in the compute dtype or fp32
     out = _kernel_operand(out, out.dtype if out.dtype in (cdt, torch.float32) else torch.float32, Dp)
-    *grads, grad_bias = _op("bwd")(grad_out, q, k, v, out, lse, cols, bitmap, items, slots,
-                                   *bwd_args, scale, dtype not in _KERNEL_DTYPES, *edge)
+    *grads, grad_bias = run(grad_out, q, k, v, out, dtype not in _KERNEL_DTYPES)
     if Dp != D or grads[0].dtype != dtype:
         grads = [(g[..., :D] if Dp != D else g).to(dtype) for g in grads]
     return (*grads, grad_bias)

@@ -14,6 +14,11 @@ is captured or torch.compile traces), a plan's shapes depend only on the
 graph's node and edge counts and its build makes no host synchronisation,
 so a new batch's plan can itself be part of a captured graph.
 
+Built with ``window_rows=8`` (issue 13: FlashSparse's swap-and-transpose,
+:mod:`~gt_fused3s.graph8`), the plan holds the 8-row format and its
+transpose instead, and the op runs the 8-row kernels (plain attention:
+no per-edge terms).
+
 Built with ``reorder`` (issue 13: a locality order of the nodes,
 :mod:`~gt_fused3s.reorder`), the plan's formats are those of the relabelled
 graph and :func:`~gt_fused3s.ops.fused3s_attention` permutes q, k, v into
@@ -23,6 +28,7 @@ node order and their own edge order throughout.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from typing import Any, NamedTuple
 
@@ -31,6 +37,7 @@ from torch import Tensor
 
 from .graph import (BSBGraph, _check_edge_index, _check_num_nodes, _check_range, _in_capture_or_compile,
                     edge_slots, node_csr)
+from .graph8 import BSBGraph8
 from .reorder import METHODS as REORDER_METHODS
 from .reorder import NodeOrder
 from .reorder import reorder as _compute_order
@@ -56,6 +63,15 @@ def padded_head_dim(head_dim: int) -> int:
 #: backward; the 200k power-law graph, 6.9M: -7 to -12%; H100, README).
 #: ``GT_FUSED3S_EDGE_GROUPING_MIN_EDGES`` sets it (0: every plan, for tests).
 EDGE_GROUPING_MIN_EDGES = int(os.environ.get("GT_FUSED3S_EDGE_GROUPING_MIN_EDGES", 1 << 20))
+
+#: Window heights a plan's format can have: 16 (the BSB, every option) or 8
+#: (:class:`~gt_fused3s.graph8.BSBGraph8`, plain attention, head dims <= 128).
+WINDOW_ROWS = (16, 8)
+#: Blocks of one window from which an 8-row plan warns: the 8-row kernels run
+#: a window in one warp (the 16-row schedule splits long windows), so a hub's
+#: window sets the kernel's length (github's, about 600 blocks: 13x slower
+#: than the 16-row forward, H100, README "8-row windows").
+ROWS8_WARN_BLOCKS = 64
 
 
 class EdgeGrouping(NamedTuple):
@@ -96,11 +112,16 @@ class GraphPlan:
         out = fused3s_attention(q, k, v, plan)      # no host sync, forward and backward
     """
 
-    def __init__(self, bsb: BSBGraph, transposed: BSBGraph | None = None,
+    def __init__(self, bsb: BSBGraph | BSBGraph8, transposed: BSBGraph | BSBGraph8 | None = None,
                  edge_index: Tensor | None = None, *, num_rows: int | None = None,
                  order: NodeOrder | None = None):
-        if not isinstance(bsb, BSBGraph):
-            raise ValueError(f"bsb must be a BSBGraph (got {type(bsb).__name__})")
+        if not isinstance(bsb, (BSBGraph, BSBGraph8)):
+            raise ValueError(f"bsb must be a BSBGraph or a BSBGraph8 (got {type(bsb).__name__})")
+        if transposed is not None and type(transposed) is not type(bsb):
+            raise ValueError(f"transposed must be a {type(bsb).__name__}, as bsb (got {type(transposed).__name__})")
+        if isinstance(bsb, BSBGraph8) and num_rows is not None and num_rows != bsb.num_nodes:
+            raise ValueError("an 8-row plan needs every node as a destination (num_rows): build a "
+                             "rectangular plan with the 16-row format")
         num_rows = bsb.num_nodes if num_rows is None else _check_num_nodes(num_rows)
         if num_rows > bsb.num_nodes:
             raise ValueError(f"num_rows={num_rows} is more than the graph's {bsb.num_nodes} nodes")
@@ -147,7 +168,7 @@ class GraphPlan:
     @classmethod
     def from_edge_index(cls, edge_index: Tensor, num_nodes: int | None = None, *,
                         static: bool | None = None, num_rows: int | None = None,
-                        reorder: str | NodeOrder | None = None) -> "GraphPlan":
+                        reorder: str | NodeOrder | None = None, window_rows: int = 16) -> "GraphPlan":
         """The plan of ``edge_index`` [2, E] (row 0 sources, row 1
         destinations; duplicates count with their multiplicity), built on
         its device. ``static``: see :meth:`BSBGraph.from_edge_index`. An
@@ -171,7 +192,20 @@ class GraphPlan:
         torch.compile) refuses them: build eagerly, or pass a ``NodeOrder``
         computed eagerly, which a static build applies with gathers only.
         Not with ``num_rows`` (a rectangular plan keeps the caller's order).
+
+        ``window_rows``: 16 (the BSB: every option of the op) or 8 (the
+        8-row format of :mod:`~gt_fused3s.graph8`, FlashSparse's
+        swap-and-transpose: half the mma invocations on sparse graphs, which
+        pays where windows are short, README "8-row windows"; plain attention
+        only (no edge bias, returned weights or dropout), head dims up to
+        128, built eagerly (no static mode), every node a destination (no
+        ``num_rows``); a warning where a window holds more than
+        :data:`ROWS8_WARN_BLOCKS` blocks, since its kernels do not split one).
         """
+        if window_rows not in WINDOW_ROWS:
+            raise ValueError(f"window_rows must be 16 or 8 (got {window_rows!r})")
+        if window_rows == 8:
+            return cls._from_edge_index8(edge_index, num_nodes, static, num_rows, reorder)
         if reorder is None:
             bsb = BSBGraph.from_edge_index(edge_index, num_nodes, static=static)
             if num_rows is not None and num_rows < bsb.num_nodes and not bsb.static and edge_index.numel():
@@ -211,6 +245,42 @@ class GraphPlan:
                              f"(got {type(reorder).__name__})")
         bsb = BSBGraph.from_edge_index(_relabel(order, edge_index), num_nodes, static=static)
         return cls(bsb, edge_index=edge_index, order=order)
+
+    @classmethod
+    def _from_edge_index8(cls, edge_index, num_nodes, static, num_rows, reorder) -> "GraphPlan":
+        """:meth:`from_edge_index` with ``window_rows=8``."""
+        if static or (static is None and _in_capture_or_compile()):
+            raise ValueError("window_rows=8 has no static build (CUDA graph capture, torch.compile): "
+                             "build the plan eagerly, before the capture")
+        edge_index = _check_edge_index(edge_index)
+        if num_nodes is None:
+            num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
+        num_nodes = _check_num_nodes(num_nodes)
+        if num_rows is not None and _check_num_nodes(num_rows) != num_nodes:
+            raise ValueError("an 8-row plan needs every node as a destination (num_rows): build a "
+                             "rectangular plan with the 16-row format")
+        order = None
+        if reorder is not None:
+            _check_range("edge_index", edge_index, 0, num_nodes)
+            order = (_compute_order(edge_index, num_nodes, reorder) if isinstance(reorder, str)
+                     and reorder in REORDER_METHODS else reorder)
+            if not isinstance(order, NodeOrder):
+                raise ValueError(f"reorder must be None, one of {REORDER_METHODS} or a NodeOrder "
+                                 f"(got {reorder!r})")
+            _check_order(order, num_nodes, edge_index.device, exact=True)
+        fmt = BSBGraph8.from_edge_index(edge_index if order is None else _relabel(order, edge_index), num_nodes)
+        longest = fmt.max_window_blocks()
+        if longest > ROWS8_WARN_BLOCKS:
+            warnings.warn(f"gt_fused3s: a window of this graph's 8-row format holds {longest} blocks (more than "
+                          f"{ROWS8_WARN_BLOCKS}), which one warp walks alone: the 8-row kernels will be slow "
+                          f"here (hubs); the default 16-row format splits long windows", RuntimeWarning,
+                          stacklevel=3)
+        return cls(fmt, edge_index=edge_index, order=order)
+
+    @property
+    def window_rows(self) -> int:
+        """Rows of the format's windows: 16 (the BSB) or 8 (BSBGraph8)."""
+        return 8 if isinstance(self.bsb, BSBGraph8) else 16
 
     def prepare(self, heads: int, head_dim: int, *, backward: bool = True,
                 edge_bias: bool = False, edge_features: bool = False) -> "GraphPlan":
@@ -254,6 +324,9 @@ class GraphPlan:
         args = self._fwd_args.get((heads, head_dim))
         if args is None and self._outside_graph():
             return _build_eagerly(self.forward_args, heads, head_dim)
+        if args is None and self.window_rows == 8:
+            # the 8-row kernels' four arrays: one warp a window, no schedule
+            args = self._fwd_args[heads, head_dim] = _rows8_args(self.bsb, head_dim)
         if args is None:
             b = self.bsb
             items, slots = work_schedule(b, heads, head_dim)
@@ -267,6 +340,8 @@ class GraphPlan:
         args = self._bwd_args.get((heads, head_dim))
         if args is None and self._outside_graph():
             return _build_eagerly(self.backward_args, heads, head_dim)
+        if args is None and self.window_rows == 8:
+            args = self._bwd_args[heads, head_dim] = _rows8_args(self._transposed(), head_dim)
         if args is None:
             t = self._transposed()
             items, slots = work_schedule(t, heads, head_dim)
@@ -278,6 +353,8 @@ class GraphPlan:
         for an ``edge_bias`` or weights in the order of :attr:`edge_index`:
         ``nnz_offset``, ``slot_edge`` and ``slot_pos`` of the BSB, then those
         of the transposed BSB."""
+        if self.window_rows == 8:
+            raise ValueError(ROWS8_NO_EDGE_TERMS)
         if self._bias_args is None and self._outside_graph():
             return _build_eagerly(self.bias_args)
         if self._bias_args is None:
@@ -338,11 +415,12 @@ class GraphPlan:
         self._grouping = EdgeGrouping(perm, inv, slots, grouped, (rowptr, positions))
         return self._grouping
 
-    def _transposed(self) -> BSBGraph:
+    def _transposed(self) -> BSBGraph | BSBGraph8:
         if self.transposed is None:
             b = self.bsb
-            self.transposed = BSBGraph.from_edge_index(b.edge_index.flip(0), b.num_nodes,
-                                                       static=b.static)
+            self.transposed = (BSBGraph8.from_edge_index(b.edge_index.flip(0), b.num_nodes)
+                               if isinstance(b, BSBGraph8) else
+                               BSBGraph.from_edge_index(b.edge_index.flip(0), b.num_nodes, static=b.static))
         return self.transposed
 
     # ------------------------------------------------------------- properties
@@ -393,6 +471,20 @@ class GraphPlan:
             rows += f", reorder={self.order.method!r}"
         return (f"GraphPlan({self.bsb!r}{rows}, backward={self.transposed is not None}, "
                 f"prepared (heads, head_dim)={prepared})")
+
+
+ROWS8_NO_EDGE_TERMS = ("an 8-row plan (window_rows=8) runs plain attention: an edge_bias, returned weights, "
+                       "dropout or edge features need the 16-row format (GraphPlan.from_edge_index(..., "
+                       "window_rows=16), the default)")
+
+
+def _rows8_args(fmt: BSBGraph8, head_dim: int) -> tuple[Tensor, ...]:
+    """The 8-row kernels' arguments of one format: rw_offset, cols, bitmap
+    and its windows heaviest first (:meth:`BSBGraph8.window_items`)."""
+    if head_dim > 128:
+        raise ValueError(f"an 8-row plan (window_rows=8) takes head dims up to 128 (got {head_dim}); "
+                         f"use the 16-row format")
+    return fmt.rw_offset, fmt.cols, fmt.bitmap, fmt.window_items()
 
 
 _RECT_REORDER = ("a reordered plan needs every node as a destination (num_rows={num_rows} of "

@@ -1,4 +1,4 @@
-"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``fwd_scores``, ``bwd``, ``edge_probs``, ``gather_rows``, the
+"""CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``fwd_scores``, ``bwd``, ``fwd8``, ``bwd8``, ``edge_probs``, ``gather_rows``, the
 edge-term ops, ``bsb_build`` and the sequence kernels ``seq_fwd`` / ``seq_bwd``,
 with their contracts, so that the CPU suite runs everything around the
 kernels: the plan, the registered ops and their fakes (``opcheck``),
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from gt_fused3s.graph import BSBGraph, tcb_capacity
+from gt_fused3s.graph import BSBGraph, block_bits, tcb_capacity
 from gt_fused3s.reference import attention_reference
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -55,6 +55,26 @@ def decode(items: torch.Tensor, cols: torch.Tensor, bitmap: torch.Tensor,
         want = (x << 7) | ((b >> 1) << 2) | (word << 1) | (b & 1)
         assert torch.equal(slot_pos.long()[nnz], want), "slot_pos: a non-zero's place in its pair"
     return edges, slot_edge.long()[nnz]
+
+
+def decode8(rw_offset: torch.Tensor, cols: torch.Tensor, bitmap: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """Edges [2, E] (source, destination) of an 8-row format (graph8.py) as
+    the 8-row kernels read it: each window once in ``windows`` (window, first
+    block, end, 0), heaviest first, its blocks those of rw_offset; column c
+    of a block at cols[16 block + c], row rr's bit (c % 8) * 8 + rr of word
+    c // 8."""
+    assert rw_offset.dtype == cols.dtype == windows.dtype == torch.int32 and bitmap.dtype == torch.int64
+    assert cols.numel() == 16 * bitmap.size(0) and int(rw_offset[-1]) == bitmap.size(0)
+    R = rw_offset.numel() - 1
+    assert windows.shape == (R, 4) and torch.equal(torch.sort(windows[:, 0]).values, torch.arange(R, dtype=torch.int32))
+    w = windows[:, 0].long()
+    assert torch.equal(windows[:, 1], rw_offset[w]) and torch.equal(windows[:, 2], rw_offset[w + 1])
+    sizes = windows[:, 2] - windows[:, 1]
+    assert torch.all(sizes[:-1] >= sizes[1:]), "windows: heaviest first"
+    win, t, word, b = block_bits(rw_offset, bitmap)
+    srcs = cols.long()[t * 16 + word * 8 + (b >> 3)]
+    assert torch.all(srcs >= 0), "an edge bit in a padding column"
+    return torch.stack([srcs, win * 8 + (b & 7)])
 
 
 def _scores(q, k, edge_index, scale, bias=None):
@@ -205,6 +225,27 @@ class StandIns:
             grad_bias = torch.zeros_like(edge_bias)
             grad_bias[ids] = ds
         return (*(g if grad_fp32 else g.to(q.dtype) for g in grads), grad_bias)
+
+    def fwd8(self, q, k, v, rw_offset, cols, bitmap, windows, scale, out_fp32):
+        _check_operands(q, k, v)
+        assert q.shape == k.shape and q.size(-1) <= 128
+        self.calls.append("fwd8")
+        ei = decode8(rw_offset, cols, bitmap, windows)
+        out = attention_reference(q, k, v, ei, scale, out_dtype=torch.float32)
+        return (out if out_fp32 else out.to(q.dtype)), _lse(q, k, ei, scale)
+
+    def bwd8(self, do, q, k, v, out, lse, rw_offset, cols, bitmap, windows, t_rw_offset, t_cols, t_bitmap,
+             t_windows, scale, grad_fp32):
+        _check_operands(q, k, v, do)
+        ei = decode8(rw_offset, cols, bitmap, windows)
+        # the transposed format holds exactly the reversed edges
+        assert torch.equal(_sorted(decode8(t_rw_offset, t_cols, t_bitmap, t_windows).flip(0)), _sorted(ei))
+        torch.testing.assert_close(out.float(), attention_reference(q, k, v, ei, scale, out_dtype=torch.float32),
+                                   atol=1e-2, rtol=0)
+        torch.testing.assert_close(lse, _lse(q, k, ei, scale))
+        self.calls.append("bwd8")
+        grads = _reference_backward(q, k, v, do, ei, scale)[:3]
+        return tuple(g if grad_fp32 else g.to(q.dtype) for g in grads)
 
     # The edge-feature products (csrc/kernels/edge_terms.h): fp32 operands,
     # the sum over a node's edges read through rowptr / order as the kernel
@@ -374,7 +415,7 @@ def install(monkeypatch) -> StandIns:
 
     stand_ins = StandIns()
     lib = torch.library.Library("gt_fused3s", "IMPL")
-    for name in ("fwd", "fwd_scores", "bwd", "bsb_build", "edge_dot", "edge_rows", "edge_scatter",
+    for name in ("fwd", "fwd_scores", "bwd", "fwd8", "bwd8", "bsb_build", "edge_dot", "edge_rows", "edge_scatter",
                  "edge_probs", "gather_rows", "seq_fwd", "seq_bwd", "dense_rows_fwd", "dense_rows_bwd"):
         lib.impl(name, getattr(stand_ins, name), "CPU")
     monkeypatch.setattr(ops_mod, "kernel_available", lambda device: True)

@@ -1,0 +1,168 @@
+"""Plans of 8-row windows (``GraphPlan.from_edge_index(..., window_rows=8)``,
+issue 13): the plan holds the 8-row format and its transpose, and the op
+runs the 8-row ops. On the CPU, through the registered ops with their CPU
+stand-ins (which decode the graph from the arrays they are given and check
+the transposed format against it, so a wrong format or argument gives a
+wrong result): outputs and gradients equal the reference and the 16-row
+plan's on every graph case, fp32 inputs and padded head dims included,
+with a reordering too; what the 8-row kernels do not take is refused with
+a clear error. The kernels themselves: tests/test_rows8_cuda.py."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from gt_fused3s import GraphPlan, fused3s_attention
+from gt_fused3s.edge_terms import edge_feature_attention
+from gt_fused3s.graph8 import BSBGraph8
+from gt_fused3s.plan import ROWS8_WARN_BLOCKS
+from gt_fused3s.reference import attention_reference
+from graph_cases import GRAPH_CASES
+
+H = 2
+
+
+def _inputs(n, D, dtype=torch.float16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, H, D, generator=g).to(dtype) for _ in range(4)]
+
+
+def _grads(graph, q, k, v, do, scale=0.3):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fused3s_attention(*leaves, graph, scale)
+    out.backward(do)
+    return out, [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("name", list(GRAPH_CASES))
+def test_rows8_plan_equals_reference_and_16_row_plan(stand_in_kernels, name):
+    ei, n = GRAPH_CASES[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)     # a hub's long window (heavy_node, split_hubs)
+        plan = GraphPlan.from_edge_index(ei, n, window_rows=8).prepare(H, 32)
+    assert plan.window_rows == 8 and isinstance(plan.bsb, BSBGraph8)
+    assert isinstance(plan.transposed, BSBGraph8)
+    assert torch.equal(plan.edge_index, ei)
+    q, k, v, do = _inputs(n, 32)
+    stand_in_kernels.calls.clear()
+    out, grads = _grads(plan, q, k, v, do)
+    assert stand_in_kernels.calls == ["fwd8", "bwd8"]
+    plain_out, plain_grads = _grads(GraphPlan.from_edge_index(ei, n), q, k, v, do)
+    torch.testing.assert_close(out, plain_out)
+    for g, p in zip(grads, plain_grads):
+        torch.testing.assert_close(g, p)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*leaves, ei, 0.3)
+    ref.backward(do.float())
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)   # fp16 rounding
+    for g, r in zip(grads, leaves):
+        torch.testing.assert_close(g.float(), r.grad, atol=2e-3, rtol=2e-3)
+    # no gradient wanted: the forward op alone, on the fast path
+    stand_in_kernels.calls.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(fused3s_attention(q, k, v, plan, 0.3), out)
+    assert stand_in_kernels.calls == ["fwd8"]
+
+
+@pytest.mark.parametrize("D", [24, 64])
+def test_rows8_casts_and_pads_like_the_16_row_path(stand_in_kernels, D):
+    """fp32 inputs (computed in fp16, fp32 gradients) and a head dim padded
+    to the next compiled one take the same wrappers as the 16-row ops."""
+    ei, n = GRAPH_CASES["random_1003"]()
+    q, k, v, do = _inputs(n, D, torch.float32)
+    plan = GraphPlan.from_edge_index(ei, n, window_rows=8)
+    out, grads = _grads(plan, q, k, v, do)
+    plain_out, plain_grads = _grads(GraphPlan.from_edge_index(ei, n), q, k, v, do)
+    assert out.dtype == torch.float32 and out.shape == (n, H, D)
+    torch.testing.assert_close(out, plain_out)
+    for g, p in zip(grads, plain_grads):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, p)
+
+
+def test_rows8_plan_with_a_reordering(stand_in_kernels):
+    ei, n = GRAPH_CASES["random_1003"]()
+    q, k, v, do = _inputs(n, 32)
+    plan = GraphPlan.from_edge_index(ei, n, window_rows=8, reorder="cuthill_mckee")
+    assert plan.order is not None and plan.window_rows == 8
+    out, grads = _grads(plan, q, k, v, do)
+    plain_out, plain_grads = _grads(GraphPlan.from_edge_index(ei, n), q, k, v, do)
+    torch.testing.assert_close(out, plain_out)
+    for g, p in zip(grads, plain_grads):
+        torch.testing.assert_close(g, p)
+
+
+def test_rows8_refuses_what_its_kernels_do_not_take(stand_in_kernels):
+    ei, n = GRAPH_CASES["random_1003"]()
+    plan = GraphPlan.from_edge_index(ei, n, window_rows=8)
+    q, k, v, _ = _inputs(n, 32)
+    E = ei.size(1)
+    with pytest.raises(ValueError, match="8-row plan .* runs plain attention"):
+        fused3s_attention(q, k, v, plan, edge_bias=torch.zeros(E, H))
+    with pytest.raises(ValueError, match="8-row plan .* runs plain attention"):
+        fused3s_attention(q, k, v, plan, return_weights=True)
+    with pytest.raises(ValueError, match="8-row plan .* runs plain attention"):
+        fused3s_attention(q, k, v, plan, dropout_p=0.1)
+    with pytest.raises(ValueError, match="8-row plan .* runs plain attention"):
+        edge_feature_attention(q, k, v, plan, torch.zeros(E, 4), torch.zeros(H, 32, 4), 0.3)
+    with pytest.raises(ValueError, match="head dims up to 128"):
+        fused3s_attention(*_inputs(n, 256)[:3], plan)
+    with pytest.raises(ValueError, match="window_rows must be 16 or 8"):
+        GraphPlan.from_edge_index(ei, n, window_rows=4)
+    with pytest.raises(ValueError, match="no static build"):
+        GraphPlan.from_edge_index(ei, n, window_rows=8, static=True)
+    with pytest.raises(ValueError, match="every node as a destination"):
+        GraphPlan.from_edge_index(ei, n, window_rows=8, num_rows=n - 1)
+
+
+def test_rows8_warns_where_one_warp_walks_a_long_window():
+    n = 2000
+    hub = torch.stack([torch.arange(1, n), torch.zeros(n - 1, dtype=torch.long)])   # node 0 sees every node
+    with pytest.warns(RuntimeWarning, match="holds 125 blocks"):
+        GraphPlan.from_edge_index(hub, n, window_rows=8)
+    assert (n - 1 + 15) // 16 > ROWS8_WARN_BLOCKS
+    small = hub[:, :16 * ROWS8_WARN_BLOCKS]              # exactly the threshold: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GraphPlan.from_edge_index(small, n, window_rows=8)
+
+
+def test_rows8_plan_moves_between_devices_and_reprs():
+    ei, n = GRAPH_CASES["random_1003"]()
+    plan = GraphPlan.from_edge_index(ei, n, window_rows=8)
+    assert plan.to("cpu") is plan
+    assert "BSBGraph8" in repr(plan)
+    assert plan.bsb.to("cpu") is plan.bsb
+
+
+def test_rows8_ops_pass_opcheck(stand_in_kernels):
+    ei, n = GRAPH_CASES["duplicates"]()
+    plan = GraphPlan.from_edge_index(ei, n, window_rows=8).prepare(H, 32)
+    q, k, v, do = _inputs(n, 32)
+    fwd, bwd = plan.forward_args(H, 32), plan.backward_args(H, 32)
+    out, lse = torch.ops.gt_fused3s.fwd8(q, k, v, *fwd, 0.3, False)
+    for op, args in ((torch.ops.gt_fused3s.fwd8.default, (q, k, v, *fwd, 0.3, False)),
+                     (torch.ops.gt_fused3s.fwd8.default, (q, k, v, *fwd, 0.3, True)),
+                     (torch.ops.gt_fused3s.bwd8.default, (do, q, k, v, out, lse, *fwd, *bwd, 0.3, False))):
+        torch.library.opcheck(op, args)
+
+
+def test_bench_rows8_table_and_cli_refusal(capsys):
+    """The benchmark's table from a row (the run itself needs a GPU: its
+    numbers are in the README), and the CLI's clear refusal without one."""
+    import os
+    import subprocess
+    import sys
+    from gt_fused3s.bench.rows8 import format_rows8_table
+    row = {"graph": "zinc", "setting": "d128h1fp16", "blocks": 4480, "blocks_8": 2972, "mma_fwd": 94624,
+           "mma_fwd_8": 47552, "fwd_kernel_ms": 0.0163, "fwd_kernel_ms_8": 0.0152, "fwd_speedup": 1.07,
+           "bwd_kernel_ms": 0.0437, "bwd_kernel_ms_8": 0.0291, "bwd_speedup": 1.5}
+    table = format_rows8_table([row, {"graph": "cora", "setting": "d64h8bf16"}])
+    assert "| zinc | d128h1fp16 | 4480 / 2972 | 0.50 | 16.3 / 15.2 | 1.07 | 43.7 / 29.1 | 1.50 | - / - | - |" in table
+    assert "| cora | d64h8bf16 | - / - | - | - / - | - |" in table
+    if not torch.cuda.is_available():
+        script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_kernel.py")
+        r = subprocess.run([sys.executable, script, "--window-rows", "8"], capture_output=True, text=True)
+        assert r.returncode == 2 and "--window-rows needs a CUDA GPU" in r.stderr
