@@ -5,6 +5,7 @@
     python scripts/bench_kernel.py --quick --graphs cora github --settings d128h1fp16
     python scripts/bench_kernel.py --reorder cuthill_mckee --out results/reorder_cm.csv
     python scripts/bench_kernel.py --reorder cuthill_mckee --dry-run --graphs cora   # CPU plumbing
+    python scripts/bench_kernel.py --window-rows 8 --out results/rows8.csv
 
 With --reorder METHOD: instead of the backends, each graph's plan in the
 caller's order and one built with GraphPlan.from_edge_index(..., reorder=METHOD)
@@ -14,6 +15,12 @@ alone, the order's and the plan's build time on the device, and the BSB
 statistics (TCBs, MMA invocations, non-zeros per TCB) of both; see
 gt_fused3s.bench.kernel.run_reorder for the columns. --dry-run runs that on
 the CPU (reference path, wall-clock times): the plumbing, not a measurement.
+
+With --window-rows 8: instead of the backends, each graph's 16-row plan and
+its 8-row plan (GraphPlan.from_edge_index(..., window_rows=8), issue 13)
+side by side (default settings d128h1fp16 and d64h8bf16): forward and
+backward kernel time, the public call's wall time, blocks and MMA
+invocations; see gt_fused3s.bench.rows8 for the columns.
 
 Graphs: cora citeseer pubmed github (whole), molhiv zinc peptides (first 1024
 graphs as one batch), powerlaw200k powerlaw1m (generated on the GPU).
@@ -47,8 +54,17 @@ def main(argv=None) -> int:
                    help="time plans with and without this node reordering side by side (issue 13)")
     p.add_argument("--dry-run", action="store_true",
                    help="with --reorder: run on the CPU (no GPU needed; times are not kernel times)")
+    p.add_argument("--window-rows", type=int, choices=[8],
+                   help="time 16-row and 8-row plans side by side (issue 13)")
     a = p.parse_args(argv)
     import torch
+    if a.window_rows:
+        if not torch.cuda.is_available():
+            print("bench_kernel: --window-rows needs a CUDA GPU", file=sys.stderr)
+            return 2
+        from gt_fused3s.bench.rows8 import run_rows8
+        run_rows8(a.graphs, a.settings, quick=a.quick, out=a.out, flush=not a.no_flush)
+        return 0
     if a.dry_run and not a.reorder:
         p.error("--dry-run needs --reorder")
     if a.reorder:

@@ -210,12 +210,7 @@ def run(graphs=None, settings=None, backends=BACKENDS, *, quick: bool = False, o
     reps["flush"] = flush
     log(f"# {env['gpu']} | torch {env['torch']} | CUDA {env['cuda']} | git {env['git_sha']}")
     rows, builds = [], []
-    for gname in graphs:
-        try:
-            ei, n = load_graph(gname, "cuda")
-        except FileNotFoundError as e:
-            log(f"[skip] {gname}: {e}")
-            continue
+    for gname, ei, n in loaded_graphs(graphs, "cuda", log):
         torch.cuda.synchronize()
         bsb = BSBGraph.from_edge_index(ei, n)
         tb = time_host(lambda: BSBGraph.from_edge_index(ei, n), reps=5 if quick else 11)
@@ -533,6 +528,17 @@ def sanitize_case() -> None:
 REORDER_SETTINGS = ("d128h1fp16", "d64h8bf16")     # the settings of issue 13's bars
 
 
+def loaded_graphs(graphs, device, log):
+    """(name, edge_index, N) of each graph that loads; a missing one is logged and skipped."""
+    for gname in graphs:
+        try:
+            ei, n = load_graph(gname, device)
+        except FileNotFoundError as e:
+            log(f"[skip] {gname}: {e}")
+            continue
+        yield gname, ei, n
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -632,12 +638,7 @@ def run_reorder(graphs=None, settings=None, method: str = "cuthill_mckee", *, qu
     log(f"# {env['gpu']} | torch {env['torch']} | CUDA {env['cuda']} | git {env['git_sha']} | "
         f"reorder {method}" + ("" if use_ops else " | no kernel: reference path, op rows empty"))
     rows = []
-    for gname in graphs:
-        try:
-            ei, n = load_graph(gname, device)
-        except FileNotFoundError as e:
-            log(f"[skip] {gname}: {e}")
-            continue
+    for gname, ei, n in loaded_graphs(graphs, device, log):
         _sync(device)
         order_ms = _host_ms(lambda: reorder(ei, n, method), device, 1 if quick else 3)
         plan_ms = _host_ms(lambda: GraphPlan.from_edge_index(ei, n), device, 1 if quick else 3)
