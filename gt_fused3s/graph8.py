@@ -88,9 +88,11 @@ class BSBGraph8(WindowFormat):
         return torch.stack([wo.int(), rw[wo], rw[wo + 1], torch.zeros_like(rw[wo])], 1).int().contiguous()
 
     def max_window_blocks(self) -> int:
-        """The most blocks of one window (a host synchronisation): the
+        """The most blocks of one window (a host synchronisation, once): the
         length of the longest warp's walk in the 8-row kernels."""
-        return int((self.rw_offset[1:] - self.rw_offset[:-1]).max()) if self.num_windows else 0
+        if getattr(self, "_max_blocks", None) is None:
+            self._max_blocks = int((self.rw_offset[1:] - self.rw_offset[:-1]).max()) if self.num_windows else 0
+        return self._max_blocks
 
     def to(self, device: torch.device | str) -> "BSBGraph8":
         """A copy on ``device`` (``self`` if already there)."""

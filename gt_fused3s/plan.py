@@ -65,8 +65,9 @@ def padded_head_dim(head_dim: int) -> int:
 EDGE_GROUPING_MIN_EDGES = int(os.environ.get("GT_FUSED3S_EDGE_GROUPING_MIN_EDGES", 1 << 20))
 
 #: Window heights a plan's format can have: 16 (the BSB, every option) or 8
-#: (:class:`~gt_fused3s.graph8.BSBGraph8`, plain attention, head dims <= 128).
-WINDOW_ROWS = (16, 8)
+#: (:class:`~gt_fused3s.graph8.BSBGraph8`, plain attention, head dims <= 128),
+#: or ``"auto"``: 8 where every 8-row window is short (:meth:`GraphPlan.from_edge_index`).
+WINDOW_ROWS = (16, 8, "auto")
 #: Blocks of one window from which an 8-row plan warns: the 8-row kernels run
 #: a window in one warp (the 16-row schedule splits long windows), so a hub's
 #: window sets the kernel's length (github's, about 600 blocks: 13x slower
@@ -168,7 +169,7 @@ class GraphPlan:
     @classmethod
     def from_edge_index(cls, edge_index: Tensor, num_nodes: int | None = None, *,
                         static: bool | None = None, num_rows: int | None = None,
-                        reorder: str | NodeOrder | None = None, window_rows: int = 16) -> "GraphPlan":
+                        reorder: str | NodeOrder | None = None, window_rows: int | str = 16) -> "GraphPlan":
         """The plan of ``edge_index`` [2, E] (row 0 sources, row 1
         destinations; duplicates count with their multiplicity), built on
         its device. ``static``: see :meth:`BSBGraph.from_edge_index`. An
@@ -201,9 +202,25 @@ class GraphPlan:
         128, built eagerly (no static mode), every node a destination (no
         ``num_rows``); a warning where a window holds more than
         :data:`ROWS8_WARN_BLOCKS` blocks, since its kernels do not split one).
+        ``"auto"`` (for plain attention, trained or not): the 8-row format
+        where none of its windows holds more than :data:`ROWS8_WARN_BLOCKS`
+        blocks, else (hubs), in a static build or with ``num_rows``, the
+        16-row one; a rule read off one H100 run (README "8-row windows":
+        forward + backward 1.1-1.3x on the molecule batches and citation
+        graphs, a forward alone from DRAM 0.92-1.11x, github's hub windows
+        13x slower), not a fitted cost model. :attr:`window_rows` tells
+        which was built.
         """
         if window_rows not in WINDOW_ROWS:
-            raise ValueError(f"window_rows must be 16 or 8 (got {window_rows!r})")
+            raise ValueError(f"window_rows must be 16, 8 or 'auto' (got {window_rows!r})")
+        if window_rows == "auto":
+            is_static = _in_capture_or_compile() if static is None else bool(static)
+            if not is_static and num_rows is None:
+                plan = cls._from_edge_index8(edge_index, num_nodes, static, num_rows, reorder, warn=False)
+                if plan.bsb.max_window_blocks() <= ROWS8_WARN_BLOCKS:
+                    return plan
+                reorder = plan.order if plan.order is not None else reorder    # computed once
+            window_rows = 16
         if window_rows == 8:
             return cls._from_edge_index8(edge_index, num_nodes, static, num_rows, reorder)
         if reorder is None:
@@ -247,8 +264,8 @@ class GraphPlan:
         return cls(bsb, edge_index=edge_index, order=order)
 
     @classmethod
-    def _from_edge_index8(cls, edge_index, num_nodes, static, num_rows, reorder) -> "GraphPlan":
-        """:meth:`from_edge_index` with ``window_rows=8``."""
+    def _from_edge_index8(cls, edge_index, num_nodes, static, num_rows, reorder, warn: bool = True) -> "GraphPlan":
+        """:meth:`from_edge_index` with ``window_rows=8`` (``warn``: about a long window)."""
         if static or (static is None and _in_capture_or_compile()):
             raise ValueError("window_rows=8 has no static build (CUDA graph capture, torch.compile): "
                              "build the plan eagerly, before the capture")
@@ -270,7 +287,7 @@ class GraphPlan:
             _check_order(order, num_nodes, edge_index.device, exact=True)
         fmt = BSBGraph8.from_edge_index(edge_index if order is None else _relabel(order, edge_index), num_nodes)
         longest = fmt.max_window_blocks()
-        if longest > ROWS8_WARN_BLOCKS:
+        if warn and longest > ROWS8_WARN_BLOCKS:
             warnings.warn(f"gt_fused3s: a window of this graph's 8-row format holds {longest} blocks (more than "
                           f"{ROWS8_WARN_BLOCKS}), which one warp walks alone: the 8-row kernels will be slow "
                           f"here (hubs); the default 16-row format splits long windows", RuntimeWarning,

@@ -109,7 +109,7 @@ def test_rows8_refuses_what_its_kernels_do_not_take(stand_in_kernels):
         edge_feature_attention(q, k, v, plan, torch.zeros(E, 4), torch.zeros(H, 32, 4), 0.3)
     with pytest.raises(ValueError, match="head dims up to 128"):
         fused3s_attention(*_inputs(n, 256)[:3], plan)
-    with pytest.raises(ValueError, match="window_rows must be 16 or 8"):
+    with pytest.raises(ValueError, match="window_rows must be 16, 8 or 'auto'"):
         GraphPlan.from_edge_index(ei, n, window_rows=4)
     with pytest.raises(ValueError, match="no static build"):
         GraphPlan.from_edge_index(ei, n, window_rows=8, static=True)
@@ -127,6 +127,20 @@ def test_rows8_warns_where_one_warp_walks_a_long_window():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GraphPlan.from_edge_index(small, n, window_rows=8)
+
+
+def test_auto_picks_8_rows_where_every_window_is_short():
+    ei, n = GRAPH_CASES["random_1003"]()
+    assert GraphPlan.from_edge_index(ei, n, window_rows="auto").window_rows == 8
+    n = 2000                                             # a hub: 125 blocks in one window
+    hub = torch.stack([torch.arange(1, n), torch.zeros(n - 1, dtype=torch.long)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                    # auto does not warn: it takes 16 rows
+        plan = GraphPlan.from_edge_index(hub, n, window_rows="auto", reorder="cuthill_mckee")
+    assert plan.window_rows == 16 and plan.order is not None
+    assert GraphPlan.from_edge_index(ei, 1003, window_rows="auto", static=True).window_rows == 16
+    assert GraphPlan.from_edge_index(ei, 1003, window_rows="auto", num_rows=1003).window_rows == 16
+    assert GraphPlan.from_edge_index(ei, 1003).window_rows == 16       # the default
 
 
 def test_rows8_plan_moves_between_devices_and_reprs():
