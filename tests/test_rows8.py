@@ -107,6 +107,15 @@ def test_rows8_refuses_what_its_kernels_do_not_take(stand_in_kernels):
         fused3s_attention(q, k, v, plan, dropout_p=0.1)
     with pytest.raises(ValueError, match="8-row plan .* runs plain attention"):
         edge_feature_attention(q, k, v, plan, torch.zeros(E, 4), torch.zeros(H, 32, 4), 0.3)
+    from gt_fused3s.nn.pyg import Fused3SConv
+    conv = Fused3SConv(8, 32, heads=H, dropout=0.1)
+    x = torch.randn(n, 8)
+    with pytest.raises(ValueError, match="8-row plan .* runs plain attention"):
+        conv(x, plan)                                      # training: attention dropout
+    conv.eval()
+    with pytest.raises(ValueError, match="8-row plan .* runs plain attention"):
+        conv(x, plan, return_attention_weights=True)
+    assert conv(x, plan).shape == (n, H * 32)
     with pytest.raises(ValueError, match="head dims up to 128"):
         fused3s_attention(*_inputs(n, 256)[:3], plan)
     with pytest.raises(ValueError, match="window_rows must be 16, 8 or 'auto'"):
@@ -180,3 +189,26 @@ def test_bench_rows8_table_and_cli_refusal(capsys):
         script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_kernel.py")
         r = subprocess.run([sys.executable, script, "--window-rows", "8"], capture_output=True, text=True)
         assert r.returncode == 2 and "--window-rows needs a CUDA GPU" in r.stderr
+
+
+def test_rows8_layer_under_torch_compile(stand_in_kernels):
+    """Fused3SConv on a prepared 8-row plan, compiled with fullgraph=True
+    (the ops' fakes and the compiled op's autograd), equals the layer on
+    the edge list eagerly, outputs and input gradients."""
+    from gt_fused3s.nn.pyg import Fused3SConv
+    ei, n = GRAPH_CASES["duplicates"]()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, 16, generator=g)
+    torch.manual_seed(0)
+    conv = Fused3SConv(16, 16, heads=2, beta=True)
+    plan = GraphPlan.from_edge_index(ei, n, window_rows=8).prepare(2, 16)
+    compiled = torch.compile(conv, fullgraph=True)
+    xc, xe = (x.clone().requires_grad_() for _ in range(2))
+    stand_in_kernels.calls.clear()
+    out_c, out_e = compiled(xc, plan), conv(xe, ei)
+    assert "fwd8" in stand_in_kernels.calls
+    torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
+    out_c.square().sum().backward()
+    out_e.square().sum().backward()
+    assert "bwd8" in stand_in_kernels.calls
+    torch.testing.assert_close(xc.grad, xe.grad, atol=1e-4, rtol=1e-4)

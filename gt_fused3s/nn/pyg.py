@@ -115,6 +115,11 @@ class Fused3SConv(TransformerConv):
     - on CUDA, a head size ``out_channels`` the kernel does not take (not a
       multiple of 8 or above 256) or fp64 features.
 
+    A plan of 8-row windows (``GraphPlan.from_edge_index(...,
+    window_rows=8)``, the README's "8-row windows") runs plain attention
+    only: with it, ``edge_dim``, ``return_attention_weights`` and dropout
+    while training raise a ``ValueError`` naming the 16-row format.
+
     Duplicate edges count as often as they appear, exactly as in
     :class:`TransformerConv`.
 
