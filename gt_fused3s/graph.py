@@ -510,20 +510,23 @@ def format_stats(edge_index: Tensor, num_nodes: int, fmt: str = "16x8",
 
 
 def pack_blocks(win: Tensor, src: Tensor, rank: Tensor, cols_per_win: Tensor, width: int,
-                bit_of) -> tuple[Tensor, ...]:
+                bit_of, capacity: int | None = None) -> tuple[Tensor, ...]:
     """A window format's arrays from its edges' columns (:func:`window_ranks`
     or the BSB builder's): blocks of ``width`` columns per window, ``cols``
     (source of each column, -1 padding) and the bitmap, where
     ``bit_of(column in block)`` gives each edge's (word, bit). Returns
     ``rw_offset`` int32 [R + 1], ``cols`` int32 [T * width], ``bitmap``
     int64 [T, 2], ``window_order`` int32 [R] (decreasing block count,
-    stable) and the block count per window (int64)."""
+    stable) and the block count per window (int64). T is read back from
+    the device (one host synchronisation), or, given a ``capacity`` (at
+    least T), the arrays have that many blocks, the last unused (cols -1,
+    bitmap 0), and nothing is read back."""
     device = src.device
     tcb_per_win = (cols_per_win + width - 1) // width
     R = tcb_per_win.numel()
     rw_offset = torch.zeros(R + 1, dtype=torch.long, device=device)
     torch.cumsum(tcb_per_win, 0, out=rw_offset[1:])
-    T = int(rw_offset[-1]) if R else 0
+    T = capacity if capacity is not None else (int(rw_offset[-1]) if R else 0)
     tcb = rw_offset[win] + torch.div(rank, width, rounding_mode="floor")
     col_in = rank % width
     cols = torch.full((T * width,), -1, dtype=torch.int32, device=device)
@@ -573,7 +576,8 @@ def window_ranks(src: Tensor, dst: Tensor, num_nodes: int, rows: int) -> tuple[T
     pair_cols = torch.zeros(E, dtype=torch.long, device=device)
     pair_cols.scatter_reduce_(0, pair_id, copy + 1, reduce="amax")
     cols_per_win = torch.zeros(R, dtype=torch.long, device=device)
-    cols_per_win.index_add_(0, win[new_pair], pair_cols[pair_id[new_pair]])
+    # each pair's columns once, at its first edge (a masked sum: no boolean indexing, no host sync)
+    cols_per_win.index_add_(0, win, torch.where(new_pair, pair_cols[pair_id], 0))
     col = torch.cumsum(pair_cols, 0) - pair_cols                  # first column of each pair
     col = col[pair_id] + copy                                     # global column of the edge
     first_col = torch.cumsum(cols_per_win, 0) - cols_per_win

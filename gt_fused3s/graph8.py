@@ -29,7 +29,8 @@ S^T [16 columns, 8 rows] gives lane ``L`` columns ``L // 4`` and ``L // 4 + 8``
 and rows ``2 (L % 4)``, ``+1``: bits ``2L``, ``2L + 1`` of words 0 and 1, as
 in the BSB, so the kernels' bitmap decoding serves both formats.
 Built on the input's device with vectorised ops (one sort and scatters), in
-exact mode (T read back once); no CUDA builder and no static mode yet.
+exact mode (T read back once) or in static mode (no host synchronisation,
+cols / bitmap at a capacity from the edge and node counts); no CUDA builder.
 
 The kernels run a window's blocks in one warp (no split of long windows, as
 the 16-row format's schedule does): :meth:`BSBGraph8.max_window_blocks`
@@ -49,35 +50,60 @@ ROWS_PER_WINDOW = 8
 COLS_PER_TCB = 16
 
 
+def block_capacity8(num_edges: int, num_nodes: int) -> int:
+    """Blocks a static 8-row build allocates: at least the blocks of any
+    graph of these counts (a window of e edges has at most e columns, so at
+    most e / 16 + 1 blocks, and only windows with edges have blocks)."""
+    windows = (num_nodes + ROWS_PER_WINDOW - 1) // ROWS_PER_WINDOW
+    return num_edges // COLS_PER_TCB + min(windows, num_edges) + 1
+
+
 @dataclass(eq=False)
 class BSBGraph8(WindowFormat):
     """A graph in the 8-row layout of this module's docstring
     (:meth:`from_edge_index`)."""
 
+    #: built without host synchronisation, cols / bitmap at capacity (:func:`block_capacity8`)
+    static: bool = False
+    format_name = "8-row format"
+
     @classmethod
-    def from_edge_index(cls, edge_index: Tensor, num_nodes: int | None = None) -> "BSBGraph8":
+    def from_edge_index(cls, edge_index: Tensor, num_nodes: int | None = None, *,
+                        static: bool = False) -> "BSBGraph8":
         """Build from ``edge_index`` [2, E] (row 0 sources, row 1
-        destinations); ``num_nodes`` defaults to ``edge_index.max() + 1``."""
+        destinations); ``num_nodes`` defaults to ``edge_index.max() + 1``.
+        ``static``: no host synchronisation (``num_nodes`` required; the
+        indices checked on the device, an out-of-range one stops the process
+        with a device-side assertion), ``cols`` and ``bitmap`` at
+        :func:`block_capacity8` blocks, so that the build can be captured in
+        a CUDA graph; the kernels read only the blocks the windows list."""
         edge_index = _check_edge_index(edge_index)
         if num_nodes is None:
+            if static:
+                raise ValueError("a static build needs num_nodes (edge_index.max() + 1 is a host sync)")
             num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
         N = _check_num_nodes(num_nodes)
-        _check_range("edge_index", edge_index, 0, N)
+        if not static:
+            _check_range("edge_index", edge_index, 0, N)
+        elif edge_index.numel():
+            torch._assert_async(((edge_index >= 0) & (edge_index < N)).all(),
+                                "gt_fused3s: edge_index has an index outside [0, num_nodes)")
         _, win, src, row_in, rank, cols_per_win = window_ranks(
             edge_index[0].long(), edge_index[1].long(), N, ROWS_PER_WINDOW)
         # column c, row rr of a block: bit (c % 8) * 8 + rr of word c // 8
         rw_offset, cols, bitmap, window_order, _ = pack_blocks(
-            win, src, rank, cols_per_win, COLS_PER_TCB, lambda c: (c >> 3, ((c & 7) << 3) | row_in))
+            win, src, rank, cols_per_win, COLS_PER_TCB, lambda c: (c >> 3, ((c & 7) << 3) | row_in),
+            capacity=block_capacity8(edge_index.size(1), N) if static else None)
         return cls(num_nodes=N, rw_offset=rw_offset, cols=cols, bitmap=bitmap, window_order=window_order,
-                   edge_index=torch.stack([src, win * ROWS_PER_WINDOW + row_in]))
+                   edge_index=torch.stack([src, win * ROWS_PER_WINDOW + row_in]), static=static)
 
     @property
     def num_tcbs(self) -> int:
-        return self.bitmap.size(0)
+        """Blocks in use (static mode: read back from the device, a host synchronisation)."""
+        return int(self.rw_offset[-1]) if self.static else self.bitmap.size(0)
 
-    #: always built exactly (no static mode yet)
-    static = False
-    format_name = "8-row format"
+    def _used_bitmap(self) -> Tensor:
+        return self.bitmap[:self.num_tcbs] if self.static else self.bitmap
 
     def window_items(self) -> Tensor:
         """int32 [R, 4]: per window, heaviest first (``window_order``),
@@ -100,7 +126,7 @@ class BSBGraph8(WindowFormat):
         if device == self.device:
             return self
         return BSBGraph8(self.num_nodes, self.rw_offset.to(device), self.cols.to(device), self.bitmap.to(device),
-                         self.window_order.to(device), self.edge_index.to(device))
+                         self.window_order.to(device), self.edge_index.to(device), self.static)
 
     def stats(self, head_dim: int = 128) -> dict:
         """Blocks and the work of one forward per head of dimension D, read
@@ -134,13 +160,13 @@ class BSBGraph8(WindowFormat):
             edge_index[0].long(), edge_index[1].long(), self.num_nodes, ROWS_PER_WINDOW)
         tcb = self.rw_offset.long()[win] + torch.div(rank, COLS_PER_TCB, rounding_mode="floor")
         col_in = rank % COLS_PER_TCB
-        return nnz_slots(self.bitmap, tcb, col_in >> 3, ((col_in & 7) << 3) | row_in, order)[:2]
+        return nnz_slots(self._used_bitmap(), tcb, col_in >> 3, ((col_in & 7) << 3) | row_in, order)[:2]
 
     def decode_edges(self) -> Tensor:
         """Edges [2, E] (source, destination), duplicates included, read back
         from ``cols`` and ``bitmap`` alone, sorted by (destination, source):
         the inverse of the builder, for tests."""
-        win, t, word, b = block_bits(self.rw_offset, self.bitmap)
+        win, t, word, b = block_bits(self.rw_offset, self._used_bitmap())
         col_in = word * 8 + (b >> 3)
         rows = win * ROWS_PER_WINDOW + (b & 7)
         srcs = self.cols.long()[t * COLS_PER_TCB + col_in]

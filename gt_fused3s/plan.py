@@ -199,8 +199,8 @@ class GraphPlan:
         swap-and-transpose: half the mma invocations on sparse graphs, which
         pays where windows are short, README "8-row windows"; plain attention
         only (no edge bias, returned weights or dropout), head dims up to
-        128, built eagerly (no static mode), every node a destination (no
-        ``num_rows``); a warning where a window holds more than
+        128, every node a destination (no ``num_rows``); static builds as
+        for 16 rows; an exact build warns where a window holds more than
         :data:`ROWS8_WARN_BLOCKS` blocks, since its kernels do not split one).
         ``"auto"`` (for plain attention, trained or not): the 8-row format
         where none of its windows holds more than :data:`ROWS8_WARN_BLOCKS`
@@ -265,12 +265,13 @@ class GraphPlan:
 
     @classmethod
     def _from_edge_index8(cls, edge_index, num_nodes, static, num_rows, reorder, warn: bool = True) -> "GraphPlan":
-        """:meth:`from_edge_index` with ``window_rows=8`` (``warn``: about a long window)."""
-        if static or (static is None and _in_capture_or_compile()):
-            raise ValueError("window_rows=8 has no static build (CUDA graph capture, torch.compile): "
-                             "build the plan eagerly, before the capture")
+        """:meth:`from_edge_index` with ``window_rows=8`` (``warn``: about a
+        long window, which a static build cannot see without a host sync)."""
+        is_static = _in_capture_or_compile() if static is None else bool(static)
         edge_index = _check_edge_index(edge_index)
         if num_nodes is None:
+            if is_static:
+                raise ValueError("a static 8-row plan needs num_nodes (edge_index.max() + 1 is a host sync)")
             num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
         num_nodes = _check_num_nodes(num_nodes)
         if num_rows is not None and _check_num_nodes(num_rows) != num_nodes:
@@ -278,16 +279,23 @@ class GraphPlan:
                              "rectangular plan with the 16-row format")
         order = None
         if reorder is not None:
-            _check_range("edge_index", edge_index, 0, num_nodes)
-            order = (_compute_order(edge_index, num_nodes, reorder) if isinstance(reorder, str)
-                     and reorder in REORDER_METHODS else reorder)
-            if not isinstance(order, NodeOrder):
+            if isinstance(reorder, str) and reorder in REORDER_METHODS:
+                if is_static and reorder not in _SYNC_FREE_METHODS:
+                    raise ValueError(f"reorder={reorder!r} computes its order with host synchronisations, which "
+                                     f"a static build cannot make: pass a NodeOrder computed ahead")
+                if not is_static:
+                    _check_range("edge_index", edge_index, 0, num_nodes)
+                order = _compute_order(edge_index, num_nodes, reorder)
+            elif isinstance(reorder, NodeOrder):
+                order = reorder
+            else:
                 raise ValueError(f"reorder must be None, one of {REORDER_METHODS} or a NodeOrder "
                                  f"(got {reorder!r})")
-            _check_order(order, num_nodes, edge_index.device, exact=True)
-        fmt = BSBGraph8.from_edge_index(edge_index if order is None else _relabel(order, edge_index), num_nodes)
-        longest = fmt.max_window_blocks()
-        if warn and longest > ROWS8_WARN_BLOCKS:
+            _check_order(order, num_nodes, edge_index.device, exact=not is_static)
+        fmt = BSBGraph8.from_edge_index(edge_index if order is None else _relabel(order, edge_index), num_nodes,
+                                        static=is_static)
+        longest = fmt.max_window_blocks() if warn and not is_static else 0
+        if longest > ROWS8_WARN_BLOCKS:
             warnings.warn(f"gt_fused3s: a window of this graph's 8-row format holds {longest} blocks (more than "
                           f"{ROWS8_WARN_BLOCKS}), which one warp walks alone: the 8-row kernels will be slow "
                           f"here (hubs); the default 16-row format splits long windows", RuntimeWarning,
@@ -435,7 +443,7 @@ class GraphPlan:
     def _transposed(self) -> BSBGraph | BSBGraph8:
         if self.transposed is None:
             b = self.bsb
-            self.transposed = (BSBGraph8.from_edge_index(b.edge_index.flip(0), b.num_nodes)
+            self.transposed = (BSBGraph8.from_edge_index(b.edge_index.flip(0), b.num_nodes, static=b.static)
                                if isinstance(b, BSBGraph8) else
                                BSBGraph.from_edge_index(b.edge_index.flip(0), b.num_nodes, static=b.static))
         return self.transposed

@@ -64,14 +64,16 @@ def decode8(rw_offset: torch.Tensor, cols: torch.Tensor, bitmap: torch.Tensor, w
     of a block at cols[16 block + c], row rr's bit (c % 8) * 8 + rr of word
     c // 8."""
     assert rw_offset.dtype == cols.dtype == windows.dtype == torch.int32 and bitmap.dtype == torch.int64
-    assert cols.numel() == 16 * bitmap.size(0) and int(rw_offset[-1]) == bitmap.size(0)
+    T = int(rw_offset[-1])                # the blocks in use: a static build's capacity may be more
+    assert cols.numel() == 16 * bitmap.size(0) and T <= bitmap.size(0)
+    assert bool((bitmap[T:] == 0).all()), "a block past the windows' is unused"
     R = rw_offset.numel() - 1
     assert windows.shape == (R, 4) and torch.equal(torch.sort(windows[:, 0]).values, torch.arange(R, dtype=torch.int32))
     w = windows[:, 0].long()
     assert torch.equal(windows[:, 1], rw_offset[w]) and torch.equal(windows[:, 2], rw_offset[w + 1])
     sizes = windows[:, 2] - windows[:, 1]
     assert torch.all(sizes[:-1] >= sizes[1:]), "windows: heaviest first"
-    win, t, word, b = block_bits(rw_offset, bitmap)
+    win, t, word, b = block_bits(rw_offset, bitmap[:T])
     srcs = cols.long()[t * 16 + word * 8 + (b >> 3)]
     assert torch.all(srcs >= 0), "an edge bit in a padding column"
     return torch.stack([srcs, win * 8 + (b & 7)])

@@ -8,6 +8,7 @@ eager, forward and backward."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -43,8 +44,9 @@ def _edges(n, e, seed):
 
 
 # ------------------------------------------------------------- no host sync
+@pytest.mark.parametrize("window_rows", [16, 8])
 @pytest.mark.parametrize("static", [False, True])
-def test_op_forward_backward_make_no_host_sync(static):
+def test_op_forward_backward_make_no_host_sync(static, window_rows):
     n, h, d = 3001, 4, 64
     ei = _edges(n, 12 * n, 1)
     hub = torch.arange(0, n, 2, device=DEV)                      # a split window in each pass
@@ -53,9 +55,12 @@ def test_op_forward_backward_make_no_host_sync(static):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     if static:                 # the static build itself makes no sync either
         with no_sync():
-            plan = GraphPlan.from_edge_index(ei, n, static=True).prepare(h, d)
+            plan = GraphPlan.from_edge_index(ei, n, static=True, window_rows=window_rows).prepare(h, d)
     else:
-        plan = GraphPlan.from_edge_index(ei, n).prepare(h, d)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)      # 8 rows: the hubs' long windows
+            plan = GraphPlan.from_edge_index(ei, n, window_rows=window_rows).prepare(h, d)
+    assert plan.window_rows == window_rows
     with no_sync():
         out = fused3s_attention(*leaves, plan)
         grads = torch.autograd.grad(out, leaves, do)
@@ -125,11 +130,12 @@ def test_graph_transformer_inference_and_training_step_make_no_host_sync():
 
 
 # ------------------------------------------------------------------ capture
-def test_captured_op_replays_on_a_new_graph_of_the_same_shape():
+@pytest.mark.parametrize("window_rows", [16, 8])
+def test_captured_op_replays_on_a_new_graph_of_the_same_shape(window_rows):
     n, h, d, e = 1500, 2, 64, 9000
 
     def step(q, k, v, do, edge_index):
-        plan = GraphPlan.from_edge_index(edge_index, n, static=True).prepare(h, d)
+        plan = GraphPlan.from_edge_index(edge_index, n, static=True, window_rows=window_rows).prepare(h, d)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = fused3s_attention(*leaves, plan)
         return (out, *torch.autograd.grad(out, leaves, do))

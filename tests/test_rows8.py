@@ -120,10 +120,55 @@ def test_rows8_refuses_what_its_kernels_do_not_take(stand_in_kernels):
         fused3s_attention(*_inputs(n, 256)[:3], plan)
     with pytest.raises(ValueError, match="window_rows must be 16, 8 or 'auto'"):
         GraphPlan.from_edge_index(ei, n, window_rows=4)
-    with pytest.raises(ValueError, match="no static build"):
-        GraphPlan.from_edge_index(ei, n, window_rows=8, static=True)
+    with pytest.raises(ValueError, match="static 8-row plan needs num_nodes"):
+        GraphPlan.from_edge_index(ei, window_rows=8, static=True)
+    with pytest.raises(ValueError, match="host synchronisations"):
+        GraphPlan.from_edge_index(ei, n, window_rows=8, static=True, reorder="cuthill_mckee")
     with pytest.raises(ValueError, match="every node as a destination"):
         GraphPlan.from_edge_index(ei, n, window_rows=8, num_rows=n - 1)
+
+
+@pytest.mark.parametrize("name", ["random_1003", "duplicates", "no_edges", "heavy_node", "empty_rows"])
+def test_static_8_row_build_equals_the_exact_one(stand_in_kernels, name):
+    """Static: cols / bitmap at capacity (unused blocks -1 / 0 at the end),
+    everything else as the exact build; a plan on it gives the same results
+    (the stand-ins decode only the blocks the windows list)."""
+    from gt_fused3s.graph8 import block_capacity8
+    ei, n = GRAPH_CASES[name]()
+    exact = BSBGraph8.from_edge_index(ei, n)
+    static = BSBGraph8.from_edge_index(ei, n, static=True)
+    T, E = exact.num_tcbs, ei.size(1)
+    cap = block_capacity8(E, n)
+    assert static.static and static.bitmap.shape == (cap, 2) and cap >= T and static.num_tcbs == T
+    for a in ("rw_offset", "window_order", "edge_index"):
+        assert torch.equal(getattr(static, a), getattr(exact, a)), a
+    assert torch.equal(static.cols[:16 * T], exact.cols) and bool((static.cols[16 * T:] == -1).all())
+    assert torch.equal(static.bitmap[:T], exact.bitmap) and bool((static.bitmap[T:] == 0).all())
+    assert torch.equal(static.decode_edges(), exact.decode_edges())
+    assert static.stats(64) == exact.stats(64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        plans = [GraphPlan.from_edge_index(ei, n, window_rows=8, static=s).prepare(H, 32) for s in (False, True)]
+    assert plans[1].static and plans[1].transposed.static
+    q, k, v, do = _inputs(n, 32)
+    (o0, g0), (o1, g1) = (_grads(p, q, k, v, do) for p in plans)
+    torch.testing.assert_close(o1, o0)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b)
+
+
+def test_block_capacity8_bounds_every_graph_of_its_counts():
+    """The capacity against the worst graphs of given counts: every edge in
+    its own window, every window's columns just past a block boundary."""
+    from gt_fused3s.graph8 import block_capacity8
+    g = torch.Generator().manual_seed(0)
+    for n, e in ((8, 17), (1000, 999), (1000, 4000), (33, 0), (1, 5)):
+        cases = [torch.randint(0, n, (2, e), generator=g)]
+        # 17 distinct sources into each window's first row: 2 blocks a window
+        per = torch.arange(e) // 17
+        cases.append(torch.stack([torch.arange(e) % n, (per * 8) % n]))
+        for ei in cases:
+            assert BSBGraph8.from_edge_index(ei, n).num_tcbs <= block_capacity8(e, n)
 
 
 def test_rows8_warns_where_one_warp_walks_a_long_window():
