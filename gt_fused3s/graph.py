@@ -111,6 +111,16 @@ def _check_range(name: str, t: Tensor, low: int, high: int) -> None:
         raise err
 
 
+def _num_nodes_of(edge_index: Tensor, num_nodes: int | None, static: bool) -> int:
+    """``num_nodes`` checked, or ``edge_index.max() + 1`` (a host
+    synchronisation, which a static build cannot make: it needs ``num_nodes``)."""
+    if num_nodes is None:
+        if static:
+            raise ValueError("a static build needs num_nodes (edge_index.max() + 1 is a host sync)")
+        num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
+    return _check_num_nodes(num_nodes)
+
+
 def _popcount64(x: Tensor) -> Tensor:
     """Bit count of each int64 (read as uint64), with wrap-around int64 arithmetic."""
     m1, m2, m4 = 0x5555555555555555, 0x3333333333333333, 0x0F0F0F0F0F0F0F0F

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .graph import (WindowFormat, _check_edge_index, _check_num_nodes, _check_range, block_bits, nnz_slots,
+from .graph import (WindowFormat, _check_edge_index, _check_range, _num_nodes_of, block_bits, nnz_slots,
                     pack_blocks, window_ranks)
 
 ROWS_PER_WINDOW = 8
@@ -78,11 +78,7 @@ class BSBGraph8(WindowFormat):
         :func:`block_capacity8` blocks, so that the build can be captured in
         a CUDA graph; the kernels read only the blocks the windows list."""
         edge_index = _check_edge_index(edge_index)
-        if num_nodes is None:
-            if static:
-                raise ValueError("a static build needs num_nodes (edge_index.max() + 1 is a host sync)")
-            num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
-        N = _check_num_nodes(num_nodes)
+        N = _num_nodes_of(edge_index, num_nodes, static)
         if not static:
             _check_range("edge_index", edge_index, 0, N)
         elif edge_index.numel():

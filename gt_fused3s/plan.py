@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .graph import (BSBGraph, _check_edge_index, _check_num_nodes, _check_range, _in_capture_or_compile,
-                    edge_slots, node_csr)
+                    _num_nodes_of, edge_slots, node_csr)
 from .graph8 import BSBGraph8
 from .reorder import METHODS as REORDER_METHODS
 from .reorder import NodeOrder
@@ -269,11 +269,7 @@ class GraphPlan:
         long window, which a static build cannot see without a host sync)."""
         is_static = _in_capture_or_compile() if static is None else bool(static)
         edge_index = _check_edge_index(edge_index)
-        if num_nodes is None:
-            if is_static:
-                raise ValueError("a static 8-row plan needs num_nodes (edge_index.max() + 1 is a host sync)")
-            num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
-        num_nodes = _check_num_nodes(num_nodes)
+        num_nodes = _num_nodes_of(edge_index, num_nodes, is_static)
         if num_rows is not None and _check_num_nodes(num_rows) != num_nodes:
             raise ValueError("an 8-row plan needs every node as a destination (num_rows): build a "
                              "rectangular plan with the 16-row format")
