@@ -202,7 +202,7 @@ class GraphPlan:
         128, every node a destination (no ``num_rows``); static builds as
         for 16 rows; an exact build warns where a window holds more than
         :data:`ROWS8_WARN_BLOCKS` blocks, since its kernels do not split one).
-        ``"auto"`` (for plain attention, trained or not): the 8-row format
+        ``"auto"`` (for plain attention, trained or not, head dims up to 128): the 8-row format
         where none of its windows holds more than :data:`ROWS8_WARN_BLOCKS`
         blocks, else (hubs), in a static build or with ``num_rows``, the
         16-row one; a rule read off one H100 run (README "8-row windows":
