@@ -563,10 +563,9 @@ Rows8Format rows8_format(const at::Tensor& rw_offset, const at::Tensor& cols, co
             reinterpret_cast<const int4*>(windows.data_ptr<int32_t>()), static_cast<int32_t>(R)};
 }
 
-// q, k, v as the 8-row kernels take them: contiguous [N, H, D], D compiled.
-at::Tensor rows8_input(const at::Tensor& t, const char* name, const at::Tensor& q) {
-    return kernel_input(t, name, q).contiguous();
-}
+// An input of the 8-row kernels as they read it (kernel_input: q's dtype and
+// shape, rows and heads 16-byte aligned; a strided view is read in place).
+Rows8Operand rows8_operand(const at::Tensor& t) { return {t.data_ptr(), t.stride(0), t.stride(1)}; }
 
 int64_t rows8_head_dim(const at::Tensor& q) {
     const int64_t D = q.size(2);
@@ -608,7 +607,7 @@ std::tuple<at::Tensor, at::Tensor> fwd8_cuda(const at::Tensor& q_in, const at::T
                                              const at::Tensor& bitmap, const at::Tensor& windows, double scale,
                                              bool out_fp32) {
     TORCH_CHECK(q_in.defined() && q_in.is_cuda(), "q must be a CUDA tensor");
-    const at::Tensor q = rows8_input(q_in, "q", q_in), k = rows8_input(k_in, "k", q), v = rows8_input(v_in, "v", q);
+    const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q), v = kernel_input(v_in, "v", q);
     const int64_t N = q.size(0), H = q.size(1), D = rows8_head_dim(q);
     TORCH_CHECK(std::isfinite(scale), "scale must be finite (got ", num(scale), ")");
     Fwd8Params p{};
@@ -617,7 +616,7 @@ std::tuple<at::Tensor, at::Tensor> fwd8_cuda(const at::Tensor& q_in, const at::T
     auto out = at::empty({N, H, D}, q.options().dtype(out_fp32 ? at::kFloat : q.scalar_type()));
     auto lse = at::empty({N, H}, q.options().dtype(at::kFloat));
     if (N == 0 || H == 0) return {out, lse};
-    p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
+    p.q = rows8_operand(q); p.k = rows8_operand(k); p.v = rows8_operand(v);
     p.out = out.data_ptr(); p.out_fp32 = out_fp32; p.lse = lse.data_ptr<float>();
     p.num_nodes = static_cast<int32_t>(N); p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
@@ -634,13 +633,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd8_cuda(
         const at::Tensor& t_cols, const at::Tensor& t_bitmap, const at::Tensor& t_windows, double scale,
         bool grad_fp32) {
     TORCH_CHECK(q_in.defined() && q_in.is_cuda(), "q must be a CUDA tensor");
-    const at::Tensor q = rows8_input(q_in, "q", q_in), k = rows8_input(k_in, "k", q), v = rows8_input(v_in, "v", q);
-    const at::Tensor dout = rows8_input(grad_out_in, "grad_out", q);
+    const at::Tensor q = kernel_input(q_in, "q", q_in), k = kernel_input(k_in, "k", q), v = kernel_input(v_in, "v", q);
+    const at::Tensor dout = kernel_input(grad_out_in, "grad_out", q);
     const int64_t N = q.size(0), H = q.size(1), D = rows8_head_dim(q);
     TORCH_CHECK(out_in.defined() && out_in.device() == q.device() && out_in.sizes() == q.sizes() &&
                     (out_in.scalar_type() == q.scalar_type() || out_in.scalar_type() == at::kFloat),
                 "out must be the forward's output: shape ", shape(q.sizes()), ", q's dtype or float32, on q's device");
-    const at::Tensor out = out_in.contiguous();
+    const at::Tensor out = aligned_rows(out_in);
     TORCH_CHECK(lse_in.defined() && lse_in.device() == q.device() && lse_in.scalar_type() == at::kFloat &&
                     lse_in.dim() == 2 && lse_in.size(0) == N && lse_in.size(1) == H,
                 "lse must be a float32 [N, H] = ", shape({N, H}), " tensor on the device of q");
@@ -654,9 +653,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd8_cuda(
     auto dq = at::empty({N, H, D}, gopt), dk = at::empty({N, H, D}, gopt), dv = at::empty({N, H, D}, gopt);
     if (N == 0 || H == 0) return {dq, dk, dv};
     auto stats = at::empty({N, H, 2}, q.options().dtype(at::kFloat));
-    p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
-    p.out = out.data_ptr(); p.o_fp32 = out.scalar_type() == at::kFloat;
-    p.dout = dout.data_ptr(); p.lse = lse.data_ptr<float>();
+    p.q = rows8_operand(q); p.k = rows8_operand(k); p.v = rows8_operand(v);
+    p.out = rows8_operand(out); p.o_fp32 = out.scalar_type() == at::kFloat;
+    p.dout = rows8_operand(dout); p.lse = lse.data_ptr<float>();
     p.stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
     p.dq = dq.data_ptr(); p.dk = dk.data_ptr(); p.dv = dv.data_ptr(); p.grad_fp32 = grad_fp32;
     p.num_nodes = static_cast<int32_t>(N); p.num_heads = static_cast<int32_t>(H);

@@ -116,3 +116,26 @@ def test_same_as_16_row_on_a_hub_graph():
     q, k, v, do = _qkv(n, 2, 64, torch.float16, seed=9)
     _check_out(q, k, v, plan, label="hub")
     _check_grads(q, k, v, do, plan, label="hub")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_strided_views_are_read_in_place(dtype):
+    """q, k, v as slices of one projection (a model's qkv split), dO a view:
+    the same results as contiguous copies, bit for bit (the kernels read
+    row and head strides; no copy is made for them)."""
+    ei, n = GRAPH_CASES["random_1003"]()
+    plan = _plan8(ei, n)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    qkv = torch.randn(n, 3, 2, 64, generator=g, device=DEV).to(LOW[dtype])
+    do = torch.randn(n, 2, 2, 64, generator=g, device=DEV).to(LOW[dtype])[:, 1]
+    views = [t.requires_grad_() for t in (x.detach() for x in qkv.unbind(1))]
+    copies = [t.detach().contiguous().requires_grad_() for t in views]
+    assert not views[0].is_contiguous()
+    outs = []
+    for leaves, grad in ((views, do), (copies, do.contiguous())):
+        out = fused3s_attention(*leaves, plan)
+        out.backward(grad)
+        outs.append((out, [t.grad for t in leaves]))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for a, b in zip(outs[0][1], outs[1][1]):
+        assert torch.equal(a, b)

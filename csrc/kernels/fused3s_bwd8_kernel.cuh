@@ -60,17 +60,15 @@ fused3s_bwd8_dq_kernel(const Bwd8Params p) {
     constexpr int kMT = kDW / 16;
     const Rows8Item w(p.fmt, p.num_heads, kDW);
     const int lane = w.lane, g = w.g, t = w.t, head = w.head, window = w.window, row = w.row();
-    const int64_t rs = w.row_stride;
-    const uint16_t* k = head_base(p.k, head, kDW);
-    const uint16_t* v = head_base(p.v, head, kDW);
+    const HeadRows k(p.k, head), v(p.v, head);
     const bool in = row < p.num_nodes;   // B operands: column n = g is this lane's row
-    const int64_t at = w.row_offset(p.num_nodes);
+    const int r = w.clamped_row(p.num_nodes);
     KFragment<kDW> qb, db;
-    load_k_fragment<kDW>(qb, head_base(p.q, head, kDW) + at, in, t);
-    load_k_fragment<kDW>(db, head_base(p.dout, head, kDW) + at, in, t);
-    const int64_t o_at = at + static_cast<int64_t>(head) * kDW;
-    const void* o_row = p.o_fp32 ? static_cast<const void*>(reinterpret_cast<const float*>(p.out) + o_at)
-                                 : static_cast<const void*>(reinterpret_cast<const uint16_t*>(p.out) + o_at);
+    load_k_fragment<kDW>(qb, HeadRows(p.q, head).row(r), in, t);
+    load_k_fragment<kDW>(db, HeadRows(p.dout, head).row(r), in, t);
+    const int64_t o_at = static_cast<int64_t>(r) * p.out.row_stride + static_cast<int64_t>(head) * p.out.head_stride;
+    const void* o_row = p.o_fp32 ? static_cast<const void*>(reinterpret_cast<const float*>(p.out.ptr) + o_at)
+                                 : static_cast<const void*>(reinterpret_cast<const uint16_t*>(p.out.ptr) + o_at);
     float dl = partial_delta<T, kDW>(db, o_row, p.o_fp32, in, t);
     dl += __shfl_xor_sync(0xffffffffu, dl, 1);
     dl += __shfl_xor_sync(0xffffffffu, dl, 2);
@@ -92,7 +90,7 @@ fused3s_bwd8_dq_kernel(const Bwd8Params p) {
         Block8 nb;
         if (tcb + 1 < w.end) load_block8(nb, p.fmt, tcb + 1, lane);
         VFragment<kDW> kt;
-        load_columns_t<kDW>(kt, k, rs, b.c, g, t);
+        load_columns_t<kDW>(kt, k, b.c, g, t);
         float s[4], dp[4];   // S^T = K Q^T, dP^T = V dO^T
         block_scores2<T, kDW>(s, dp, k, v, qb, db, b.c, w);
         const uint32_t mask = block8_mask(b, lane);
@@ -108,7 +106,7 @@ fused3s_bwd8_dq_kernel(const Bwd8Params p) {
         b = nb;
     }
     const float mul[2] = {p.scale, p.scale};
-    store_rows8<T, kDW>(p.dq, p.grad_fp32, rs, head, window * 8, p.num_nodes, g, t, acc, mul);
+    store_rows8<T, kDW>(p.dq, p.grad_fp32, w.out_stride, head, window * 8, p.num_nodes, g, t, acc, mul);
 }
 
 template <typename T, int kDW>
@@ -117,14 +115,12 @@ fused3s_bwd8_dkv_kernel(const Bwd8Params p) {
     constexpr int kMT = kDW / 16;
     const Rows8Item w(p.t_fmt, p.num_heads, kDW);
     const int lane = w.lane, g = w.g, t = w.t, head = w.head, window = w.window;
-    const int64_t rs = w.row_stride;
-    const uint16_t* q = head_base(p.q, head, kDW);
-    const uint16_t* dout = head_base(p.dout, head, kDW);
+    const HeadRows q(p.q, head), dout(p.dout, head);
     const bool in = w.row() < p.num_nodes;   // B operands: column n = g is this lane's key
-    const int64_t at = w.row_offset(p.num_nodes);
+    const int r = w.clamped_row(p.num_nodes);
     KFragment<kDW> kb, vb;
-    load_k_fragment<kDW>(kb, head_base(p.k, head, kDW) + at, in, t);
-    load_k_fragment<kDW>(vb, head_base(p.v, head, kDW) + at, in, t);
+    load_k_fragment<kDW>(kb, HeadRows(p.k, head).row(r), in, t);
+    load_k_fragment<kDW>(vb, HeadRows(p.v, head).row(r), in, t);
     float dk[kMT][4], dv[kMT][4];
 #pragma unroll
     for (int j = 0; j < kMT; ++j) {
@@ -154,15 +150,15 @@ fused3s_bwd8_dkv_kernel(const Bwd8Params p) {
         columns_as_b<T>(pb0, pb1, pr);
         columns_as_b<T>(sb0, sb1, ds);
         VFragment<kDW> xt;   // dO^T, then Q^T (the scores' operands are dead here)
-        load_columns_t<kDW>(xt, dout, rs, b.c, g, t);
+        load_columns_t<kDW>(xt, dout, b.c, g, t);
         accumulate_t<T, kDW>(dv, xt, pb0, pb1);
-        load_columns_t<kDW>(xt, q, rs, b.c, g, t);
+        load_columns_t<kDW>(xt, q, b.c, g, t);
         accumulate_t<T, kDW>(dk, xt, sb0, sb1);
         b = nb;
     }
     const float mul_k[2] = {p.scale, p.scale}, mul_v[2] = {1.f, 1.f};
-    store_rows8<T, kDW>(p.dk, p.grad_fp32, rs, head, window * 8, p.num_nodes, g, t, dk, mul_k);
-    store_rows8<T, kDW>(p.dv, p.grad_fp32, rs, head, window * 8, p.num_nodes, g, t, dv, mul_v);
+    store_rows8<T, kDW>(p.dk, p.grad_fp32, w.out_stride, head, window * 8, p.num_nodes, g, t, dk, mul_k);
+    store_rows8<T, kDW>(p.dv, p.grad_fp32, w.out_stride, head, window * 8, p.num_nodes, g, t, dv, mul_v);
 }
 
 template <typename T, int kHeadDim>

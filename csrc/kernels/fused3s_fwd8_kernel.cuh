@@ -37,12 +37,10 @@ fused3s_fwd8_kernel(const Fwd8Params p) {
     const Rows8Item w(p.fmt, p.num_heads, kDW);
     const int lane = w.lane, g = w.g, t = w.t, head = w.head, window = w.window;
     const int tcb_begin = w.begin, tcb_end = w.end;
-    const int64_t rs = w.row_stride;
-    const uint16_t* k = head_base(p.k, head, kDW);
-    const uint16_t* v = head_base(p.v, head, kDW);
+    const HeadRows k(p.k, head), v(p.v, head);
 
     KFragment<kDW> qb;   // B = Q^T: column n = g is this lane's row
-    load_k_fragment<kDW>(qb, head_base(p.q, head, kDW) + w.row_offset(p.num_nodes), w.row() < p.num_nodes, t);
+    load_k_fragment<kDW>(qb, HeadRows(p.q, head).row(w.clamped_row(p.num_nodes)), w.row() < p.num_nodes, t);
 
     float o[kMT][4];
 #pragma unroll
@@ -55,8 +53,8 @@ fused3s_fwd8_kernel(const Fwd8Params p) {
         load_block8(cur, p.fmt, tcb_begin, lane);
         QFragment<kDW> ka;
         VFragment<kDW> vf;
-        load_columns_a<kDW>(ka, k, rs, cur.c, g, t);
-        load_columns_t<kDW>(vf, v, rs, cur.c, g, t);
+        load_columns_a<kDW>(ka, k, cur.c, g, t);
+        load_columns_t<kDW>(vf, v, cur.c, g, t);
         for (int tcb = tcb_begin;; ++tcb) {
             const bool has_next = tcb + 1 < tcb_end;
             Block8 nxt;
@@ -64,7 +62,7 @@ fused3s_fwd8_kernel(const Fwd8Params p) {
             float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int st = 0; st < kSteps; ++st) mma_16816<T>(s, ka.a[st], qb.b[st][0], qb.b[st][1]);
-            if (has_next) load_columns_a<kDW>(ka, k, rs, nxt.c, g, t);   // flies during softmax + SpMM
+            if (has_next) load_columns_a<kDW>(ka, k, nxt.c, g, t);   // flies during softmax + SpMM
             const uint32_t mask = block8_mask(cur, lane);
 #pragma unroll
             for (int i = 0; i < 4; ++i) s[i] = ((mask >> i) & 1u) ? s[i] * p.scale_log2 : -INFINITY;
@@ -94,7 +92,7 @@ fused3s_fwd8_kernel(const Fwd8Params p) {
             columns_as_b<T>(b0, b1, pr);
             accumulate_t<T, kDW>(o, vf, b0, b1);
             if (!has_next) break;
-            load_columns_t<kDW>(vf, v, rs, nxt.c, g, t);   // flies during the next scores
+            load_columns_t<kDW>(vf, v, nxt.c, g, t);   // flies during the next scores
             cur = nxt;
         }
     }
@@ -108,7 +106,7 @@ fused3s_fwd8_kernel(const Fwd8Params p) {
         // makes the row and its lse NaN, as in the 16-row kernel
         inv[i] = l[i] != 0.f ? 1.f / l[i] : 0.f;
     }
-    store_rows8<T, kDW>(p.out, p.out_fp32, rs, head, window * 8, p.num_nodes, g, t, o, inv);
+    store_rows8<T, kDW>(p.out, p.out_fp32, w.out_stride, head, window * 8, p.num_nodes, g, t, o, inv);
     if (g == 0) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {

@@ -32,14 +32,20 @@ struct Rows8Format {
     int32_t num_windows;
 };
 
-// q, k, v, out (and the backward's dO, O, dQ, dK, dV): [N, H, D] contiguous,
-// head h of row n at (n * H + h) * D; fp16 or bf16 (out, O and the gradients
-// in fp32 where a flag says so). lse [N, H] fp32, natural log, -inf for a
-// row without in-neighbours.
+// An input [N, H, D]: head h of row n at n * row_stride + h * head_stride
+// (elements; both multiples of 8, the start 16-byte aligned, the last dim
+// contiguous: a column slice of a wider projection is read in place).
+struct Rows8Operand {
+    const void* ptr;
+    int64_t row_stride, head_stride;
+};
+
+// q, k, v (and the backward's dO, O): Rows8Operand, fp16 or bf16 (O in fp32
+// where a flag says so); the outputs (out, dQ, dK, dV) [N, H, D] contiguous,
+// in the input dtype or fp32. lse [N, H] fp32, natural log, -inf for a row
+// without in-neighbours.
 struct Fwd8Params {
-    const void* q;
-    const void* k;
-    const void* v;
+    Rows8Operand q, k, v;
     void* out;
     bool out_fp32;
     float* lse;
@@ -49,12 +55,10 @@ struct Fwd8Params {
 };
 
 struct Bwd8Params {
-    const void* q;
-    const void* k;
-    const void* v;
-    const void* out;    // O, for delta = rowsum(dO * O) (dQ pass)
+    Rows8Operand q, k, v;
+    Rows8Operand out;   // O, for delta = rowsum(dO * O) (dQ pass)
     bool o_fp32;
-    const void* dout;
+    Rows8Operand dout;
     const float* lse;
     float2* stats;      // [N, H] (lse log2 e, delta): written by the dQ pass, read by the dKV pass
     void* dq;

@@ -74,31 +74,33 @@ __device__ __forceinline__ void transposed_a(uint32_t (&a)[4], const VFragment<k
     a[3] = __byte_perm(f.w[2][j], f.w[3][j], 0x7632u);
 }
 
-// Row base of head `head` in an [N, H, D] operand.
-__device__ __forceinline__ const uint16_t* head_base(const void* x, int head, int head_dim) {
-    return reinterpret_cast<const uint16_t*>(x) + static_cast<int64_t>(head) * head_dim;
-}
+// One head of an input operand: its rows' base and stride (2-byte elements).
+struct HeadRows {
+    const uint16_t* base;
+    int64_t stride;
+    __device__ __forceinline__ HeadRows(const Rows8Operand& x, int head)
+        : base(reinterpret_cast<const uint16_t*>(x.ptr) + static_cast<int64_t>(head) * x.head_stride),
+          stride(x.row_stride) {}
+    __device__ __forceinline__ const uint16_t* row(int64_t r) const { return base + r * stride; }
+};
 
 // X rows of the block's columns g and g + 8 as the A fragment of S^T.
 template <int kDW>
-__device__ __forceinline__ void load_columns_a(QFragment<kDW>& f, const uint16_t* x, int64_t row_stride, int c,
-                                               int g, int t) {
+__device__ __forceinline__ void load_columns_a(QFragment<kDW>& f, const HeadRows& x, int c, int g, int t) {
     const int c0 = __shfl_sync(0xffffffffu, c, g), c1 = __shfl_sync(0xffffffffu, c, g + 8);
-    load_q_fragment<kDW>(f, x + static_cast<int64_t>(c0 < 0 ? 0 : c0) * row_stride, c0 >= 0,
-                         x + static_cast<int64_t>(c1 < 0 ? 0 : c1) * row_stride, c1 >= 0, t);
+    load_q_fragment<kDW>(f, x.row(c0 < 0 ? 0 : c0), c0 >= 0, x.row(c1 < 0 ? 0 : c1), c1 >= 0, t);
 }
 
 // X rows of the block's columns 2t, 2t + 1, 2t + 8, 2t + 9, for X^T.
 template <int kDW>
-__device__ __forceinline__ void load_columns_t(VFragment<kDW>& f, const uint16_t* x, int64_t row_stride, int c,
-                                               int g, int t) {
+__device__ __forceinline__ void load_columns_t(VFragment<kDW>& f, const HeadRows& x, int c, int g, int t) {
     const uint16_t* rows[4];
     bool valid[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int cc = __shfl_sync(0xffffffffu, c, 2 * t + (i & 1) + 8 * (i >> 1));
         valid[i] = cc >= 0;
-        rows[i] = x + static_cast<int64_t>(cc < 0 ? 0 : cc) * row_stride;
+        rows[i] = x.row(cc < 0 ? 0 : cc);
     }
     load_v_fragment<kDW>(f, rows, valid, g);
 }
@@ -107,7 +109,7 @@ __device__ __forceinline__ void load_columns_t(VFragment<kDW>& f, const uint16_t
 // window's blocks [begin, end) (one 16-byte load), and this lane's place.
 struct Rows8Item {
     int lane, g, t, head, window, begin, end;
-    int64_t row_stride;   // H * D: [N, H, D] contiguous
+    int64_t out_stride;   // H * D: the outputs' rows ([N, H, D] contiguous)
     __device__ __forceinline__ Rows8Item(const Rows8Format& f, int num_heads, int head_dim) {
         lane = threadIdx.x;
         g = lane >> 2;
@@ -118,24 +120,22 @@ struct Rows8Item {
         window = wi.x;
         begin = wi.y;
         end = wi.z;
-        row_stride = static_cast<int64_t>(num_heads) * head_dim;
+        out_stride = static_cast<int64_t>(num_heads) * head_dim;
     }
-    // this lane's window row (n = g of the B operands), clamped to row 0 past N
+    // this lane's window row (n = g of the B operands); clamped to row 0 past N
     __device__ __forceinline__ int row() const { return window * 8 + g; }
-    __device__ __forceinline__ int64_t row_offset(int num_nodes) const {
-        return static_cast<int64_t>(row() < num_nodes ? row() : 0) * row_stride;
-    }
+    __device__ __forceinline__ int clamped_row(int num_nodes) const { return row() < num_nodes ? row() : 0; }
 };
 
 // Two score-shaped products of a block, s = X_cols Y^T and s2 = Z_cols W^T
 // (A: the block's columns' rows of x and z; B: the window rows' fragments).
 template <typename T, int kDW>
-__device__ __forceinline__ void block_scores2(float (&s)[4], float (&s2)[4], const uint16_t* x, const uint16_t* z,
+__device__ __forceinline__ void block_scores2(float (&s)[4], float (&s2)[4], const HeadRows& x, const HeadRows& z,
                                               const KFragment<kDW>& yb, const KFragment<kDW>& wb, int c,
                                               const Rows8Item& w) {
     QFragment<kDW> xa, za;
-    load_columns_a<kDW>(xa, x, w.row_stride, c, w.g, w.t);
-    load_columns_a<kDW>(za, z, w.row_stride, c, w.g, w.t);
+    load_columns_a<kDW>(xa, x, c, w.g, w.t);
+    load_columns_a<kDW>(za, z, c, w.g, w.t);
 #pragma unroll
     for (int i = 0; i < 4; ++i) s[i] = s2[i] = 0.f;
 #pragma unroll
