@@ -20,7 +20,8 @@ With --window-rows 8: instead of the backends, each graph's 16-row plan and
 its 8-row plan (GraphPlan.from_edge_index(..., window_rows=8), issue 13)
 side by side (default settings d128h1fp16 and d64h8bf16): forward and
 backward kernel time, the public call's wall time, blocks and MMA
-invocations; see gt_fused3s.bench.rows8 for the columns.
+invocations; see gt_fused3s.bench.rows8 for the columns. With --model-step
+too: a 10-block Graph Transformer's captured training step on each plan.
 
 Graphs: cora citeseer pubmed github (whole), molhiv zinc peptides (first 1024
 graphs as one batch), powerlaw200k powerlaw1m (generated on the GPU).
@@ -56,17 +57,25 @@ def main(argv=None) -> int:
                    help="with --reorder: run on the CPU (no GPU needed; times are not kernel times)")
     p.add_argument("--window-rows", type=int, choices=[8],
                    help="time 16-row and 8-row plans side by side (issue 13)")
+    p.add_argument("--model-step", action="store_true",
+                   help="with --window-rows 8: a 10-block Graph Transformer's captured training step on "
+                        "each plan instead of the kernels (default graphs: zinc molhiv peptides)")
     a = p.parse_args(argv)
     import torch
     if a.window_rows:
         if not torch.cuda.is_available():
             print("bench_kernel: --window-rows needs a CUDA GPU", file=sys.stderr)
             return 2
-        from gt_fused3s.bench.rows8 import run_rows8
-        run_rows8(a.graphs, a.settings, quick=a.quick, out=a.out, flush=not a.no_flush)
+        from gt_fused3s.bench.rows8 import run_rows8, run_rows8_model
+        if a.model_step:
+            run_rows8_model(a.graphs, out=a.out)
+        else:
+            run_rows8(a.graphs, a.settings, quick=a.quick, out=a.out, flush=not a.no_flush)
         return 0
     if a.dry_run and not a.reorder:
         p.error("--dry-run needs --reorder")
+    if a.model_step and not a.window_rows:
+        p.error("--model-step needs --window-rows 8")
     if a.reorder:
         if not a.dry_run and not torch.cuda.is_available():
             print("bench_kernel: --reorder needs a CUDA GPU (or --dry-run to check the plumbing on the CPU)",

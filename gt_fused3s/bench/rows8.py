@@ -20,6 +20,9 @@ a layer's q, k, v and the plan's arrays are often still in L2);
   device, with the transpose);
 * ``fwd_speedup``, ``bwd_speedup``, ``api_fb_speedup``: 16-row over 8-row;
   ``max_diff`` / ``max_grad_diff`` between the two plans' results.
+
+:func:`run_rows8_model` (``--window-rows 8 --model-step``): the same two
+plans under a Graph Transformer's captured training step.
 """
 from __future__ import annotations
 
@@ -117,6 +120,70 @@ def run_rows8(graphs=None, settings=None, *, quick: bool = False, out: str | Non
         free_cuda_memory(device)
     log("")
     log(format_rows8_table(rows))
+    return rows
+
+
+def run_rows8_model(graphs=None, hiddens=(64, 128), *, out: str | None = None, layers: int = 10) -> list[dict]:
+    """What the 8-row plan changes in a model: a ``layers``-block Graph
+    Transformer training step (plain attention, 1 head, bf16 autocast:
+    forward, MSE loss, every parameter's gradient) captured in a CUDA graph
+    (:class:`~gt_fused3s.capture.CudaGraphRunner`), on a 16-row and an 8-row
+    plan of each graph. Columns: ``step_ms`` (CUDA events over 50 replays),
+    ``attention_kernel_ms`` and ``kernel_ms`` (profiler: the fused3s
+    kernels, all kernels of a step), ``loss``; ``_8`` the 8-row plan's;
+    ``step_speedup``."""
+    from .. import GraphPlan
+    from ..capture import CudaGraphRunner
+    from ..models import GraphTransformer
+
+    device = torch.device("cuda")
+    env = env_info()
+    log(f"# {env['gpu']} | torch {env['torch']} | git {env['git_sha']} | {layers}-block GT training step, "
+        f"captured, 16-row vs 8-row plan")
+    rows = []
+    for gname, ei, n in loaded_graphs(list(graphs or ("zinc", "molhiv", "peptides")), device, log):
+        for hidden in hiddens:
+            row = {**env, "graph": gname, "N": n, "nnz": ei.size(1), "hidden": hidden, "layers": layers}
+            for sfx, window_rows in (("", 16), ("_8", 8)):
+                torch.manual_seed(0)
+                model = GraphTransformer(16, hidden, 1, num_layers=layers, heads=1).to(device).train()
+                params = [p for p in model.parameters() if p.requires_grad]
+                gen = torch.Generator(device=device).manual_seed(0)
+                x = torch.randn(n, 16, generator=gen, device=device)
+                y = torch.randn(n, 1, generator=gen, device=device)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)      # a hub's long 8-row window
+                    plan = GraphPlan.from_edge_index(ei, n, window_rows=window_rows).prepare(1, hidden)
+
+                def step():
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        pred = model(x, None, graph=plan)
+                    loss = (pred.float() - y).square().mean()
+                    return (loss, *torch.autograd.grad(loss, params))
+                runner = CudaGraphRunner(step)
+                for _ in range(3):
+                    got = runner()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                for _ in range(50):
+                    runner()
+                end.record()
+                torch.cuda.synchronize()
+                row["step_ms" + sfx] = start.elapsed_time(end) / 50
+                row["attention_kernel_ms" + sfx] = kernel_time(runner, name="fused3s", flush=False)
+                row["kernel_ms" + sfx] = kernel_time(runner, name="", flush=False)
+                row["loss" + sfx] = float(got[0].detach())
+                model = plan = runner = got = None
+                free_cuda_memory(device)
+            row["step_speedup"] = row["step_ms"] / row["step_ms_8"]
+            rows.append(row)
+            log(f"[{gname} hidden {hidden}] step {row['step_ms']:.3f} -> {row['step_ms_8']:.3f} ms "
+                f"(x{row['step_speedup']:.3f}), attention kernels {row['attention_kernel_ms']:.3f} -> "
+                f"{row['attention_kernel_ms_8']:.3f} of {row['kernel_ms']:.3f} -> {row['kernel_ms_8']:.3f} ms, "
+                f"loss {row['loss']:.6f} / {row['loss_8']:.6f}")
+            if out:
+                write_csv(rows, out)
     return rows
 
 
