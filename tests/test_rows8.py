@@ -230,8 +230,10 @@ def test_bench_rows8_table_and_cli_refusal(capsys):
     table = format_rows8_table([row, {"graph": "cora", "setting": "d64h8bf16"}])
     assert "| zinc | d128h1fp16 | 4480 / 2972 | 0.50 | 16.3 / 15.2 | 1.07 | 43.7 / 29.1 | 1.50 | - / - | - |" in table
     assert "| cora | d64h8bf16 | - / - | - | - / - | - |" in table
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_kernel.py")
+    r = subprocess.run([sys.executable, script, "--model-step"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--model-step needs --window-rows 8" in r.stderr
     if not torch.cuda.is_available():
-        script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_kernel.py")
         r = subprocess.run([sys.executable, script, "--window-rows", "8"], capture_output=True, text=True)
         assert r.returncode == 2 and "--window-rows needs a CUDA GPU" in r.stderr
 
