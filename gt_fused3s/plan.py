@@ -207,7 +207,7 @@ class GraphPlan:
         blocks, else (hubs), in a static build or with ``num_rows``, the
         16-row one; a rule read off one H100 run (README "8-row windows":
         forward + backward 1.1-1.3x on the molecule batches and citation
-        graphs, a forward alone from DRAM 0.90-1.23x, github's hub windows
+        graphs, a forward alone from DRAM 0.91-1.22x, github's hub windows
         13x slower), not a fitted cost model. :attr:`window_rows` tells
         which was built.
         """
