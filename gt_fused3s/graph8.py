@@ -104,10 +104,12 @@ class BSBGraph8(WindowFormat):
     def window_items(self) -> Tensor:
         """int32 [R, 4]: per window, heaviest first (``window_order``),
         (window, its first block, one past its last block, 0): what the
-        8-row kernels read per warp, in one 16-byte load."""
-        wo = self.window_order.long()
-        rw = self.rw_offset
-        return torch.stack([wo.int(), rw[wo], rw[wo + 1], torch.zeros_like(rw[wo])], 1).int().contiguous()
+        8-row kernels read per warp, in one 16-byte load. Built once."""
+        if getattr(self, "_window_items", None) is None:
+            wo = self.window_order.long()
+            rw = self.rw_offset
+            self._window_items = torch.stack([wo.int(), rw[wo], rw[wo + 1], torch.zeros_like(rw[wo])], 1).int()
+        return self._window_items
 
     def max_window_blocks(self) -> int:
         """The most blocks of one window (a host synchronisation, once): the

@@ -229,37 +229,11 @@ class GraphPlan:
                 _check_range("edge_index[1] (destinations)", edge_index[1], 0, num_rows)
             return cls(bsb, edge_index=edge_index, num_rows=num_rows)
         edge_index = _check_edge_index(edge_index)
-        if num_nodes is None:
-            num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
-        num_nodes = _check_num_nodes(num_nodes)
+        num_nodes = _num_nodes_of(edge_index, num_nodes, False)
         if num_rows is not None and _check_num_nodes(num_rows) != num_nodes:
             raise ValueError(_RECT_REORDER.format(num_rows=num_rows, num_nodes=num_nodes))
         is_static = _in_capture_or_compile() if static is None else bool(static)
-        if is_static:
-            # no host check: an index out of range fails on the device, as in the static builder
-            if edge_index.numel():
-                torch._assert_async(((edge_index >= 0) & (edge_index < num_nodes)).all(),
-                                    "gt_fused3s: edge_index has an index outside [0, num_nodes)")
-        else:
-            _check_range("edge_index", edge_index, 0, num_nodes)   # before an order reads it
-        if isinstance(reorder, str):
-            if reorder not in REORDER_METHODS:
-                raise ValueError(f"reorder must be None, one of {REORDER_METHODS} or a NodeOrder "
-                                 f"(got {reorder!r})")
-            if is_static and reorder not in _SYNC_FREE_METHODS:
-                raise ValueError(
-                    f"reorder={reorder!r} computes its order with host synchronisations, which a "
-                    f"static build (static=True, a CUDA graph capture, torch.compile) cannot make: "
-                    f"build the plan eagerly, or compute the order ahead (order = "
-                    f"gt_fused3s.reorder.reorder(edge_index, num_nodes, {reorder!r})) and pass "
-                    f"reorder=order")
-            order = _compute_order(edge_index, num_nodes, reorder)
-        elif isinstance(reorder, NodeOrder):
-            order = reorder
-            _check_order(order, num_nodes, edge_index.device, exact=not is_static)
-        else:
-            raise ValueError(f"reorder must be None, one of {REORDER_METHODS} or a NodeOrder "
-                             f"(got {type(reorder).__name__})")
+        order = _node_order(edge_index, num_nodes, reorder, is_static)
         bsb = BSBGraph.from_edge_index(_relabel(order, edge_index), num_nodes, static=static)
         return cls(bsb, edge_index=edge_index, order=order)
 
@@ -273,21 +247,7 @@ class GraphPlan:
         if num_rows is not None and _check_num_nodes(num_rows) != num_nodes:
             raise ValueError("an 8-row plan needs every node as a destination (num_rows): build a "
                              "rectangular plan with the 16-row format")
-        order = None
-        if reorder is not None:
-            if isinstance(reorder, str) and reorder in REORDER_METHODS:
-                if is_static and reorder not in _SYNC_FREE_METHODS:
-                    raise ValueError(f"reorder={reorder!r} computes its order with host synchronisations, which "
-                                     f"a static build cannot make: pass a NodeOrder computed ahead")
-                if not is_static:
-                    _check_range("edge_index", edge_index, 0, num_nodes)
-                order = _compute_order(edge_index, num_nodes, reorder)
-            elif isinstance(reorder, NodeOrder):
-                order = reorder
-            else:
-                raise ValueError(f"reorder must be None, one of {REORDER_METHODS} or a NodeOrder "
-                                 f"(got {reorder!r})")
-            _check_order(order, num_nodes, edge_index.device, exact=not is_static)
+        order = None if reorder is None else _node_order(edge_index, num_nodes, reorder, is_static)
         fmt = BSBGraph8.from_edge_index(edge_index if order is None else _relabel(order, edge_index), num_nodes,
                                         static=is_static)
         longest = fmt.max_window_blocks() if warn and not is_static else 0
@@ -497,6 +457,36 @@ class GraphPlan:
 ROWS8_NO_EDGE_TERMS = ("an 8-row plan (window_rows=8) runs plain attention: an edge_bias, returned weights, "
                        "dropout or edge features need the 16-row format (GraphPlan.from_edge_index(..., "
                        "window_rows=16), the default)")
+
+
+def _node_order(edge_index: Tensor, num_nodes: int, reorder: str | NodeOrder, is_static: bool) -> NodeOrder:
+    """The node order ``reorder`` asks for (a method's name, computed here,
+    or a ``NodeOrder``, checked), after the edges' range check (on the device
+    in a static build, which takes only sync-free methods)."""
+    if is_static:
+        # no host check: an index out of range fails on the device, as in the static builder
+        if edge_index.numel():
+            torch._assert_async(((edge_index >= 0) & (edge_index < num_nodes)).all(),
+                                "gt_fused3s: edge_index has an index outside [0, num_nodes)")
+    else:
+        _check_range("edge_index", edge_index, 0, num_nodes)   # before an order reads it
+    if isinstance(reorder, str):
+        if reorder not in REORDER_METHODS:
+            raise ValueError(f"reorder must be None, one of {REORDER_METHODS} or a NodeOrder "
+                             f"(got {reorder!r})")
+        if is_static and reorder not in _SYNC_FREE_METHODS:
+            raise ValueError(
+                f"reorder={reorder!r} computes its order with host synchronisations, which a "
+                f"static build (static=True, a CUDA graph capture, torch.compile) cannot make: "
+                f"build the plan eagerly, or compute the order ahead (order = "
+                f"gt_fused3s.reorder.reorder(edge_index, num_nodes, {reorder!r})) and pass "
+                f"reorder=order")
+        return _compute_order(edge_index, num_nodes, reorder)
+    if isinstance(reorder, NodeOrder):
+        _check_order(reorder, num_nodes, edge_index.device, exact=not is_static)
+        return reorder
+    raise ValueError(f"reorder must be None, one of {REORDER_METHODS} or a NodeOrder "
+                     f"(got {type(reorder).__name__})")
 
 
 def _rows8_args(fmt: BSBGraph8, head_dim: int) -> tuple[Tensor, ...]:

@@ -129,6 +129,8 @@ def run_rows8_model(graphs=None, hiddens=(64, 128), *, out: str | None = None, l
     forward, MSE loss, every parameter's gradient) captured in a CUDA graph
     (:class:`~gt_fused3s.capture.CudaGraphRunner`), on a 16-row and an 8-row
     plan of each graph. Columns: ``step_ms`` (CUDA events over 50 replays),
+    ``step_wall_ms`` (what a user waits for one replay, synchronised:
+    :func:`time_wall`),
     ``attention_kernel_ms`` and ``kernel_ms`` (profiler: the fused3s
     kernels, all kernels of a step), ``loss``; ``_8`` the 8-row plan's;
     ``step_speedup``."""
@@ -171,6 +173,7 @@ def run_rows8_model(graphs=None, hiddens=(64, 128), *, out: str | None = None, l
                 end.record()
                 torch.cuda.synchronize()
                 row["step_ms" + sfx] = start.elapsed_time(end) / 50
+                row["step_wall_ms" + sfx] = time_wall(runner)["wall"]
                 row["attention_kernel_ms" + sfx] = kernel_time(runner, name="fused3s", flush=False)
                 row["kernel_ms" + sfx] = kernel_time(runner, name="", flush=False)
                 row["loss" + sfx] = float(got[0].detach())
@@ -179,7 +182,7 @@ def run_rows8_model(graphs=None, hiddens=(64, 128), *, out: str | None = None, l
             row["step_speedup"] = row["step_ms"] / row["step_ms_8"]
             rows.append(row)
             log(f"[{gname} hidden {hidden}] step {row['step_ms']:.3f} -> {row['step_ms_8']:.3f} ms "
-                f"(x{row['step_speedup']:.3f}), attention kernels {row['attention_kernel_ms']:.3f} -> "
+                f"(x{row['step_speedup']:.3f}; wall {row['step_wall_ms']:.3f} -> {row['step_wall_ms_8']:.3f}), attention kernels {row['attention_kernel_ms']:.3f} -> "
                 f"{row['attention_kernel_ms_8']:.3f} of {row['kernel_ms']:.3f} -> {row['kernel_ms_8']:.3f} ms, "
                 f"loss {row['loss']:.6f} / {row['loss_8']:.6f}")
             if out:
