@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .graph import (BSBGraph, _check_edge_index, _check_num_nodes, _check_range, _in_capture_or_compile,
                     _num_nodes_of, edge_slots, node_csr)
+from .cost_model import choose_window_rows, format_features
 from .graph8 import BSBGraph8
 from .reorder import METHODS as REORDER_METHODS
 from .reorder import NodeOrder
@@ -66,7 +67,7 @@ EDGE_GROUPING_MIN_EDGES = int(os.environ.get("GT_FUSED3S_EDGE_GROUPING_MIN_EDGES
 
 #: Window heights a plan's format can have: 16 (the BSB, every option) or 8
 #: (:class:`~gt_fused3s.graph8.BSBGraph8`, plain attention, head dims <= 128),
-#: or ``"auto"``: 8 where every 8-row window is short (:meth:`GraphPlan.from_edge_index`).
+#: or ``"auto"``: the cost model's choice (:meth:`GraphPlan.from_edge_index`).
 WINDOW_ROWS = (16, 8, "auto")
 #: Blocks of one window from which an 8-row plan warns: the 8-row kernels run
 #: a window in one warp (the 16-row schedule splits long windows), so a hub's
@@ -202,27 +203,30 @@ class GraphPlan:
         128, every node a destination (no ``num_rows``); static builds as
         for 16 rows; an exact build warns where a window holds more than
         :data:`ROWS8_WARN_BLOCKS` blocks, since its kernels do not split one).
-        ``"auto"`` (for plain attention, trained or not, head dims up to 128): the 8-row format
-        where none of its windows holds more than :data:`ROWS8_WARN_BLOCKS`
-        blocks, else (hubs), in a static build or with ``num_rows``, the
-        16-row one; a rule read off one H100 run (README "8-row windows":
-        forward + backward 1.1-1.3x on the molecule batches and citation
-        graphs, a forward alone from DRAM 0.91-1.22x, github's hub windows
-        13x slower), not a fitted cost model. :attr:`window_rows` tells
-        which was built.
+        ``"auto"`` (for plain attention, head dims up to 128): the format of
+        the lower forward + backward kernel time that the cost model fitted
+        on the GPU predicts from both formats' block counts
+        (:mod:`~gt_fused3s.cost_model`, README "Choosing the window rows";
+        averaged over the heads and head dims of its fit:
+        :func:`~gt_fused3s.cost_model.choose_window_rows` takes yours); the
+        16-row format for a static build (the counts need a host read-back)
+        or with ``num_rows``. :attr:`window_rows` tells which was built.
         """
         if window_rows not in WINDOW_ROWS:
             raise ValueError(f"window_rows must be 16, 8 or 'auto' (got {window_rows!r})")
-        if window_rows == "auto":
+        chosen = window_rows == "auto"
+        if chosen:
             is_static = _in_capture_or_compile() if static is None else bool(static)
-            if not is_static and num_rows is None:
-                plan = cls._from_edge_index8(edge_index, num_nodes, static, num_rows, reorder, warn=False)
-                if plan.bsb.max_window_blocks() <= ROWS8_WARN_BLOCKS:
-                    return plan
-                reorder = plan.order if plan.order is not None else reorder    # computed once
             window_rows = 16
-        if window_rows == 8:
-            return cls._from_edge_index8(edge_index, num_nodes, static, num_rows, reorder)
+            if not is_static and num_rows is None:
+                edge_index = _check_edge_index(edge_index)
+                num_nodes = _num_nodes_of(edge_index, num_nodes, False)
+                if reorder is not None:                          # the order computed once, counted in it
+                    reorder = _node_order(edge_index, num_nodes, reorder, False)
+                counted = edge_index if reorder is None else _relabel(reorder, edge_index)
+                window_rows = choose_window_rows(format_features(counted, num_nodes))
+        if window_rows == 8:       # the model weighed the long windows the warning is about
+            return cls._from_edge_index8(edge_index, num_nodes, static, num_rows, reorder, warn=not chosen)
         if reorder is None:
             bsb = BSBGraph.from_edge_index(edge_index, num_nodes, static=static)
             if num_rows is not None and num_rows < bsb.num_nodes and not bsb.static and edge_index.numel():

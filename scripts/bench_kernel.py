@@ -6,6 +6,7 @@
     python scripts/bench_kernel.py --reorder cuthill_mckee --out results/reorder_cm.csv
     python scripts/bench_kernel.py --reorder cuthill_mckee --dry-run --graphs cora   # CPU plumbing
     python scripts/bench_kernel.py --window-rows 8 --out results/rows8.csv
+    python scripts/bench_kernel.py --fit-cost-model --out results/cost_model.csv
 
 With --reorder METHOD: instead of the backends, each graph's plan in the
 caller's order and one built with GraphPlan.from_edge_index(..., reorder=METHOD)
@@ -22,6 +23,12 @@ side by side (default settings d128h1fp16 and d64h8bf16): forward and
 backward kernel time, the public call's wall time, blocks and MMA
 invocations; see gt_fused3s.bench.rows8 for the columns. With --model-step
 too: a 10-block Graph Transformer's captured training step on each plan.
+
+With --fit-cost-model: both formats' kernels on calibration and held-out
+graphs, the fit of the plan's cost model (gt_fused3s.cost_model, which
+window_rows="auto" uses), its predictions against the measured times, and
+the coefficients to paste into gt_fused3s/cost_model.py; --from-csv CSV
+refits from an earlier run's CSV without a GPU. See gt_fused3s.bench.cost.
 
 Graphs: cora citeseer pubmed github (whole), molhiv zinc peptides (first 1024
 graphs as one batch), powerlaw200k powerlaw1m (generated on the GPU).
@@ -60,8 +67,21 @@ def main(argv=None) -> int:
     p.add_argument("--model-step", action="store_true",
                    help="with --window-rows 8: a 10-block Graph Transformer's captured training step on "
                         "each plan instead of the kernels (default graphs: zinc molhiv peptides)")
+    p.add_argument("--fit-cost-model", action="store_true",
+                   help="time both window formats on calibration and held-out graphs and fit the plan's "
+                        "cost model (gt_fused3s.cost_model; issue 13): prints the coefficients")
+    p.add_argument("--from-csv", help="with --fit-cost-model: refit from this CSV of an earlier run (CPU)")
     a = p.parse_args(argv)
     import torch
+    if a.from_csv and not a.fit_cost_model:
+        p.error("--from-csv needs --fit-cost-model")
+    if a.fit_cost_model:
+        if not a.from_csv and not torch.cuda.is_available():
+            print("bench_kernel: --fit-cost-model needs a CUDA GPU (or --from-csv)", file=sys.stderr)
+            return 2
+        from gt_fused3s.bench.cost import run_fit
+        run_fit(out=a.out, from_csv=a.from_csv)
+        return 0
     if a.window_rows:
         if not torch.cuda.is_available():
             print("bench_kernel: --window-rows needs a CUDA GPU", file=sys.stderr)
