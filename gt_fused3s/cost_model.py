@@ -5,10 +5,11 @@ Per format (16 or 8 rows) and pass (the forward kernel; the backward's two
 passes, over the graph's format and the transposed one), the kernel time is
 modelled as a non-negative combination of what the builder counts::
 
-    t = c0 + c1 * H * W + c2 * H * B * D/64 + c3 * H * N * D/64 + c4 * L * D/64
+    t = c0 + c1 * H * W + c2 * H * B * D/64 + c3 * H * N * D/64 + c4 * L * D/64 + c5 * H * C * D/64
 
 with W the non-empty windows, B the blocks, N the nodes (the dense reads and
-writes of q and out), L the longest walk of one warp (8 rows: the longest
+writes of q and out), C the columns (the K and V rows gathered: what the
+kernels' L2 traffic follows, README "Where the limit is"), L the longest walk of one warp (8 rows: the longest
 window, which one warp walks alone; 16 rows: the longest window cut at the
 schedule's split bound), H heads and D the head dim; the backward sums the
 graph's and the transposed graph's counts and takes the longer walk. The
@@ -39,19 +40,19 @@ from .graph import _check_edge_index, _check_num_nodes, _check_range, window_ran
 
 __all__ = ["COEFFICIENTS", "format_features", "design_row", "predict", "choose_window_rows", "fit", "nnls"]
 
-FEATURES = ("const", "heads_windows", "heads_blocks_d", "heads_nodes_d", "longest_walk_d")
+FEATURES = ("const", "heads_windows", "heads_blocks_d", "heads_nodes_d", "longest_walk_d", "heads_columns_d")
 
 #: Fitted by ``python scripts/bench_kernel.py --fit-cost-model`` (see the
-#: module docstring); ``COEFFICIENTS[rows][pass]`` = c0 .. c4 of the model in
+#: module docstring); ``COEFFICIENTS[rows][pass]`` = c0 .. c5 of the model in
 #: milliseconds per unit; ``settings``: the (heads, head dim) it was fitted on.
 COEFFICIENTS: dict = {
     "gpu": "NVIDIA H100 80GB HBM3",
     "git": "18924ec",                   # the kernels of that commit; docs/cost_model_h100_18924ec.csv
     "settings": [(1, 128), (8, 32), (8, 64)],
-    16: {"fwd": [0.00401741, 1.04479e-06, 3.74848e-07, 9.58952e-08, 0.000161041],
-         "bwd": [0.00546265, 6.88532e-07, 4.49465e-07, 1.98552e-07, 0.000250136]},
-    8: {"fwd": [0.00244261, 7.25471e-07, 6.43559e-07, 6.08184e-08, 0.000556974],
-        "bwd": [0.00219042, 4.49514e-07, 7.84338e-07, 1.45105e-07, 0.00069236]},
+    16: {"fwd": [0.00408106, 1.06789e-06, 0, 1.08143e-07, 0.000154664, 4.55155e-08],
+         "bwd": [0.0054136, 7.11609e-07, 0, 2.11105e-07, 0.000246416, 5.60179e-08]},
+    8: {"fwd": [0.00249373, 7.43013e-07, 0, 7.83455e-08, 0.000553141, 4.19565e-08],
+        "bwd": [0.00221227, 4.55096e-07, 0, 1.70776e-07, 0.000697004, 5.09276e-08]},
 }
 
 #: The 16-row schedule splits windows longer than this many blocks (at least:
@@ -60,15 +61,16 @@ SPLIT_BOUND16 = 32
 
 
 def _counts(src: Tensor, dst: Tensor, num_nodes: int, rows: int, cols: int) -> dict:
-    """Non-empty windows, blocks and the longest window (in blocks) of the
-    ``rows``-row format of the edges (``cols`` columns a block)."""
+    """Non-empty windows, blocks, the longest window (in blocks) and the
+    columns (K / V rows gathered) of the ``rows``-row format of the edges
+    (``cols`` columns a block)."""
     cols_per_win = window_ranks(src, dst, num_nodes, rows)[5]
     blocks = (cols_per_win + cols - 1) // cols
     if blocks.numel() == 0:
-        return {"windows": 0, "blocks": 0, "longest": 0}
-    # one read-back of three counts
-    w, b, m = torch.stack([(blocks > 0).sum(), blocks.sum(), blocks.max()]).tolist()
-    return {"windows": int(w), "blocks": int(b), "longest": int(m)}
+        return {"windows": 0, "blocks": 0, "longest": 0, "columns": 0}
+    # one read-back of the four counts
+    w, b, m, c = torch.stack([(blocks > 0).sum(), blocks.sum(), blocks.max(), cols_per_win.sum()]).tolist()
+    return {"windows": int(w), "blocks": int(b), "longest": int(m), "columns": int(c)}
 
 
 def format_features(edge_index: Tensor, num_nodes: int) -> dict:
@@ -97,7 +99,8 @@ def design_row(features: dict, rows: int, pass_: str, heads: int, head_dim: int)
             float(heads * sum(p["windows"] for p in parts)),
             heads * sum(p["blocks"] for p in parts) * s,
             heads * features["nodes"] * len(parts) * s,
-            longest * s]
+            longest * s,
+            heads * sum(p["columns"] for p in parts) * s]
 
 
 def predict(features: dict, rows: int, heads: int, head_dim: int, *, backward: bool = True,

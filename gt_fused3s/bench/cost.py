@@ -28,11 +28,12 @@ from .timing import kernel_time
 # banded:N:degree:width (sources within `width` ids of the destination)
 CALIBRATION = ("zinc@64", "zinc@1024", "zinc@8192", "molhiv@1024", "molhiv@8192", "peptides@256",
                "peptides@1024", "cora", "citeseer", "pubmed", "github", "powerlaw200k",
-               "uniform:100000:4", "uniform:100000:16", "banded:100000:8:64", "banded:100000:32:256")
+               "uniform:100000:4", "uniform:100000:16", "uniform:30000:32", "banded:100000:8:64",
+               "banded:100000:32:256")
 HELD_OUT = ("zinc@4096", "molhiv@256", "peptides@4096", "uniform:300000:8", "banded:200000:16:128",
             "powerlaw1m")
 COST_SETTINGS = ("d128h1fp16", "d64h8bf16", "d32h8bf16")
-_COUNT_KEYS = ("windows", "blocks", "longest")
+_COUNT_KEYS = ("windows", "blocks", "longest", "columns")
 
 
 def generated_graph(spec: str, device) -> tuple[torch.Tensor, int]:
