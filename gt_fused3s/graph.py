@@ -467,7 +467,9 @@ def format_stats(edge_index: Tensor, num_nodes: int, fmt: str = "16x8",
     ``num_windows``, ``num_blocks``, ``blocks_per_window_mean``,
     ``nnz_per_block_mean``/``_cv``/``_max``, ``kv_rows`` (columns over all
     blocks = K and V rows gathered), ``kv_bytes_fwd`` (2 * kv_rows * D * 2),
-    ``head_dim`` and ``mma_fwd``: m16n8k16 invocations of one forward per head
+    ``single_nnz_share`` (the share of the non-zeros alone in their column:
+    what a CUDA-core residue would take off the tensor cores), ``head_dim``
+    and ``mma_fwd``: m16n8k16 invocations of one forward per head
     of dimension D (a multiple of 16). Counted per block:
 
     - 16x8: SDDMM S[16, 8] = Q K^T takes D/16; the SpMM O[16, D] += P V has
@@ -498,6 +500,9 @@ def format_stats(edge_index: Tensor, num_nodes: int, fmt: str = "16x8",
     nnz = torch.bincount(block_off[win] + torch.div(rank, width, rounding_mode="floor"),
                          minlength=B)
     kv_rows = int(cols_per_win.sum())
+    # non-zeros per column: a column holding one is what a CUDA-core residue
+    # would take off the tensor cores (issue 13, item 2; README)
+    col_nnz = torch.bincount((torch.cumsum(cols_per_win, 0) - cols_per_win)[win] + rank, minlength=kv_rows)
     if fmt == "16x8":
         mma = B * (D // 16) + int(((blocks_per_win + 1) // 2).sum()) * (D // 8)
     else:
@@ -514,6 +519,7 @@ def format_stats(edge_index: Tensor, num_nodes: int, fmt: str = "16x8",
         "nnz_per_block_max": int(nnz.max()) if B else 0,
         "kv_rows": kv_rows,
         "kv_bytes_fwd": 2 * kv_rows * D * 2,
+        "single_nnz_share": int((col_nnz == 1).sum()) / E if E else 0.0,
         "head_dim": D,
         "mma_fwd": mma,
     }

@@ -20,7 +20,7 @@ def _brute_format(ei: torch.Tensor, n: int, rows: int, width: int, D: int) -> di
     blocks of ``width``; a row's c-th copy of edge j -> i sits in column (j, c)."""
     R = (n + rows - 1) // rows
     per_row = Counter((d, s) for s, d in ei.t().tolist())
-    blocks_per_win, nnz, kv_rows = [], [], 0
+    blocks_per_win, nnz, kv_rows, singles = [], [], 0, 0
     for w in range(R):
         cols = sorted({(s, c) for (d, s), m in per_row.items() if d // rows == w for c in range(m)})
         kv_rows += len(cols)
@@ -33,13 +33,15 @@ def _brute_format(ei: torch.Tensor, n: int, rows: int, width: int, D: int) -> di
                 for c in range(m):
                     count[rank[(s, c)] // width] += 1
         nnz += count
+        singles += sum(1 for (s, c) in cols if sum(1 for (d, s2), m in per_row.items()
+                                                    if s2 == s and d // rows == w and m > c) == 1)
     B = sum(blocks_per_win)
     if (rows, width) == (16, 8):
         mma = B * D // 16 + sum((b + 1) // 2 for b in blocks_per_win) * D // 8
     else:
         mma = B * D // 8
     return {"num_windows": R, "num_blocks": B, "nnz": nnz, "kv_rows": kv_rows, "mma_fwd": mma,
-            "blocks_per_win": blocks_per_win}
+            "blocks_per_win": blocks_per_win, "single_nnz": singles}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -58,6 +60,7 @@ def test_stats_equal_brute_force_counts(case):
         assert got["mma_fwd"] == want["mma_fwd"]
         assert got["num_edges"] == ei.size(1) == sum(want["nnz"])
         assert got["nnz_per_block_max"] == max(want["nnz"], default=0)
+        assert got["single_nnz_share"] == pytest.approx(want["single_nnz"] / max(ei.size(1), 1))
         if want["num_blocks"]:
             nnz = torch.tensor(want["nnz"], dtype=torch.float64)
             assert got["nnz_per_block_mean"] == pytest.approx(nnz.mean().item())
