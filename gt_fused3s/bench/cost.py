@@ -21,7 +21,7 @@ import torch
 
 from .. import cost_model
 from .common import free_cuda_memory, log_stderr as log
-from .kernel import SETTINGS, env_info, load_graph, write_csv
+from .kernel import env_info, load_graph, loaded_graphs, setting_inputs, write_csv
 from .timing import kernel_time
 
 # name@batch: the first `batch` graphs of a collection; uniform:N:degree;
@@ -81,12 +81,7 @@ def measure(specs, settings, split: str, device, reps: int = 10) -> list[dict]:
     from ..reference import default_scale
 
     rows = []
-    for spec in specs:
-        try:
-            ei, n = calibration_graph(spec, device)
-        except FileNotFoundError as e:
-            log(f"[skip] {spec}: {e}")
-            continue
+    for spec, ei, n in loaded_graphs(specs, device, log, load=calibration_graph):
         feats = cost_model.format_features(ei, n)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)          # a hub's long 8-row window
@@ -94,9 +89,7 @@ def measure(specs, settings, split: str, device, reps: int = 10) -> list[dict]:
         log(f"[graph] {spec}: N={n} E={ei.size(1)} blocks 16/8 {feats[16]['graph']['blocks']}/"
             f"{feats[8]['graph']['blocks']}, longest 8-row window {feats[8]['graph']['longest']}")
         for sname in settings:
-            D, H, dtype = SETTINGS[sname]
-            gen = torch.Generator(device=device).manual_seed(0)
-            q, k, v, dout = (torch.randn(n, H, D, generator=gen, device=device).to(dtype) for _ in range(4))
+            D, H, dtype, (q, k, v, dout) = setting_inputs(n, sname, device)
             scale = default_scale(D)
             for r, plan in plans.items():
                 plan.prepare(H, D)

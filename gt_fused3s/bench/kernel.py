@@ -528,15 +528,24 @@ def sanitize_case() -> None:
 REORDER_SETTINGS = ("d128h1fp16", "d64h8bf16")     # the settings of issue 13's bars
 
 
-def loaded_graphs(graphs, device, log):
-    """(name, edge_index, N) of each graph that loads; a missing one is logged and skipped."""
+def loaded_graphs(graphs, device, log, load=None):
+    """(name, edge_index, N) of each graph that loads (``load(name, device)``,
+    default :func:`load_graph`); a missing one is logged and skipped."""
     for gname in graphs:
         try:
-            ei, n = load_graph(gname, device)
+            ei, n = (load or load_graph)(gname, device)
         except FileNotFoundError as e:
             log(f"[skip] {gname}: {e}")
             continue
         yield gname, ei, n
+
+
+def setting_inputs(n: int, setting: str, device) -> tuple[int, int, torch.dtype, list[torch.Tensor]]:
+    """(D, H, dtype, [q, k, v, dO]) of a setting on ``n`` nodes: the same
+    seeded random tensors for every plan or kernel compared on them."""
+    D, H, dtype = SETTINGS[setting]
+    gen = torch.Generator(device=device).manual_seed(0)
+    return D, H, dtype, [torch.randn(n, H, D, generator=gen, device=device).to(dtype) for _ in range(4)]
 
 
 def _sync(device: torch.device) -> None:
@@ -651,10 +660,8 @@ def run_reorder(graphs=None, settings=None, method: str = "cuthill_mckee", *, qu
         log(f"[graph] {gname}: N={n} nnz={ei.size(1)} order {order_ms:.2f} ms, plan build "
             f"{plan_ms:.2f} -> {plan_r_ms:.2f} ms")
         for sname in settings:
-            D, H, dtype = SETTINGS[sname]
+            D, H, dtype, (q, k, v, dout) = setting_inputs(n, sname, device)
             Dp = padded_head_dim(D)
-            gen = torch.Generator(device=device).manual_seed(0)
-            q, k, v, dout = (torch.randn(n, H, D, generator=gen, device=device).to(dtype) for _ in range(4))
             scale = default_scale(D)
             row = {**env, "graph": gname, "N": n, "nnz": ei.size(1), "setting": sname, "D": D, "H": H,
                    "dtype": str(dtype).replace("torch.", ""), "method": method, "order_ms": order_ms,

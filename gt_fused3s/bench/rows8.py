@@ -31,8 +31,8 @@ import warnings
 import torch
 
 from .common import free_cuda_memory, log_stderr as log, short_error
-from .kernel import (ALL_GRAPHS, QUICK_GRAPHS, REORDER_SETTINGS, SETTINGS, _f, _host_ms, env_info,
-                     loaded_graphs, write_csv)
+from .kernel import (ALL_GRAPHS, QUICK_GRAPHS, REORDER_SETTINGS, _f, _host_ms, env_info, loaded_graphs,
+                     setting_inputs, write_csv)
 from .timing import kernel_time, time_wall
 
 
@@ -72,9 +72,7 @@ def run_rows8(graphs=None, settings=None, *, quick: bool = False, out: str | Non
         log(f"[graph] {gname}: N={n} nnz={ei.size(1)} longest 8-row window {longest} blocks, plan build "
             f"{builds['']:.2f} -> {builds['_8']:.2f} ms")
         for sname in settings:
-            D, H, dtype = SETTINGS[sname]
-            gen = torch.Generator(device=device).manual_seed(0)
-            q, k, v, dout = (torch.randn(n, H, D, generator=gen, device=device).to(dtype) for _ in range(4))
+            D, H, dtype, (q, k, v, dout) = setting_inputs(n, sname, device)
             scale = default_scale(D)
             row = {**env, "graph": gname, "N": n, "nnz": ei.size(1), "setting": sname, "D": D, "H": H, "l2_flushed": flush,
                    "dtype": str(dtype).replace("torch.", ""), "max_window_blocks_8": longest,
