@@ -226,10 +226,10 @@ def test_bench_rows8_table_and_cli_refusal(capsys):
     from gt_fused3s.bench.rows8 import format_rows8_table
     row = {"graph": "zinc", "setting": "d128h1fp16", "blocks": 4480, "blocks_8": 2972, "mma_fwd": 94624,
            "mma_fwd_8": 47552, "fwd_kernel_ms": 0.0163, "fwd_kernel_ms_8": 0.0152, "fwd_speedup": 1.07,
-           "bwd_kernel_ms": 0.0437, "bwd_kernel_ms_8": 0.0291, "bwd_speedup": 1.5}
+           "bwd_kernel_ms": 0.0437, "bwd_kernel_ms_8": 0.0291, "bwd_speedup": 1.5, "model_rows": 8, "auto_rows": 8}
     table = format_rows8_table([row, {"graph": "cora", "setting": "d64h8bf16"}])
-    assert "| zinc | d128h1fp16 | 4480 / 2972 | 0.50 | 16.3 / 15.2 | 1.07 | 43.7 / 29.1 | 1.50 | - / - | - |" in table
-    assert "| cora | d64h8bf16 | - / - | - | - / - | - |" in table
+    assert "| zinc | d128h1fp16 | 4480 / 2972 | 0.50 | 16.3 / 15.2 | 1.07 | 43.7 / 29.1 | 1.50 | - / - | - | 8 / 8 |" in table
+    assert "| cora | d64h8bf16 | - / - | - | - / - | - |" in table and table.endswith("| - / - |")
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_kernel.py")
     r = subprocess.run([sys.executable, script, "--model-step"], capture_output=True, text=True)
     assert r.returncode == 2 and "--model-step needs --window-rows 8" in r.stderr

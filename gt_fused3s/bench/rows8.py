@@ -19,7 +19,10 @@ a layer's q, k, v and the plan's arrays are often still in L2);
   rows gathered; ``max_window_blocks_8``; ``plan_build_ms`` (eager, on the
   device, with the transpose);
 * ``fwd_speedup``, ``bwd_speedup``, ``api_fb_speedup``: 16-row over 8-row;
-  ``max_diff`` / ``max_grad_diff`` between the two plans' results.
+  ``max_diff`` / ``max_grad_diff`` between the two plans' results;
+* ``model_rows``: the format the cost model picks for the row's heads and
+  head dim, ``auto_rows``: the one ``window_rows="auto"`` builds
+  (:mod:`gt_fused3s.cost_model`).
 
 :func:`run_rows8_model` (``--window-rows 8 --model-step``): the same two
 plans under a Graph Transformer's captured training step.
@@ -30,6 +33,7 @@ import warnings
 
 import torch
 
+from .. import cost_model
 from .common import free_cuda_memory, log_stderr as log, short_error
 from .kernel import (ALL_GRAPHS, QUICK_GRAPHS, REORDER_SETTINGS, _f, _host_ms, env_info, loaded_graphs,
                      setting_inputs, write_csv)
@@ -68,6 +72,8 @@ def run_rows8(graphs=None, settings=None, *, quick: bool = False, out: str | Non
                                     device, 1 if quick else 3) for sfx, r in (("", 16), ("_8", 8))}
             plans = {"": GraphPlan.from_edge_index(ei, n), "_8": GraphPlan.from_edge_index(ei, n, window_rows=8)}
         longest = plans["_8"].bsb.max_window_blocks()
+        features = cost_model.format_features(ei, n)
+        auto_rows = cost_model.choose_window_rows(features)
         note = "; ".join(sorted({str(w.message).split(":")[1].strip() for w in caught if "8-row" in str(w.message)}))
         log(f"[graph] {gname}: N={n} nnz={ei.size(1)} longest 8-row window {longest} blocks, plan build "
             f"{builds['']:.2f} -> {builds['_8']:.2f} ms")
@@ -76,7 +82,8 @@ def run_rows8(graphs=None, settings=None, *, quick: bool = False, out: str | Non
             scale = default_scale(D)
             row = {**env, "graph": gname, "N": n, "nnz": ei.size(1), "setting": sname, "D": D, "H": H, "l2_flushed": flush,
                    "dtype": str(dtype).replace("torch.", ""), "max_window_blocks_8": longest,
-                   "plan_build_ms": builds[""], "plan_build_ms_8": builds["_8"], "notes": note}
+                   "plan_build_ms": builds[""], "plan_build_ms_8": builds["_8"], "notes": note,
+                   "model_rows": cost_model.choose_window_rows(features, H, D), "auto_rows": auto_rows}
             outs, grads = {}, {}
             for sfx, plan in plans.items():
                 try:
@@ -192,14 +199,15 @@ def format_rows8_row(r: dict) -> str:
     return (f"[{r['graph']} {r['setting']}] blocks {r.get('blocks')} -> {r.get('blocks_8')}, MMA "
             f"{r.get('mma_fwd')} -> {r.get('mma_fwd_8')} | fwd kernel {_f(r, 'fwd_kernel_ms')} -> "
             f"{_f(r, 'fwd_kernel_ms_8')} ms, bwd {_f(r, 'bwd_kernel_ms')} -> {_f(r, 'bwd_kernel_ms_8')} | "
-            f"call fwd+bwd {_f(r, 'api_fb_wall_ms')} -> {_f(r, 'api_fb_wall_ms_8')} ms"
+            f"call fwd+bwd {_f(r, 'api_fb_wall_ms')} -> {_f(r, 'api_fb_wall_ms_8')} ms | picked "
+            f"{r.get('model_rows', '-')} (auto {r.get('auto_rows', '-')})"
             + (f" | {r['notes']}" if r.get("notes") else ""))
 
 
 def format_rows8_table(rows: list[dict]) -> str:
     head = ("| graph | setting | blocks 16 / 8 | MMA 8 / 16 | fwd kernel us 16 / 8 | x | bwd kernel us 16 / 8 | x "
-            "| call fwd+bwd wall ms 16 / 8 | x |")
-    lines = [head, "|" + "---|" * 10]
+            "| call fwd+bwd wall ms 16 / 8 | x | picked: setting / auto |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         def us(k):
             return format(r[k] * 1e3, ".1f") if isinstance(r.get(k), (int, float)) else "-"
@@ -208,7 +216,7 @@ def format_rows8_table(rows: list[dict]) -> str:
                      f"{us('fwd_kernel_ms')} / {us('fwd_kernel_ms_8')} | {_f(r, 'fwd_speedup', '.2f')} | "
                      f"{us('bwd_kernel_ms')} / {us('bwd_kernel_ms_8')} | {_f(r, 'bwd_speedup', '.2f')} | "
                      f"{_f(r, 'api_fb_wall_ms', '.3f')} / {_f(r, 'api_fb_wall_ms_8', '.3f')} | "
-                     f"{_f(r, 'api_fb_speedup', '.2f')} |")
+                     f"{_f(r, 'api_fb_speedup', '.2f')} | {r.get('model_rows', '-')} / {r.get('auto_rows', '-')} |")
     return "\n".join(lines)
 
 
