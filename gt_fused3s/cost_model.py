@@ -21,16 +21,14 @@ holds the fit the package ships, with the GPU and git sha it came from.
 
 The choice (:func:`choose_window_rows`) is the format of the lower predicted
 forward + backward time (forward alone with ``backward=False``) at the given
-heads and head dim; without them, the geometric mean of the predicted ratio
-over the fit's settings. It models the kernels of the GPU it was fitted on
+heads and head dim; without them, 8 rows only where every setting of the
+fit predicts them faster. It models the kernels of the GPU it was fitted on
 (an H100): on another GPU its choices are not measured; refit there. Not
 modelled: a locality reordering (no measured graph gained from one once its
 gathers are paid, README "Asking for a reordered plan"; a plan reorders only
 when asked), and the CUDA-core residue of the issue, which is not built.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
@@ -118,9 +116,12 @@ def predict(features: dict, rows: int, heads: int, head_dim: int, *, backward: b
 def choose_window_rows(features: dict, heads: int | None = None, head_dim: int | None = None, *,
                        backward: bool = True, coefficients: dict | None = None) -> int:
     """16 or 8: the format of the lower predicted time (the module's
-    docstring). Without ``heads`` / ``head_dim``: the geometric mean of the
-    predicted 16-row / 8-row ratio over the fit's settings. Head dims above
-    128 take 16 rows (the 8-row kernels stop there)."""
+    docstring). Without ``heads`` and ``head_dim``: 8 only where the 8-row
+    format is predicted faster in every setting of the fit (a missing one
+    of the two is taken from each setting), so that a choice made before
+    the head dim is known keeps the default 16 rows wherever some setting
+    would lose. Head dims above 128 take 16 rows (the 8-row kernels stop
+    there)."""
     coef = COEFFICIENTS if coefficients is None else coefficients
     if head_dim is not None and head_dim > 128:
         return 16
@@ -128,10 +129,9 @@ def choose_window_rows(features: dict, heads: int | None = None, head_dim: int |
         (heads or h, head_dim or d) for h, d in coef["settings"]]
     if not settings:
         raise ValueError("choose_window_rows: give heads and head_dim (the coefficients list no settings)")
-    log_ratio = sum(math.log(max(predict(features, 16, h, d, backward=backward, coefficients=coef), 1e-9)
-                             / max(predict(features, 8, h, d, backward=backward, coefficients=coef), 1e-9))
-                    for h, d in settings) / len(settings)
-    return 8 if log_ratio > 0 else 16
+    faster8 = [predict(features, 8, h, d, backward=backward, coefficients=coef)
+               < predict(features, 16, h, d, backward=backward, coefficients=coef) for h, d in settings]
+    return 8 if all(faster8) else 16
 
 
 # ---------------------------------------------------------------- the fit

@@ -203,14 +203,15 @@ class GraphPlan:
         128, every node a destination (no ``num_rows``); static builds as
         for 16 rows; an exact build warns where a window holds more than
         :data:`ROWS8_WARN_BLOCKS` blocks, since its kernels do not split one).
-        ``"auto"`` (for plain attention, head dims up to 128): the format of
-        the lower forward + backward kernel time that the cost model fitted
-        on the GPU predicts from both formats' block counts
+        ``"auto"`` (for plain attention, head dims up to 128): the 8-row
+        format where the cost model fitted on the GPU predicts it faster,
+        forward + backward, from both formats' counts in every (heads, head
+        dim) setting of its fit, else the 16-row one
         (:mod:`~gt_fused3s.cost_model`, README "Choosing the window rows";
-        averaged over the heads and head dims of its fit:
-        :func:`~gt_fused3s.cost_model.choose_window_rows` takes yours); the
-        16-row format for a static build (the counts need a host read-back)
-        or with ``num_rows``. :attr:`window_rows` tells which was built.
+        :func:`~gt_fused3s.cost_model.choose_window_rows` chooses for your
+        heads and head dim); the 16-row format for a static build (the
+        counts need a host read-back) or with ``num_rows``.
+        :attr:`window_rows` tells which was built.
         """
         if window_rows not in WINDOW_ROWS:
             raise ValueError(f"window_rows must be 16, 8 or 'auto' (got {window_rows!r})")

@@ -116,6 +116,14 @@ def test_choice_by_heads_and_head_dim():
         cost_model.predict(f, 16, 1, 64, coefficients=no_fit)
     with pytest.raises(ValueError, match="give heads and head_dim"):
         cost_model.choose_window_rows(f, coefficients=no_fit)
+    # without heads / head_dim: 8 rows only where every setting of the fit predicts them faster
+    zero = [0.0] * 6
+    split = {"settings": [(1, 64), (8, 64)], 16: {"fwd": [1.0] + zero[1:], "bwd": zero},
+             8: {"fwd": [0.0, 0.5 / f[8]["graph"]["windows"]] + zero[2:], "bwd": zero}}   # 8 rows: 0.5 H ms
+    assert cost_model.choose_window_rows(f, 1, 64, coefficients=split) == 8
+    assert cost_model.choose_window_rows(f, 8, 64, coefficients=split) == 16
+    assert cost_model.choose_window_rows(f, coefficients=split) == 16
+    assert cost_model.choose_window_rows(f, heads=1, coefficients=split) == 8       # H = 1 in each setting
     # the prediction grows with the heads and the head dim
     assert cost_model.predict(f, 8, 8, 64) > cost_model.predict(f, 8, 1, 64) > cost_model.predict(f, 8, 1, 32)
     assert cost_model.predict(f, 8, 1, 64, backward=False) < cost_model.predict(f, 8, 1, 64)
