@@ -9,10 +9,11 @@ modelled as a non-negative combination of what the builder counts::
 
 with W the non-empty windows, B the blocks, N the nodes (the dense reads and
 writes of q and out), C the columns (the K and V rows gathered: what the
-kernels' L2 traffic follows, README "Where the limit is"), L the longest walk of one warp (8 rows: the longest
-window, which one warp walks alone; 16 rows: the longest window cut at the
-schedule's split bound), H heads and D the head dim; the backward sums the
-graph's and the transposed graph's counts and takes the longer walk. The
+kernels' L2 traffic follows, README "Where the limit is"), L the longest
+walk of one warp (8 rows: the longest window, which one warp walks alone;
+16 rows: the longest window cut at the schedule's split bound), H heads and
+D the head dim; the backward sums the graph's and the transposed graph's
+counts and takes the longer walk. The
 coefficients are fitted (:func:`fit`, non-negative least squares on relative
 errors) to kernel times measured side by side on one GPU
 (``python scripts/bench_kernel.py --fit-cost-model``: calibration graphs,
