@@ -89,14 +89,24 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     # weighted feature sums by W_e^T
     blocks = block_diagonal(w_e)
     qe = project_heads(q, blocks * scale)
-    if csr is not None and plan.order is None and not torch.compiler.is_compiling():
+    if csr is not None and plan.order is None and torch.compiler.is_compiling():
+        # compiled: the same node as one opaque op with its own backward
+        ops._check_plan_for(plan, q, k)
+        ops._check_kernel_inputs(q, k, v)
+        H, Dp = q.size(1), ops.padded_head_dim(q.size(2))
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, qe, edge_attr))
+        bwd_args = list(plan.backward_args(H, Dp)) if grad else []
+        out, agg, alpha = ops._edge_terms_op(q, k, v, qe, edge_attr, list(plan.forward_args(H, Dp)), bwd_args,
+                                             list(plan.bias_args()), dst, *csr, scale,
+                                             *ops._dropout(dropout_p, dropout_seed), return_weights)[:3]
+    elif csr is not None and plan.order is None:
         # eager on the kernel: the three terms as one autograd node
         ops._check_plan_for(plan, q, k)
         ops._check_kernel_inputs(q, k, v)
         drop = ops._dropout(dropout_p, dropout_seed)
         # the per-edge arrays grouped by destination where the caller's order
         # scatters them (plan.edge_grouping); not with dropout (its mask is
-        # keyed by the caller's edge ids)
+        # keyed by the caller's edge ids); not under torch.compile (above)
         grouping = plan.edge_grouping() if not drop[0] else None
         a, slots = edge_attr, plan.bias_args()
         if grouping is not None:
@@ -124,72 +134,30 @@ class _EdgeFeatureTerms(torch.autograd.Function):
     on the kernels, as one autograd node: (out, agg, alpha or None) from q, k, v,
     qe [N, H, F] (the queries projected by W_e, scaled) and a [E, F]; ``dst``,
     ``csr`` and ``slots`` (the plan's ``bias_args()``) in a's edge order: the
-    caller's, or the plan's grouped one (``plan.edge_grouping()``).
-
-    Its backward is the composed one's (edge_dot, the attention, edge_scatter)
-    with what the composition recomputed or added up folded: the value sum's
-    share of delta = rowsum(dO * O) is ``<dagg_i, agg_i>`` per node (no
-    scatter of P dP over the edges), and the gradient of ``a`` is one pass
-    over the edges for both terms (dS against qe and the weights against
-    dagg: ``edge_rows`` with two terms), where the composition added two
-    [E, F] tensors."""
+    caller's, or the plan's grouped one (``plan.edge_grouping()``). Eager
+    mode's twin of the ``gt_fused3s::edge_feature_terms`` op (what
+    torch.compile traces); both run :func:`~gt_fused3s.ops.edge_terms_forward`
+    and :func:`~gt_fused3s.ops.edge_terms_backward`, the composed one's
+    backward (edge_dot, the attention, edge_scatter) with what the
+    composition recomputed or added up folded."""
 
     @staticmethod
     def forward(ctx, q, k, v, qe, a, plan, dst, csr, slots, scale, drop, return_weights):
         H, D = q.size(1), q.size(2)
-        Dp = ops.padded_head_dim(D)
-        fwd_args = plan.forward_args(H, Dp)
-        q, k, v, in_dtype = ops._cast_once(q, k, v, None)
-        bias = ops._edge_dot(qe, a, dst).float()
-        out, lse, alpha = ops._kernel_forward(q, k, v, fwd_args, scale, in_dtype or q.dtype, None, bias,
-                                              slots, dst, drop)
-        # the kernel's dropout factors (same seed, same hash): 0 or 1 / (1 - p)
-        keep = ops.dropout_keep(drop[1], drop[0], *alpha.shape, alpha.device) if drop[0] else None
-        used = alpha if keep is None else alpha * keep
-        agg = ops._edge_scatter(used, a, dst, q.size(0), csr)
+        fwd_args = plan.forward_args(H, ops.padded_head_dim(D))
+        q, k, v, in_dtype, out, lse, bias, alpha, keep, agg = ops.edge_terms_forward(
+            q, k, v, qe, a, fwd_args, slots, dst, csr, scale, drop)
         ctx.save_for_backward(q, k, v, qe, a, out, lse, bias, alpha, keep, agg)
-        ctx.plan, ctx.fwd_args, ctx.slots = plan, fwd_args, slots
-        ctx.dst, ctx.csr, ctx.scale, ctx.drop, ctx.in_dtype = dst, csr, scale, drop, in_dtype
+        ctx.plan, ctx.graph = plan, (fwd_args, slots, dst, csr, scale, drop, in_dtype)
         ctx.set_materialize_grads(False)
         return out, agg, alpha if return_weights else None
 
     @staticmethod
     def backward(ctx, grad_out, grad_agg, grad_alpha):
-        if torch.is_grad_enabled():
-            raise RuntimeError("gt_fused3s: double backward through the edge-feature attention is not "
-                               "supported (the fused backward kernels are not differentiable)")
-        q, k, v, qe, a, out, lse, bias, alpha, keep, agg = ctx.saved_tensors
-        dst = ctx.dst
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        # dP of each edge beyond dO.v: the value sum's <dagg_i, a_e> (times
-        # the dropout factor: it weighs `used`) and the weights' own gradient
-        dp_bias = delta_extra = None
-        if grad_agg is not None:
-            dp_bias = ops._edge_dot(grad_agg, a, dst).float()
-            if keep is not None:
-                dp_bias = dp_bias * keep
-            delta_extra = (grad_agg.float() * agg.float()).sum(-1)
-        if grad_alpha is not None:
-            grad_alpha = grad_alpha.float()
-            dp_bias = grad_alpha if dp_bias is None else dp_bias + grad_alpha
-            extra = ops.weights_delta(lse, dst, alpha, grad_alpha)
-            delta_extra = extra if delta_extra is None else delta_extra + extra
-        edge = (bias, *ctx.slots, dp_bias, delta_extra, *ctx.drop)
+        q = ctx.saved_tensors[0]
+        # the transposed format when a backward needs it (a forward alone builds none)
         bwd_args = ctx.plan.backward_args(q.size(1), ops.padded_head_dim(q.size(2)))
-        dq, dk, dv, ds = ops._kernel_backward(grad_out, q, k, v, out, lse, ctx.fwd_args, bwd_args,
-                                              ctx.scale, None, edge, ctx.in_dtype)
-        # per-edge temporaries [E, H] go as soon as they are used: this node
-        # holds its saved tensors to the end (peak memory, README)
-        del edge, dp_bias
-        need = ctx.needs_input_grad
-        dqe = ops._edge_scatter(ds, a, dst, qe.size(0), ctx.csr).to(qe.dtype) if need[3] else None
-        da = None
-        if need[4]:
-            if grad_agg is None:
-                da = ops._edge_weighted_rows(ds, qe, dst)
-            else:       # both terms in one pass over the edges
-                da = ops._edge_weighted_rows(ds, qe, dst, alpha if keep is None else alpha * keep, grad_agg)
-            da = da.to(a.dtype)
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dqe, da,
-                None, None, None, None, None, None, None)
+        fwd_args, *rest = ctx.graph
+        grads = ops.edge_terms_backward(ctx.saved_tensors, (fwd_args, bwd_args, *rest), grad_out, grad_agg,
+                                        grad_alpha, ctx.needs_input_grad)
+        return (*grads, None, None, None, None, None, None, None)

@@ -982,6 +982,127 @@ def edge_scatter(w: Tensor, a: Tensor, idx: Tensor, num_nodes: int,
     return _EdgeScatter.apply(w, a, idx, num_nodes, rowptr, order)
 
 
+# ---- the edge-feature attention as one node (edge_terms.py) ----------------
+# TransformerConv's edge features on the kernels: the key term as an edge
+# bias (edge_dot of qe = the queries projected by W_e, scaled), the value sum
+# agg = edge_scatter of the weights (after dropout), and one backward that
+# folds what the composed ops recomputed (edge_terms.py: _EdgeFeatureTerms).
+# Registered twice over the same forward and backward, as the attention is:
+# an autograd.Function for eager mode (edge_terms.py) and the custom op
+# below for torch.compile, which traced the composed ops (three opaque ops
+# and their own backwards) before.
+
+def edge_terms_forward(q: Tensor, k: Tensor, v: Tensor, qe: Tensor, a: Tensor, fwd_args: tuple, slots: tuple,
+                       dst: Tensor, csr: tuple[Tensor, Tensor], scale: float, drop: tuple) -> tuple:
+    """(q, k, v as the kernels read them, the inputs' dtype or None, out,
+    lse, bias, alpha, keep or None, agg): the forward of the one node."""
+    q, k, v, in_dtype = _cast_once(q, k, v, None)
+    bias = _edge_dot(qe, a, dst).float()
+    out, lse, alpha = _kernel_forward(q, k, v, fwd_args, scale, in_dtype or q.dtype, None, bias, slots, dst,
+                                      drop)
+    # the kernel's dropout factors (same seed, same hash): 0 or 1 / (1 - p)
+    keep = dropout_keep(drop[1], drop[0], *alpha.shape, alpha.device) if drop[0] else None
+    agg = _edge_scatter(alpha if keep is None else alpha * keep, a, dst, q.size(0), csr)
+    return q, k, v, in_dtype, out, lse, bias, alpha, keep, agg
+
+
+def edge_terms_backward(saved: tuple, graph: tuple, grad_out: Tensor | None, grad_agg: Tensor | None,
+                        grad_alpha: Tensor | None, need: tuple) -> tuple:
+    """(dq, dk, dv, dqe, da) of the one node, None where not ``need``ed.
+    ``saved``: (q, k, v as the kernels read them, qe, a, out, lse, bias,
+    alpha, keep, agg); ``graph``: (fwd_args, bwd_args, slots, dst, csr,
+    scale, drop, in_dtype). The value sum's share of delta = rowsum(dO * O)
+    is <dagg_i, agg_i> per node (no scatter of P dP over the edges), and the
+    gradient of ``a`` is one pass over the edges for both terms (dS against
+    qe and the weights against dagg)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("gt_fused3s: double backward through the edge-feature attention is not "
+                           "supported (the fused backward kernels are not differentiable)")
+    q, k, v, qe, a, out, lse, bias, alpha, keep, agg = saved
+    fwd_args, bwd_args, slots, dst, csr, scale, drop, in_dtype = graph
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    # dP of each edge beyond dO.v: the value sum's <dagg_i, a_e> (times the
+    # dropout factor: it weighs the weights after dropout) and the weights'
+    # own gradient
+    dp_bias = delta_extra = None
+    if grad_agg is not None:
+        dp_bias = _edge_dot(grad_agg, a, dst).float()
+        if keep is not None:
+            dp_bias = dp_bias * keep
+        delta_extra = (grad_agg.float() * agg.float()).sum(-1)
+    if grad_alpha is not None:
+        grad_alpha = grad_alpha.float()
+        dp_bias = grad_alpha if dp_bias is None else dp_bias + grad_alpha
+        extra = weights_delta(lse, dst, alpha, grad_alpha)
+        delta_extra = extra if delta_extra is None else delta_extra + extra
+    edge = (bias, *slots, dp_bias, delta_extra, *drop)
+    dq, dk, dv, ds = _kernel_backward(grad_out, q, k, v, out, lse, fwd_args, bwd_args, scale, None, edge,
+                                      in_dtype)
+    # per-edge temporaries [E, H] go as soon as they are used (peak memory, README)
+    del edge, dp_bias
+    dqe = _edge_scatter(ds, a, dst, qe.size(0), csr).to(qe.dtype) if need[3] else None
+    da = None
+    if need[4]:
+        if grad_agg is None:
+            da = _edge_weighted_rows(ds, qe, dst)
+        else:       # both terms in one pass over the edges
+            da = _edge_weighted_rows(ds, qe, dst, alpha if keep is None else alpha * keep, grad_agg)
+        da = da.to(a.dtype)
+    return dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dqe, da
+
+
+@torch.library.custom_op("gt_fused3s::edge_feature_terms", mutates_args=())
+def _edge_terms_op(q: Tensor, k: Tensor, v: Tensor, qe: Tensor, a: Tensor, fwd_graph: list[Tensor],
+                   bwd_graph: list[Tensor], edge_slots: list[Tensor], dst: Tensor, rowptr: Tensor,
+                   order: Tensor, scale: float, dropout_p: float, dropout_seed: int,
+                   weights_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, agg, alpha, lse, bias) of :func:`edge_terms_forward`; alpha's
+    gradient is used where ``weights_grad`` (the weights are returned)."""
+    _build.load_extension()
+    out, lse, bias, alpha, _, agg = edge_terms_forward(q, k, v, qe, a, tuple(fwd_graph), tuple(edge_slots), dst,
+                                                       (rowptr, order), scale, (dropout_p, dropout_seed))[4:]
+    return out, agg, alpha, lse, bias
+
+
+@_edge_terms_op.register_fake
+def _(q, k, v, qe, a, fwd_graph, bwd_graph, edge_slots, dst, rowptr, order, scale, dropout_p, dropout_seed,
+      weights_grad):
+    N, H, E = q.size(0), q.size(1), a.size(0)
+    f32 = torch.float32
+    return (q.new_empty(q.shape), q.new_empty((N, H, a.size(1)), dtype=f32), q.new_empty((E, H), dtype=f32),
+            q.new_empty((N, H), dtype=f32), q.new_empty((E, H), dtype=f32))
+
+
+def _edge_terms_setup_context(ctx, inputs, output):
+    (q, k, v, qe, a, fwd_graph, bwd_graph, edge_slots, dst, rowptr, order, scale, dropout_p, dropout_seed,
+     weights_grad) = inputs
+    out, agg, alpha, lse, bias = output
+    ctx.mark_non_differentiable(lse, bias)
+    # q, k, v saved as given (the backward casts fp32 ones again: a custom
+    # op's outputs cannot alias its inputs, which an uncast q would)
+    ctx.save_for_backward(q, k, v, qe, a, out, lse, bias, alpha, agg)
+    ctx.graph = (tuple(fwd_graph), tuple(bwd_graph), tuple(edge_slots), dst, (rowptr, order), scale,
+                 (dropout_p, dropout_seed))
+    ctx.weights_grad = weights_grad
+
+
+def _edge_terms_op_backward(ctx, grad_out, grad_agg, grad_alpha, _grad_lse, _grad_bias):
+    q, k, v, qe, a, out, lse, bias, alpha, agg = ctx.saved_tensors
+    q, k, v, in_dtype = _cast_once(q, k, v, None)
+    fwd_args, bwd_args, slots, dst, csr, scale, drop = ctx.graph
+    keep = dropout_keep(drop[1], drop[0], *alpha.shape, alpha.device) if drop[0] else None
+    grads = edge_terms_backward((q, k, v, qe, a, out, lse, bias, alpha, keep, agg),
+                                (fwd_args, bwd_args, slots, dst, csr, scale, drop, in_dtype),
+                                grad_out, grad_agg, grad_alpha if ctx.weights_grad else None,
+                                ctx.needs_input_grad[:5])
+    return (*grads, [None] * len(fwd_args), [None] * len(bwd_args), [None] * len(slots), None, None, None,
+            None, None, None, None)
+
+
+_edge_terms_op.register_autograd(_edge_terms_op_backward, setup_context=_edge_terms_setup_context)
+
+
 # ---------------------------------------------------------------------------
 # Sequence attention's kernels (csrc/kernels/seq_*): the row-block contract
 # they share with their callers, and their autograd, registered twice as the

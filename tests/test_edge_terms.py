@@ -161,3 +161,41 @@ def test_plan_groups_edges_by_destination_row():
     ei = torch.tensor([[5, 6, 0, 6, 2], [1, 0, 2, 1, 1]])
     rowptr, order = GraphPlan.from_edge_index(ei, 7, num_rows=3).destination_csr()
     assert rowptr.tolist() == [0, 1, 4, 5] and order.tolist() == [1, 0, 3, 4, 2]
+
+
+@pytest.mark.parametrize("use_weights", [False, True])
+def test_edge_feature_terms_op_under_compile(stand_in_kernels, monkeypatch, use_weights):
+    """Under torch.compile (fullgraph) the one node runs as the custom op
+    ``gt_fused3s::edge_feature_terms`` (its fake, its own backward), not as
+    the composed ops: outputs, weights and every gradient equal eager's,
+    and the op's forward and backward are what ran; ``opcheck`` of the op."""
+    from gt_fused3s import ops
+    edge_index, n = GRAPH_CASES["duplicates"]()
+    E, H, C, F = edge_index.size(1), 2, 16, 5
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(n, H, C, generator=g) for _ in range(3))
+    a = torch.randn(E, F, generator=g)
+    w_e = torch.randn(H, C, F, generator=g) * 0.3
+    plan = GraphPlan.from_edge_index(edge_index, n).prepare(H, C, edge_features=True)
+
+    def fused(q, k, v, a, w_e):
+        out, alpha = edge_feature_attention(q, k, v, plan, a, w_e, 0.25, return_weights=use_weights)
+        return torch.cat([out.flatten()] + ([alpha.flatten()] if use_weights else []))
+
+    want, want_grads = _grads(fused, q, k, v, a, w_e)
+    ran = []
+    for name in ("edge_terms_forward", "edge_terms_backward"):
+        orig = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *args, _o=orig, _n=name: ran.append(_n) or _o(*args))
+    torch._dynamo.reset()
+    got, got_grads = _grads(torch.compile(fused, backend="aot_eager", fullgraph=True), q, k, v, a, w_e)
+    # the op's forward runs; its backward is traced into the compiled backward once
+    assert sorted(ran) == ["edge_terms_backward", "edge_terms_forward"]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for x, y in zip(got_grads, want_grads):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    Dp = ops.padded_head_dim(C)
+    qe = torch.randn(n, H, F, generator=g)
+    torch.library.opcheck(torch.ops.gt_fused3s.edge_feature_terms.default, (
+        q, k, v, qe, a, list(plan.forward_args(H, Dp)), list(plan.backward_args(H, Dp)), list(plan.bias_args()),
+        plan.edge_index[1].long(), *plan.destination_csr(), 0.25, 0.0, 0, use_weights))
