@@ -224,6 +224,7 @@ def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, hea
         x = torch.randn(n, in_channels, device="cuda", generator=g).requires_grad_()
         edge_attr = (torch.randn(E, edge_dim, device="cuda", generator=g).requires_grad_()
                      if edge_dim else None)
+        torch.manual_seed(seed)      # the same weights in every run (errors compare across runs)
         ref = TransformerConv(in_channels, out_channels, heads=heads, edge_dim=edge_dim).cuda()
         fused = Fused3SConv(in_channels, out_channels, heads=heads, edge_dim=edge_dim, cached=True).cuda()
         fused.load_state_dict(ref.state_dict(), strict=True)
