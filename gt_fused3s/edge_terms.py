@@ -90,15 +90,23 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     blocks = block_diagonal(w_e)
     qe = project_heads(q, blocks * scale)
     if csr is not None and plan.order is None and torch.compiler.is_compiling():
-        # compiled: the same node as one opaque op with its own backward
+        # compiled: the same node as one opaque op with its own backward; the
+        # edges grouped where an eager call or prepare() decided so (read as
+        # is: deciding takes a host sync), the permutations traced as indexing
         ops._check_plan_for(plan, q, k)
         ops._check_kernel_inputs(q, k, v)
         H, Dp = q.size(1), ops.padded_head_dim(q.size(2))
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, qe, edge_attr))
         bwd_args = list(plan.backward_args(H, Dp)) if grad else []
-        out, agg, alpha = ops._edge_terms_op(q, k, v, qe, edge_attr, list(plan.forward_args(H, Dp)), bwd_args,
-                                             list(plan.bias_args()), dst, *csr, scale,
+        grouping = plan.edge_grouping() if not dropout_p else None
+        a, slots = edge_attr, plan.bias_args()
+        if grouping is not None:
+            a, dst, csr, slots = edge_attr[grouping.perm], grouping.dst, grouping.csr, grouping.slots
+        out, agg, alpha = ops._edge_terms_op(q, k, v, qe, a, list(plan.forward_args(H, Dp)), bwd_args,
+                                             list(slots), dst, *csr, scale,
                                              *ops._dropout(dropout_p, dropout_seed), return_weights)[:3]
+        if grouping is not None:
+            alpha = alpha[grouping.inv]
     elif csr is not None and plan.order is None:
         # eager on the kernel: the three terms as one autograd node
         ops._check_plan_for(plan, q, k)
@@ -106,7 +114,7 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
         drop = ops._dropout(dropout_p, dropout_seed)
         # the per-edge arrays grouped by destination where the caller's order
         # scatters them (plan.edge_grouping); not with dropout (its mask is
-        # keyed by the caller's edge ids); not under torch.compile (above)
+        # keyed by the caller's edge ids)
         grouping = plan.edge_grouping() if not drop[0] else None
         a, slots = edge_attr, plan.bias_args()
         if grouping is not None:
