@@ -350,19 +350,21 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
     # scatters them (plan.edge_grouping: PyG's order is by source), for a
     # call with a backward (a forward alone measured slower: 1.10 -> 1.16 ms
     # on the 200k graph, H = 4, the gathers unpaid); not with dropout, whose
-    # mask is keyed by the caller's edge ids
-    grouping = (plan.edge_grouping() if slots and grad and not drop[0] and not torch.compiler.is_compiling()
-                else None)
+    # mask is keyed by the caller's edge ids. Under torch.compile: a grouping
+    # the plan decided before (prepare, an eager call) is read as is, its
+    # permutations traced as indexing
+    compiling = torch.compiler.is_compiling()
+    grouping = plan.edge_grouping() if slots and grad and not drop[0] else None
     if grouping is not None:
         slots = grouping.slots
         if bias is not None:
-            bias = _permute_rows(bias, grouping.perm, grouping.inv)
+            bias = bias[grouping.perm] if compiling else _permute_rows(bias, grouping.perm, grouping.inv)
         if dst is not None:
             dst = grouping.dst
     order = plan.order
     if order is not None:
         q, k, v = (_permute_rows(t, order.perm, order.inv) for t in (q, k, v))
-    if torch.compiler.is_compiling():
+    if compiling:
         out, _, probs = _attention_op(q, k, v, list(fwd_args), list(bwd_args), scale, out_dtype,
                                       compute_dtype, bias, list(slots), dst, *drop)
     elif grad:
@@ -374,7 +376,7 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
     if order is not None:
         out = _permute_rows(out, order.inv, order.perm)
     if grouping is not None and probs is not None:
-        probs = _permute_rows(probs, grouping.inv, grouping.perm)
+        probs = probs[grouping.inv] if compiling else _permute_rows(probs, grouping.inv, grouping.perm)
     return (out, probs) if return_weights else out
 
 

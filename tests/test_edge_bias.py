@@ -308,3 +308,42 @@ def test_dropout_reference_path_and_bad_p():
     for p in (-0.1, 1.0):
         with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
             fused3s_attention(q, q, q, ei, dropout_p=p)
+
+
+def _compiled_bias_matches_eager(ei, n, device="cpu", dtype=torch.float32, tol=1e-5):
+    """fused3s_attention with an edge bias and returned weights, compiled
+    (fullgraph) on a plan prepared for a bias, against the same call eager:
+    outputs, weights and the gradients of q, k, v and the bias."""
+    H, D = 2, 16
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(n, H, D, generator=g).to(device, dtype) for _ in range(3))
+    bias = torch.randn(ei.size(1), H, generator=g).to(device)
+    plan = GraphPlan.from_edge_index(ei.to(device), n).prepare(H, D, edge_bias=True)
+    grouping, plan.traced_groupings = plan.edge_grouping(), []
+    # what the compiled call reads: the grouping prepare() decided
+    plan.edge_grouping = lambda: plan.traced_groupings.append(torch.compiler.is_compiling()) or grouping
+
+    def fn(q, k, v, b):
+        out, w = fused3s_attention(q, k, v, plan, 0.3, edge_bias=b, return_weights=True)
+        return out.float().square().sum() + (w * torch.linspace(0, 1, w.numel(), device=w.device).view_as(w)).sum()
+
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        loss = f(*leaves)
+        results.append((loss.detach(), torch.autograd.grad(loss, leaves)))
+    (l_e, g_e), (l_c, g_c) = results
+    torch.testing.assert_close(l_c, l_e, atol=tol, rtol=tol)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+    return plan
+
+
+def test_compiled_bias_reads_the_plans_grouping(stand_in_kernels):
+    """Under torch.compile the op reads the edge grouping the plan decided
+    (prepare) and gives eager's results (conftest groups every plan whose
+    edges are not grouped already)."""
+    ei, n = _shuffled("random_1003")
+    torch._dynamo.reset()
+    plan = _compiled_bias_matches_eager(ei, n)
+    assert plan.edge_grouping() is not None and True in plan.traced_groupings

@@ -203,3 +203,14 @@ def test_dropout_matches_the_reference_with_the_kernels_mask(h, d, dtype):
     ei = _shuffled(torch.cat([ei, ei[:, :40]], 1), seed=6)
     plan = GraphPlan.from_edge_index(ei, n)
     _check(plan, ei, h, d, LOW[dtype], seed=1000 + h * d, label=f"dropout H={h} D={d}", dropout=0.3)
+
+
+def test_compiled_bias_reads_the_plans_grouping_on_the_gpu():
+    """torch.compile of the op with a bias and returned weights, on a plan
+    whose edges the plan groups (conftest groups every plan not grouped
+    already): the kernels' results equal eager's (tests/test_edge_bias.py)."""
+    from test_edge_bias import _compiled_bias_matches_eager
+    ei, n = GRAPH_CASES["random_1003"]()
+    torch._dynamo.reset()
+    plan = _compiled_bias_matches_eager(_shuffled(ei, 3), n, device=DEV, dtype=torch.float16, tol=2e-3)
+    assert plan.edge_grouping() is not None and True in plan.traced_groupings
