@@ -16,6 +16,10 @@ use, see ``_build``):
                  the differentiable edge-feature products (:func:`edge_dot`,
                  :func:`edge_scatter`) as ``torch.compile`` sees them
 * ``attention``  fwd with autograd (bwd), the one op ``torch.compile`` sees
+* ``edge_feature_terms``
+                 the edge-feature attention as one node (edge_dot, fwd,
+                 edge_scatter; one folded backward), as ``torch.compile``
+                 sees :func:`~gt_fused3s.edge_terms.edge_feature_attention`
 
 CUDA tensors take the fused kernel; CPU tensors, and CUDA tensors when the
 extension cannot be built or ``GT_FUSED3S_DISABLE_KERNEL=1`` is set, take
