@@ -89,12 +89,14 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     # weighted feature sums by W_e^T
     blocks = block_diagonal(w_e)
     qe = project_heads(q, blocks * scale)
-    if csr is not None and plan.order is None and torch.compiler.is_compiling():
-        # compiled: the same node as one opaque op with its own backward; the
-        # edges grouped where an eager call or prepare() decided so (read as
-        # is: deciding takes a host sync), the permutations traced as indexing
+    node = csr is not None and plan.order is None      # the kernels: the three terms as one node
+    if node:
         ops._check_plan_for(plan, q, k)
         ops._check_kernel_inputs(q, k, v)
+    if node and torch.compiler.is_compiling():
+        # compiled: the node as one opaque op with its own backward; the
+        # edges grouped where an eager call or prepare() decided so (read as
+        # is: deciding takes a host sync), the permutations traced as indexing
         H, Dp = q.size(1), ops.padded_head_dim(q.size(2))
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, qe, edge_attr))
         bwd_args = list(plan.backward_args(H, Dp)) if grad else []
@@ -107,10 +109,8 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
                                              *ops._dropout(dropout_p, dropout_seed), return_weights)[:3]
         if grouping is not None:
             alpha = alpha[grouping.inv]
-    elif csr is not None and plan.order is None:
-        # eager on the kernel: the three terms as one autograd node
-        ops._check_plan_for(plan, q, k)
-        ops._check_kernel_inputs(q, k, v)
+    elif node:
+        # eager: the node as an autograd.Function (lower host time a call)
         drop = ops._dropout(dropout_p, dropout_seed)
         # the per-edge arrays grouped by destination where the caller's order
         # scatters them (plan.edge_grouping); not with dropout (its mask is

@@ -113,8 +113,11 @@ def measure(specs, settings, split: str, device, reps: int = 10) -> list[dict]:
 
 
 def samples_of(rows: list[dict]) -> list[dict]:
+    """The rows with a time, as :func:`gt_fused3s.cost_model.fit` takes them
+    (each keeps its split, graph and setting)."""
     return [{"features": _unflat(r), "heads": int(r["heads"]), "head_dim": int(r["head_dim"]),
-             "rows": int(r["rows"]), "pass": r["pass"], "ms": float(r["ms"])}
+             "rows": int(r["rows"]), "pass": r["pass"], "ms": float(r["ms"]),
+             "key": (r["split"], r["graph"], r["setting"])}
             for r in rows if r.get("ms") not in (None, "", "None")]
 
 
@@ -127,10 +130,9 @@ def evaluate(rows: list[dict], coef: dict) -> list[dict]:
     """Per (graph, setting): measured and predicted fwd + bwd ms of both
     formats, the faster one and the one the model picks."""
     by = {}
-    for s, r in zip(samples_of(rows), [r for r in rows if r.get("ms") not in (None, "", "None")]):
-        key = (r["split"], r["graph"], r["setting"])
-        by.setdefault(key, {"features": s["features"], "heads": s["heads"], "head_dim": s["head_dim"]})
-        by[key][(s["rows"], s["pass"])] = s["ms"]
+    for s in samples_of(rows):
+        by.setdefault(s["key"], {"features": s["features"], "heads": s["heads"], "head_dim": s["head_dim"]})
+        by[s["key"]][(s["rows"], s["pass"])] = s["ms"]
     out = []
     for (split, graph, setting), d in by.items():
         if not all((r, p) in d for r in (16, 8) for p in ("fwd", "bwd")):
