@@ -161,13 +161,28 @@ void check_dropout(double p) {
 // Attention dropout of one pass, keyed by the caller's edge id of each
 // non-zero (through slot_edge of this pass's BSB), so every pass draws the
 // same mask.
-void set_dropout(EdgeBiasArgs& eb, double p, int64_t seed) {
+// seed_t: the seed as an int64 tensor of one element on q's device instead
+// of `seed` (drawn on the GPU inside a capture or a compiled region: the
+// kernels read it there, so each replay's new seed is the one used).
+void set_dropout(EdgeBiasArgs& eb, double p, int64_t seed, const std::optional<at::Tensor>& seed_t,
+                 const at::Tensor& q) {
     const double t = std::floor(p * 4294967296.0 + 0.5);
     eb.drop_threshold = p > 0.0 ? static_cast<uint32_t>(std::min(t, 4294967295.0)) : 0u;
     eb.drop_scale = p > 0.0 ? static_cast<float>(1.0 / (1.0 - p)) : 1.f;
     const uint64_t s = static_cast<uint64_t>(seed);
     eb.seed_lo = static_cast<uint32_t>(s);
     eb.seed_hi = static_cast<uint32_t>(s >> 32);
+    eb.seed_ptr = nullptr;
+    if (seed_t.has_value()) {
+        const at::Tensor& st = *seed_t;
+        TORCH_CHECK_VALUE(st.defined() && st.is_cuda() && st.device() == q.device(),
+                          "dropout_seed tensor must be on ", q.device().str(), " (got ",
+                          st.defined() ? st.device().str() : std::string("an undefined tensor"), ")");
+        TORCH_CHECK_VALUE(st.scalar_type() == at::kLong && st.numel() == 1,
+                          "dropout_seed tensor must be one int64 (got ", dtype_name(st.scalar_type()), " ",
+                          shape(st.sizes()), ")");
+        eb.seed_ptr = reinterpret_cast<const uint32_t*>(st.data_ptr<int64_t>());
+    }
 }
 
 const float* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
@@ -210,7 +225,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
         const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& window_order, const at::Tensor& items,
         const at::Tensor& slots, double scale, bool out_fp32, const std::optional<at::Tensor>& edge_bias,
         const std::optional<at::Tensor>& nnz_offset, const std::optional<at::Tensor>& slot_edge,
-        const std::optional<at::Tensor>& slot_pos, double dropout_p, int64_t dropout_seed, bool return_scores) {
+        const std::optional<at::Tensor>& slot_pos, double dropout_p, int64_t dropout_seed,
+        const std::optional<at::Tensor>& dropout_seed_t, bool return_scores) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
     const at::Tensor q = kernel_input(q_in, "q", q_in);
@@ -296,7 +312,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
     p.bias = edge_args(nnz_offset, slot_edge, slot_pos, H, edge_bias, nullptr, std::nullopt);
-    if (has_bias) set_dropout(p.bias, dropout_p, dropout_seed);
+    if (has_bias) set_dropout(p.bias, dropout_p, dropout_seed, dropout_seed_t, q);
     p.scores_ptr = return_scores ? scores.data_ptr<float>() : nullptr;
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
@@ -321,10 +337,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
                                             const std::optional<at::Tensor>& nnz_offset,
                                             const std::optional<at::Tensor>& slot_edge,
                                             const std::optional<at::Tensor>& slot_pos, double dropout_p,
-                                            int64_t dropout_seed) {
+                                            int64_t dropout_seed, const std::optional<at::Tensor>& dropout_seed_t) {
     auto [out, lse, scores] = fwd_impl(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale,
                                        out_fp32, edge_bias, nnz_offset, slot_edge, slot_pos, dropout_p, dropout_seed,
-                                       false);
+                                       dropout_seed_t, false);
     return {out, lse};
 }
 
@@ -336,9 +352,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_scores_cuda(
         const at::Tensor& cols, const at::Tensor& bitmap, const at::Tensor& window_order, const at::Tensor& items,
         const at::Tensor& slots, double scale, bool out_fp32, const std::optional<at::Tensor>& edge_bias,
         const at::Tensor& nnz_offset, const at::Tensor& slot_edge, const at::Tensor& slot_pos, double dropout_p,
-        int64_t dropout_seed) {
+        int64_t dropout_seed, const std::optional<at::Tensor>& dropout_seed_t) {
     return fwd_impl(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32, edge_bias,
-                    nnz_offset, slot_edge, slot_pos, dropout_p, dropout_seed, true);
+                    nnz_offset, slot_edge, slot_pos, dropout_p, dropout_seed, dropout_seed_t, true);
 }
 
 // ---- Backward ------------------------------------------------------------------
@@ -402,7 +418,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const std::optional<at::Tensor>& slot_pos, const std::optional<at::Tensor>& t_nnz_offset,
     const std::optional<at::Tensor>& t_slot_edge, const std::optional<at::Tensor>& t_slot_pos,
     const std::optional<at::Tensor>& dp_bias, const std::optional<at::Tensor>& delta_extra, double dropout_p,
-    int64_t dropout_seed) {
+    int64_t dropout_seed, const std::optional<at::Tensor>& dropout_seed_t) {
     TORCH_CHECK(q_in.defined(), "q must be a tensor (got an undefined tensor)");
     TORCH_CHECK(q_in.is_cuda(), "q must be a CUDA tensor (got device ", q_in.device().str(), ")");
     const at::Tensor q = kernel_input(q_in, "q", q_in), dout = kernel_input(dout_in, "grad_out", q_in);
@@ -501,7 +517,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dq_pass.part1_ptr = S > 0 ? part_q.data_ptr<float>() : nullptr;
     dq_pass.bias = edge_args(nnz_offset, slot_edge, slot_pos, H, edge_bias,
                              has_bias ? grad_bias.data_ptr<float>() : nullptr, dp_bias);
-    if (has_edges) set_dropout(dq_pass.bias, dropout_p, dropout_seed);
+    if (has_edges) set_dropout(dq_pass.bias, dropout_p, dropout_seed, dropout_seed_t, q);
 
     Fused3SBwdParams dkv_pass = common;
     dkv_pass.num_nodes = static_cast<int32_t>(N);    // rows of k, v, dk, dv; its columns are rows < Nq
@@ -521,7 +537,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dkv_pass.part1_ptr = St > 0 ? part_k.data_ptr<float>() : nullptr;
     dkv_pass.part2_ptr = St > 0 ? part_v.data_ptr<float>() : nullptr;
     dkv_pass.bias = edge_args(t_nnz_offset, t_slot_edge, t_slot_pos, H, edge_bias, nullptr, dp_bias);
-    if (has_edges) set_dropout(dkv_pass.bias, dropout_p, dropout_seed);
+    if (has_edges) set_dropout(dkv_pass.bias, dropout_p, dropout_seed, dropout_seed_t, q);
 
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     const bool half = q.scalar_type() == at::kHalf;

@@ -62,7 +62,7 @@ def head_project(x: Tensor, w: Tensor, scale: float = 1.0) -> Tensor:
 
 
 def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Tensor, w_e: Tensor,
-                           scale: float, *, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                           scale: float, *, dropout_p: float = 0.0, dropout_seed: int | Tensor | None = None,
                            return_weights: bool = True) -> tuple[Tensor, Tensor | None]:
     """TransformerConv's attention with edge features, without an [E, H, C]
     tensor: ``e_ij = W_e a_ij`` is added to the key and to the value,
@@ -82,6 +82,8 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     the value term sums them)."""
     plan = graph if isinstance(graph, GraphPlan) else None
     edges = plan.edge_index if plan is not None else graph
+    # one seed for both terms (drawn here if not given)
+    drop = ops._dropout(dropout_p, dropout_seed, q.device)
     dst = edges[1].long()
     csr = plan.destination_csr() if plan is not None and ops._edge_kernel(q) else None
     # one block-diagonal W_e for both terms (its transpose is W_e^T's): the
@@ -100,18 +102,19 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
         H, Dp = q.size(1), ops.padded_head_dim(q.size(2))
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, qe, edge_attr))
         bwd_args = list(plan.backward_args(H, Dp)) if grad else []
-        grouping = plan.edge_grouping() if not dropout_p else None
+        grouping = plan.edge_grouping() if not drop[0] else None
         a, slots = edge_attr, plan.bias_args()
         if grouping is not None:
             a, dst, csr, slots = edge_attr[grouping.perm], grouping.dst, grouping.csr, grouping.slots
+        # the dropout factors in the region's own code (fused into one kernel)
+        keep = ops.dropout_factors(drop, edge_attr.size(0), H, q.device)
         out, agg, alpha = ops._edge_terms_op(q, k, v, qe, a, list(plan.forward_args(H, Dp)), bwd_args,
                                              list(slots), dst, *csr, scale,
-                                             *ops._dropout(dropout_p, dropout_seed), return_weights)[:3]
+                                             *drop, keep, return_weights)[:3]
         if grouping is not None:
             alpha = alpha[grouping.inv]
     elif node:
         # eager: the node as an autograd.Function (lower host time a call)
-        drop = ops._dropout(dropout_p, dropout_seed)
         # the per-edge arrays grouped by destination where the caller's order
         # scatters them (plan.edge_grouping); not with dropout (its mask is
         # keyed by the caller's edge ids)
@@ -127,10 +130,10 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     else:
         edge_bias = edge_dot(qe, edge_attr, dst, csr)
         out, alpha = fused3s_attention(q, k, v, graph, scale, edge_bias=edge_bias, return_weights=True,
-                                       dropout_p=dropout_p, dropout_seed=dropout_seed)
+                                       dropout_p=drop[0], dropout_seed=ops._drop_seed(drop))
         used = alpha
-        if dropout_p:     # the kernel's mask (same seed, same hash)
-            used = alpha * ops.dropout_keep(dropout_seed, dropout_p, *alpha.shape, alpha.device)
+        if drop[0]:     # the kernel's mask (same seed, same hash)
+            used = alpha * ops.dropout_factors(drop, *alpha.shape, alpha.device)
         agg = edge_scatter(used, edge_attr, dst, out.size(0), csr)
     value_term = project_heads(agg, blocks.t().to(agg.dtype))
     return out + value_term.to(out.dtype), (alpha if return_weights else None)

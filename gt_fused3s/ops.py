@@ -48,20 +48,21 @@ _LIB = torch.library.Library("gt_fused3s", "FRAGMENT")
 _LIB.define("fwd(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
             "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32, "
             "Tensor? edge_bias=None, Tensor? nnz_offset=None, Tensor? slot_edge=None, Tensor? slot_pos=None, "
-            "float dropout_p=0.0, int dropout_seed=0) -> (Tensor out, Tensor lse)")
+            "float dropout_p=0.0, int dropout_seed=0, Tensor? dropout_seed_t=None) -> (Tensor out, Tensor lse)")
 _LIB.define("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cols, "
             "Tensor bitmap, Tensor items, Tensor slots, Tensor t_cols, Tensor t_bitmap, Tensor t_items, "
             "Tensor t_slots, float scale, bool grad_fp32, Tensor? edge_bias=None, "
             "Tensor? nnz_offset=None, Tensor? slot_edge=None, Tensor? slot_pos=None, "
             "Tensor? t_nnz_offset=None, Tensor? t_slot_edge=None, Tensor? t_slot_pos=None, Tensor? dp_bias=None, "
-            "Tensor? delta_extra=None, float dropout_p=0.0, int dropout_seed=0) "
+            "Tensor? delta_extra=None, float dropout_p=0.0, int dropout_seed=0, Tensor? dropout_seed_t=None) "
             "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_bias)")
 # The forward that also returns each edge's raw dot product q_i.k_j [E, H]
 # fp32 in the caller's edge order (the weights follow from it and lse).
 _LIB.define("fwd_scores(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor cols, Tensor bitmap, "
             "Tensor window_order, Tensor items, Tensor slots, float scale, bool out_fp32, "
             "Tensor? edge_bias, Tensor nnz_offset, Tensor slot_edge, Tensor slot_pos, "
-            "float dropout_p=0.0, int dropout_seed=0) -> (Tensor out, Tensor lse, Tensor scores)")
+            "float dropout_p=0.0, int dropout_seed=0, Tensor? dropout_seed_t=None) "
+            "-> (Tensor out, Tensor lse, Tensor scores)")
 # (SymInt: under torch.compile(dynamic=True) the node count stays symbolic;
 # an int specialised it and recompiled the graph for every node count)
 _LIB.define("bsb_build(Tensor edge_index, SymInt num_nodes) -> (Tensor rw_offset, Tensor cols, "
@@ -103,7 +104,8 @@ _LIB.define("bwd8(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Ten
 
 @torch.library.register_fake("gt_fused3s::fwd")
 def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-              edge_bias=None, nnz_offset=None, slot_edge=None, slot_pos=None, dropout_p=0.0, dropout_seed=0):
+              edge_bias=None, nnz_offset=None, slot_edge=None, slot_pos=None, dropout_p=0.0, dropout_seed=0,
+              dropout_seed_t=None):
     N, H, D = q.shape       # q's rows: k and v may have more (the graph's nodes)
     return (q.new_empty((N, H, D), dtype=torch.float32 if out_fp32 else q.dtype),
             q.new_empty((N, H), dtype=torch.float32))
@@ -113,7 +115,7 @@ def _fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scal
 def _bwd_fake(grad_out, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items,
               t_slots, scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None, slot_pos=None,
               t_nnz_offset=None, t_slot_edge=None, t_slot_pos=None, dp_bias=None, delta_extra=None,
-              dropout_p=0.0, dropout_seed=0):
+              dropout_p=0.0, dropout_seed=0, dropout_seed_t=None):
     dtype = torch.float32 if grad_fp32 else q.dtype
     grad_bias = (torch.empty_like(edge_bias) if edge_bias is not None
                  else q.new_empty((0,), dtype=torch.float32))
@@ -144,7 +146,8 @@ def _is_rows8(fwd_args: tuple) -> bool:
 
 @torch.library.register_fake("gt_fused3s::fwd_scores")
 def _fwd_scores_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-                     edge_bias, nnz_offset, slot_edge, slot_pos, dropout_p=0.0, dropout_seed=0):
+                     edge_bias, nnz_offset, slot_edge, slot_pos, dropout_p=0.0, dropout_seed=0,
+                     dropout_seed_t=None):
     return (*_fwd_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32),
             q.new_empty((slot_edge.size(0), q.size(1)), dtype=torch.float32))
 
@@ -236,7 +239,7 @@ def bsb_build(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, ...]:
 def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor,
                       scale: float | None = None, *, edge_bias: Tensor | None = None,
                       return_weights: bool = False, dropout_p: float = 0.0,
-                      dropout_seed: int | None = None, num_nodes: int | None = None,
+                      dropout_seed: int | Tensor | None = None, num_nodes: int | None = None,
                       out_dtype: torch.dtype | None = None,
                       compute_dtype: torch.dtype | None = None) -> Tensor | tuple[Tensor, Tensor]:
     r"""Sparse graph attention fused into one kernel (SDDMM, softmax, SpMM).
@@ -283,9 +286,13 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
             scaled by ``1 / (1 - dropout_p)``, per head. The mask comes from
             a counter-based hash of (seed, head, edge id) that the backward
             regenerates; :func:`dropout_keep` computes it (for tests).
-        dropout_seed: the mask's seed; default: drawn from torch's CPU
-            generator (``torch.manual_seed`` makes it repeatable). Not
-            inside a captured CUDA graph or a compiled region, which would
+        dropout_seed: the mask's seed, an int or an int64 tensor of one
+            element on q's device (read by the kernels there: no host
+            synchronisation). Default: drawn per call, from torch's CPU
+            generator when the call runs eagerly, on the device inside a
+            captured CUDA graph or a compiled region (each replay or call
+            draws a new one; ``torch.manual_seed`` makes either repeatable).
+            An int inside a capture or a compiled region raises: it would
             replay one mask.
         num_nodes: with an ``edge_index``, the node count (default ``N``).
         out_dtype: dtype of the output, default ``q.dtype``.
@@ -327,8 +334,7 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
             _check_plan_for(plan, q, k)
             edges = plan.edge_index
         _check_edge_bias(edge_bias, edges.size(1), H, q.device)
-        drop = _dropout(dropout_p, dropout_seed)
-        mask = dropout_keep(drop[1], dropout_p, edges.size(1), H, q.device) if dropout_p else None
+        mask = dropout_factors(_dropout(dropout_p, dropout_seed, q.device), edges.size(1), H, q.device)
         return attention_reference(q, k, v, edges, scale, edge_bias=edge_bias, dropout_mask=mask,
                                    return_weights=return_weights, out_dtype=out_dtype or q.dtype,
                                    compute_dtype=torch.float64 if q.dtype == torch.float64
@@ -340,7 +346,7 @@ def fused3s_attention(q: Tensor, k: Tensor, v: Tensor, graph: GraphPlan | Tensor
     Dp = padded_head_dim(D)
     fwd_args = plan.forward_args(H, Dp)
     out_dtype = out_dtype or q.dtype
-    drop = _dropout(dropout_p, dropout_seed)
+    drop = _dropout(dropout_p, dropout_seed, q.device)
     # the bias in the kernel's fp32 (a no-op for an fp32 bias); the edge slots
     bias = None if edge_bias is None else edge_bias.float().contiguous()
     slots = plan.bias_args() if bias is not None or return_weights or dropout_p else ()
@@ -408,25 +414,61 @@ def _permute_rows(x: Tensor, perm: Tensor, inv: Tensor) -> Tensor:
     return gather_rows(x, perm)
 
 
-def _dropout(p: float, seed: int | None) -> tuple[float, int]:
-    """(p, seed) of the kernels' attention dropout; (0.0, 0) without."""
+def _dropout(p: float, seed: int | Tensor | None,
+             device: torch.device | str | None = None) -> tuple[float, int, Tensor | None]:
+    """(p, seed, seed tensor or None) of the kernels' attention dropout, as
+    the ops take them; (0.0, 0, None) without. ``seed`` None: drawn, from
+    torch's CPU generator (an int: no device op) where the call runs
+    eagerly, and on ``device`` inside a captured CUDA graph or a compiled
+    region (:func:`draw_dropout_seed_tensor`), where an int would be frozen
+    into the graph: the kernels then read the seed from device memory, so
+    each replay or compiled call draws a new mask and its backward
+    regenerates that one."""
     p = float(p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1) (got {p})")
     if p == 0.0:
-        return 0.0, 0
+        return 0.0, 0, None
+    if seed is None and _in_capture_or_compile():
+        seed = draw_dropout_seed_tensor(device if device is not None else "cpu")
+    if isinstance(seed, Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise ValueError(f"a dropout_seed tensor must hold one int64 (got {seed.dtype} "
+                             f"{tuple(seed.shape)})")
+        if device is not None and seed.device != torch.device(device):
+            raise ValueError(f"the dropout_seed tensor is on {seed.device} but q, k, v are on {device}")
+        return p, 0, seed
     if _in_capture_or_compile():
-        raise NotImplementedError("attention dropout inside a captured CUDA graph or a torch.compile "
-                                  "region would replay one mask: run the dropout step eagerly")
+        raise NotImplementedError("an int dropout_seed inside a captured CUDA graph or a torch.compile "
+                                  "region would replay one mask: pass dropout_seed=None (a seed drawn "
+                                  "on the device each run) or a seed tensor")
     if seed is None:
         seed = draw_dropout_seed()
-    return p, int(seed) % 2**63       # the ops take an int64 seed
+    return p, int(seed) % 2**63, None       # the ops take an int64 seed
 
 
 def draw_dropout_seed() -> int:
     """A dropout seed from torch's CPU generator (no device sync;
     ``torch.manual_seed`` makes it repeatable)."""
     return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+
+
+def draw_dropout_seed_tensor(device: torch.device | str) -> Tensor:
+    """A dropout seed drawn on ``device``: int64 [1] in [0, 2^62), from the
+    device's generator. Inside a captured CUDA graph each replay draws a new
+    one (torch's CUDA generator is graph-safe), and a compiled region draws
+    it in its own code; the host never reads it."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+
+
+def _drop_seed(drop: tuple) -> int | Tensor:
+    """The seed of a ``_dropout`` triple: its tensor where it has one."""
+    return drop[2] if drop[2] is not None else drop[1]
+
+
+def dropout_factors(drop: tuple, num_edges: int, heads: int, device: torch.device | str) -> Tensor | None:
+    """:func:`dropout_keep` of a ``_dropout`` triple (None without dropout)."""
+    return dropout_keep(_drop_seed(drop), drop[0], num_edges, heads, device) if drop[0] else None
 
 
 _M32 = 0xFFFFFFFF
@@ -445,15 +487,21 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def dropout_keep(seed: int, p: float, num_edges: int, heads: int,
+def dropout_keep(seed: int | Tensor, p: float, num_edges: int, heads: int,
                  device: torch.device | str = "cpu") -> Tensor:
     """The attention-dropout factors [E, H] (fp32) the kernels apply for
     ``(seed, p)``: 0 where edge ``e`` (in the caller's edge order) is dropped
     in head ``h``, ``1 / (1 - p)`` where it is kept. The same counter-based
     hash as ``csrc/kernels/edge_bias.cuh``, so a test or the CPU path
-    reproduces the kernels' mask exactly."""
-    seed = int(seed) % 2**63
-    lo, hi = seed & _M32, seed >> 32
+    reproduces the kernels' mask exactly. ``seed``: an int (taken mod 2^63),
+    or an int64 tensor of one element (its 64 bits as they are, read on the
+    device: no host synchronisation)."""
+    if isinstance(seed, Tensor):
+        s64 = seed.reshape(()).to(device=device, dtype=torch.int64)
+        lo, hi = s64 & _M32, (s64 >> 32) & _M32
+    else:
+        seed = int(seed) % 2**63
+        lo, hi = seed & _M32, seed >> 32
     e = torch.arange(num_edges, dtype=torch.int64, device=device).unsqueeze(1)
     h = torch.arange(heads, dtype=torch.int64, device=device).unsqueeze(0)
     a = _mix32(lo ^ _mul32(h, 0x9E3779B9))
@@ -613,7 +661,7 @@ def _kernel_operand(t: Tensor, cdt: torch.dtype, Dp: int) -> Tensor:
 def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: float,
                     out_dtype: torch.dtype, compute_dtype: torch.dtype | None,
                     bias: Tensor | None = None, slots: tuple = (),
-                    dst: Tensor | None = None, drop: tuple = (0.0, 0)) -> tuple[Tensor, Tensor, Tensor | None]:
+                    dst: Tensor | None = None, drop: tuple = (0.0, 0, None)) -> tuple[Tensor, Tensor, Tensor | None]:
     """Run the forward kernel on validated inputs: (out [N, H, D] in
     ``out_dtype``, lse [N, H] fp32, probabilities [E, H] fp32 or None).
 
@@ -627,7 +675,7 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, fwd_args: tuple, scale: flo
     (``fwd_scores``) and P = exp(scale q_i.k_j + bias - lse_i) is one
     elementwise pass over [E, H] (``edge_probs``), where a score pass of
     its own (an op removed at git 7852ed9) took 17-20% more on the 200k
-    graph; ``drop``: (p, seed).
+    graph; ``drop``: (p, seed, seed tensor or None) of :func:`_dropout`.
     """
     cdt = _compute_dtype(q, compute_dtype)
     D = q.size(-1)
@@ -656,7 +704,7 @@ def _kernel_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     dtype (fp32 inputs get fp32 gradients straight from the fp32 accumulators),
     and to the edge bias (fp32 [E, H]; empty without a bias). ``edge``: ()
     or the bwd op's per-edge arguments (edge_bias or None, the plan's six
-    slot arrays, dp_bias or None, delta_extra or None, dropout p and seed).
+    slot arrays, dp_bias or None, delta_extra or None, dropout p, seed and seed tensor).
     ``in_dtype``: the inputs' dtype where q, k, v are their casts to the
     compute dtype (saved so by the forward; default q's)."""
     dtype = in_dtype or q.dtype
@@ -752,16 +800,17 @@ def _save(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, compute_dty
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, fwd_graph: list[Tensor], bwd_graph: list[Tensor],
                   scale: float, out_dtype: torch.dtype, compute_dtype: torch.dtype | None,
                   edge_bias: Tensor | None, edge_slots: list[Tensor],
-                  dst: Tensor | None, dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor, Tensor]:
+                  dst: Tensor | None, dropout_p: float, dropout_seed: int,
+                  dropout_seed_t: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     _build.load_extension()
     out, lse, probs = _kernel_forward(q, k, v, fwd_graph, scale, out_dtype, compute_dtype, edge_bias,
-                                      tuple(edge_slots), dst, (dropout_p, dropout_seed))
+                                      tuple(edge_slots), dst, (dropout_p, dropout_seed, dropout_seed_t))
     return out, lse, probs if probs is not None else lse.new_empty((0, q.size(1)))
 
 
 @_attention_op.register_fake
 def _(q, k, v, fwd_graph, bwd_graph, scale, out_dtype, compute_dtype, edge_bias, edge_slots, dst,
-      dropout_p, dropout_seed):
+      dropout_p, dropout_seed, dropout_seed_t):
     E = dst.size(0) if dst is not None else 0
     return (q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=torch.float32),
             q.new_empty((E, q.size(1)), dtype=torch.float32))
@@ -769,17 +818,17 @@ def _(q, k, v, fwd_graph, bwd_graph, scale, out_dtype, compute_dtype, edge_bias,
 
 def _attention_setup_context(ctx, inputs, output):
     (q, k, v, fwd_graph, bwd_graph, scale, _out_dtype, compute_dtype, edge_bias, edge_slots, dst,
-     dropout_p, dropout_seed) = inputs
+     dropout_p, dropout_seed, dropout_seed_t) = inputs
     ctx.mark_non_differentiable(output[1])
     _save(ctx, q, k, v, edge_bias, fwd_graph, bwd_graph, edge_slots, dst, scale, compute_dtype,
-          (dropout_p, dropout_seed), *output)
+          (dropout_p, dropout_seed, dropout_seed_t), *output)
 
 
 def _attention_backward(ctx, grad_out, _grad_lse, grad_probs):
     # one entry per input, a list of them for each list input (the graph arrays)
     dq, dk, dv, grad_bias = _grads_from_saved(ctx, grad_out, grad_probs if ctx.dst is not None else None)
     return (dq, dk, dv, [None] * len(ctx.fwd_args), [None] * len(ctx.bwd_args), None, None, None,
-            grad_bias, [None] * len(ctx.slots), None, None, None)
+            grad_bias, [None] * len(ctx.slots), None, None, None, None)
 
 
 _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
@@ -791,7 +840,7 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, fwd_args, bwd_args, slots, dst, scale, out_dtype, compute_dtype,
-                drop=(0.0, 0)):
+                drop=(0.0, 0, None)):
         q, k, v, in_dtype = _cast_once(q, k, v, compute_dtype)
         out, lse, probs = _kernel_forward(q, k, v, fwd_args, scale, out_dtype, compute_dtype, bias, slots,
                                           dst, drop)
@@ -999,15 +1048,20 @@ def edge_scatter(w: Tensor, a: Tensor, idx: Tensor, num_nodes: int,
 # and their own backwards) before.
 
 def edge_terms_forward(q: Tensor, k: Tensor, v: Tensor, qe: Tensor, a: Tensor, fwd_args: tuple, slots: tuple,
-                       dst: Tensor, csr: tuple[Tensor, Tensor], scale: float, drop: tuple) -> tuple:
+                       dst: Tensor, csr: tuple[Tensor, Tensor], scale: float, drop: tuple,
+                       keep: Tensor | None = None) -> tuple:
     """(q, k, v as the kernels read them, the inputs' dtype or None, out,
-    lse, bias, alpha, keep or None, agg): the forward of the one node."""
+    lse, bias, alpha, keep or None, agg): the forward of the one node.
+    ``keep``: the dropout factors of ``drop`` where the caller has them
+    (a compiled region computes them in its own fused code), else computed
+    here."""
     q, k, v, in_dtype = _cast_once(q, k, v, None)
     bias = _edge_dot(qe, a, dst).float()
     out, lse, alpha = _kernel_forward(q, k, v, fwd_args, scale, in_dtype or q.dtype, None, bias, slots, dst,
                                       drop)
     # the kernel's dropout factors (same seed, same hash): 0 or 1 / (1 - p)
-    keep = dropout_keep(drop[1], drop[0], *alpha.shape, alpha.device) if drop[0] else None
+    if keep is None:
+        keep = dropout_factors(drop, *alpha.shape, alpha.device)
     agg = _edge_scatter(alpha if keep is None else alpha * keep, a, dst, q.size(0), csr)
     return q, k, v, in_dtype, out, lse, bias, alpha, keep, agg
 
@@ -1062,18 +1116,24 @@ def edge_terms_backward(saved: tuple, graph: tuple, grad_out: Tensor | None, gra
 def _edge_terms_op(q: Tensor, k: Tensor, v: Tensor, qe: Tensor, a: Tensor, fwd_graph: list[Tensor],
                    bwd_graph: list[Tensor], edge_slots: list[Tensor], dst: Tensor, rowptr: Tensor,
                    order: Tensor, scale: float, dropout_p: float, dropout_seed: int,
+                   dropout_seed_t: Tensor | None, keep: Tensor | None,
                    weights_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, agg, alpha, lse, bias) of :func:`edge_terms_forward`; alpha's
-    gradient is used where ``weights_grad`` (the weights are returned)."""
+    gradient is used where ``weights_grad`` (the weights are returned).
+    ``keep``: the dropout factors [E, H] (:func:`dropout_factors`), given
+    by the compiled region, which fuses their hash into one kernel (inside
+    this op it is about forty elementwise kernels over [E, H], in the
+    forward and again in the backward); None: computed here."""
     _build.load_extension()
     out, lse, bias, alpha, _, agg = edge_terms_forward(q, k, v, qe, a, tuple(fwd_graph), tuple(edge_slots), dst,
-                                                       (rowptr, order), scale, (dropout_p, dropout_seed))[4:]
+                                                       (rowptr, order), scale,
+                                                       (dropout_p, dropout_seed, dropout_seed_t), keep)[4:]
     return out, agg, alpha, lse, bias
 
 
 @_edge_terms_op.register_fake
 def _(q, k, v, qe, a, fwd_graph, bwd_graph, edge_slots, dst, rowptr, order, scale, dropout_p, dropout_seed,
-      weights_grad):
+      dropout_seed_t, keep, weights_grad):
     N, H, E = q.size(0), q.size(1), a.size(0)
     f32 = torch.float32
     return (q.new_empty(q.shape), q.new_empty((N, H, a.size(1)), dtype=f32), q.new_empty((E, H), dtype=f32),
@@ -1082,28 +1142,29 @@ def _(q, k, v, qe, a, fwd_graph, bwd_graph, edge_slots, dst, rowptr, order, scal
 
 def _edge_terms_setup_context(ctx, inputs, output):
     (q, k, v, qe, a, fwd_graph, bwd_graph, edge_slots, dst, rowptr, order, scale, dropout_p, dropout_seed,
-     weights_grad) = inputs
+     dropout_seed_t, keep, weights_grad) = inputs
     out, agg, alpha, lse, bias = output
     ctx.mark_non_differentiable(lse, bias)
     # q, k, v saved as given (the backward casts fp32 ones again: a custom
     # op's outputs cannot alias its inputs, which an uncast q would)
-    ctx.save_for_backward(q, k, v, qe, a, out, lse, bias, alpha, agg)
+    ctx.save_for_backward(q, k, v, qe, a, out, lse, bias, alpha, agg, keep)
     ctx.graph = (tuple(fwd_graph), tuple(bwd_graph), tuple(edge_slots), dst, (rowptr, order), scale,
-                 (dropout_p, dropout_seed))
+                 (dropout_p, dropout_seed, dropout_seed_t))
     ctx.weights_grad = weights_grad
 
 
 def _edge_terms_op_backward(ctx, grad_out, grad_agg, grad_alpha, _grad_lse, _grad_bias):
-    q, k, v, qe, a, out, lse, bias, alpha, agg = ctx.saved_tensors
+    q, k, v, qe, a, out, lse, bias, alpha, agg, keep = ctx.saved_tensors
     q, k, v, in_dtype = _cast_once(q, k, v, None)
     fwd_args, bwd_args, slots, dst, csr, scale, drop = ctx.graph
-    keep = dropout_keep(drop[1], drop[0], *alpha.shape, alpha.device) if drop[0] else None
+    if keep is None:
+        keep = dropout_factors(drop, *alpha.shape, alpha.device)
     grads = edge_terms_backward((q, k, v, qe, a, out, lse, bias, alpha, keep, agg),
                                 (fwd_args, bwd_args, slots, dst, csr, scale, drop, in_dtype),
                                 grad_out, grad_agg, grad_alpha if ctx.weights_grad else None,
                                 ctx.needs_input_grad[:5])
-    return (*grads, [None] * len(fwd_args), [None] * len(bwd_args), [None] * len(slots), None, None, None,
-            None, None, None, None)
+    # (dst, rowptr, order, scale, dropout_p, dropout_seed, dropout_seed_t, keep, weights_grad)
+    return (*grads, [None] * len(fwd_args), [None] * len(bwd_args), [None] * len(slots), *[None] * 9)
 
 
 _edge_terms_op.register_autograd(_edge_terms_op_backward, setup_context=_edge_terms_setup_context)

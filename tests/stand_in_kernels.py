@@ -140,6 +140,15 @@ def _dropout_mask(items, cols, bitmap, nnz_offset, slot_edge, p, seed, heads):
     return dropout_keep(seed, p, slot_edge.numel(), heads)[ids]
 
 
+def _seed(seed, seed_t):
+    """The ops' seed: the tensor where one is given (the kernels read it
+    from device memory), else the int."""
+    if seed_t is not None:
+        assert seed_t.dtype == torch.int64 and seed_t.numel() == 1
+        return seed_t
+    return seed
+
+
 def _check_permutation(slot_edge):
     """slot_edge lists every edge id once (the kernels write each edge's
     output through it)."""
@@ -167,20 +176,22 @@ class StandIns:
         self.calls: list[str] = []
 
     def fwd(self, q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-            edge_bias=None, nnz_offset=None, slot_edge=None, slot_pos=None, dropout_p=0.0, dropout_seed=0):
+            edge_bias=None, nnz_offset=None, slot_edge=None, slot_pos=None, dropout_p=0.0, dropout_seed=0,
+            dropout_seed_t=None):
         _check_operands(q, k, v)
         assert items.size(0) >= rw_offset.numel() - 1
         assert (nnz_offset is None) == (slot_edge is None) == (slot_pos is None)
         self.calls.append("fwd")
         ei, bias = _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge, slot_pos)
-        mask = _dropout_mask(items, cols, bitmap, nnz_offset, slot_edge, dropout_p, dropout_seed, q.size(1))
+        mask = _dropout_mask(items, cols, bitmap, nnz_offset, slot_edge, dropout_p,
+                             _seed(dropout_seed, dropout_seed_t), q.size(1))
         out = attention_reference(q, k, v, ei, scale, edge_bias=bias, dropout_mask=mask, out_dtype=torch.float32)
         return (out if out_fp32 else out.to(q.dtype)), _lse(q, k, ei, scale, bias)
 
     def fwd_scores(self, q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-                   edge_bias, nnz_offset, slot_edge, slot_pos, dropout_p=0.0, dropout_seed=0):
+                   edge_bias, nnz_offset, slot_edge, slot_pos, dropout_p=0.0, dropout_seed=0, dropout_seed_t=None):
         out, lse = self.fwd(q, k, v, rw_offset, cols, bitmap, window_order, items, slots, scale, out_fp32,
-                            edge_bias, nnz_offset, slot_edge, slot_pos, dropout_p, dropout_seed)
+                            edge_bias, nnz_offset, slot_edge, slot_pos, dropout_p, dropout_seed, dropout_seed_t)
         self.calls[-1] = "fwd_scores"
         _check_permutation(slot_edge)
         ei, ids = decode(items, cols, bitmap, nnz_offset, slot_edge, slot_pos)
@@ -191,7 +202,7 @@ class StandIns:
     def bwd(self, do, q, k, v, out, lse, cols, bitmap, items, slots, t_cols, t_bitmap, t_items, t_slots,
             scale, grad_fp32, edge_bias=None, nnz_offset=None, slot_edge=None, slot_pos=None,
             t_nnz_offset=None, t_slot_edge=None, t_slot_pos=None, dp_bias=None, delta_extra=None, dropout_p=0.0,
-            dropout_seed=0):
+            dropout_seed=0, dropout_seed_t=None):
         _check_operands(q, k, v, do)
         ei, bias = _decode_with_bias(items, cols, bitmap, edge_bias, nnz_offset, slot_edge, slot_pos)
         # the transposed format holds exactly the reversed edges (and, with
@@ -209,7 +220,8 @@ class StandIns:
             by_id[:, ids] = ei
             assert torch.equal(by_id[:, t_ids], t_ei.flip(0))
         # the saved forward output and lse come back unchanged
-        mask = _dropout_mask(items, cols, bitmap, nnz_offset, slot_edge, dropout_p, dropout_seed, q.size(1))
+        mask = _dropout_mask(items, cols, bitmap, nnz_offset, slot_edge, dropout_p,
+                             _seed(dropout_seed, dropout_seed_t), q.size(1))
         expect = attention_reference(q, k, v, ei, scale, edge_bias=bias, dropout_mask=mask,
                                      out_dtype=torch.float32)
         torch.testing.assert_close(out.float(), expect, atol=1e-2, rtol=0)

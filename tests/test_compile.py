@@ -216,13 +216,19 @@ def test_opcheck_on_registered_ops(stand_in_kernels):
         (torch.ops.gt_fused3s.edge_probs.default, (bias, None, lse_b, ei[1].long(), 0.3)),
         (torch.ops.gt_fused3s.attention.default,       # the differentiable one
          (q.clone().requires_grad_(), k.clone().requires_grad_(), v, fwd, bwd, 0.3, torch.float16, None, None,
-          [], None, 0.0, 0)),
+          [], None, 0.0, 0, None)),
         (torch.ops.gt_fused3s.attention.default,       # with a bias, returning the weights
          (q.clone().requires_grad_(), k, v, fwd, bwd, 0.3, torch.float16, None, bias.clone().requires_grad_(),
-          slots, ei[1], 0.0, 0)),
+          slots, ei[1], 0.0, 0, None)),
         (torch.ops.gt_fused3s.attention.default,       # with attention dropout
-         (q.clone().requires_grad_(), k, v, fwd, bwd, 0.3, torch.float16, None, None, slots, None, 0.25, 1234)),
+         (q.clone().requires_grad_(), k, v, fwd, bwd, 0.3, torch.float16, None, None, slots, None, 0.25, 1234,
+          None)),
+        (torch.ops.gt_fused3s.attention.default,       # with a seed in device memory
+         (q.clone().requires_grad_(), k, v, fwd, bwd, 0.3, torch.float16, None, None, slots, None, 0.25, 0,
+          torch.tensor([1234]))),
         (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False, None, *slots[:3], 0.25, 1234)),
+        (torch.ops.gt_fused3s.fwd.default, (q, k, v, *fwd, 0.3, False, None, *slots[:3], 0.25, 0,
+                                            torch.tensor([1234]))),
         (torch.ops.gt_fused3s.edge_dot_term.default,      # the edge terms' differentiable ops
          (torch.randn(N, 2, 4, generator=g).requires_grad_(), feats.requires_grad_(), dst, *node_csr(dst, N))),
         (torch.ops.gt_fused3s.edge_scatter_term.default,

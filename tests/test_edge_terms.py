@@ -198,4 +198,4 @@ def test_edge_feature_terms_op_under_compile(stand_in_kernels, monkeypatch, use_
     qe = torch.randn(n, H, F, generator=g)
     torch.library.opcheck(torch.ops.gt_fused3s.edge_feature_terms.default, (
         q, k, v, qe, a, list(plan.forward_args(H, Dp)), list(plan.backward_args(H, Dp)), list(plan.bias_args()),
-        plan.edge_index[1].long(), *plan.destination_csr(), 0.25, 0.0, 0, use_weights))
+        plan.edge_index[1].long(), *plan.destination_csr(), 0.25, 0.0, 0, None, None, use_weights))

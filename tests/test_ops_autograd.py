@@ -96,7 +96,7 @@ def test_gradients_through_the_torch_library_op(stand_in_kernels):
     bsb = _graph()
     q, k, v, do = _inputs(bsb.num_nodes, 2, 24, torch.float32)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    args = (list(bsb.forward_args(2, 32)), list(bsb.backward_args(2, 32)), 0.3, torch.float32, None, None, [], None, 0.0, 0)
+    args = (list(bsb.forward_args(2, 32)), list(bsb.backward_args(2, 32)), 0.3, torch.float32, None, None, [], None, 0.0, 0, None)
     out, lse, probs = torch.ops.gt_fused3s.attention(*leaves, *args)
     assert probs.numel() == 0              # no weights asked for
     assert not lse.requires_grad

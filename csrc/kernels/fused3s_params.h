@@ -52,6 +52,10 @@ struct EdgeBiasArgs {
     uint32_t drop_threshold;      // round(p * 2^32)
     float drop_scale;             // 1 / (1 - p); 1 without dropout
     uint32_t seed_lo, seed_hi;
+    // The seed in device memory instead (an int64: words lo, hi), where the
+    // caller drew it on the GPU: a captured CUDA graph or a compiled region
+    // draws a new one each run, which a value fixed at launch could not.
+    const uint32_t* seed_ptr;
 };
 
 struct Fused3SParams {
