@@ -43,10 +43,12 @@ def _reference(q, k, v, bias, do, dw, ei, scale, compute_dtype, mask=None):
     return (out.detach(), w.detach(), *torch.autograd.grad(loss, leaves))
 
 
-def _check(plan, ei, h, d, dtype, seed, label, weights=True, dropout=0.0):
+def _check(plan, ei, h, d, dtype, seed, label, weights=True, dropout=0.0, seed_tensor=False):
     """Output, weights (with ``weights``: returned, and their gradient
     part of the loss) and the gradients of q, k, v and the bias (with
-    ``dropout``: against the reference given the kernels' mask)."""
+    ``dropout``: against the reference given the kernels' mask; with
+    ``seed_tensor``, the seed given as a device tensor, which the kernels
+    read from memory)."""
     from gt_fused3s.ops import dropout_keep
     n = plan.num_nodes
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -57,6 +59,8 @@ def _check(plan, ei, h, d, dtype, seed, label, weights=True, dropout=0.0):
     torch.full((4, n, h, d), float("nan"), dtype=dtype, device=DEV)   # unwritten output shows up as NaN
     torch.full((3 * ei.size(1), h), float("nan"), device=DEV)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    if seed_tensor:
+        seed = torch.tensor([seed], dtype=torch.int64, device=DEV)
     drop = dict(dropout_p=dropout, dropout_seed=seed) if dropout else {}
     mask = dropout_keep(seed, dropout, ei.size(1), h, DEV) if dropout else None
     if weights:
@@ -203,6 +207,98 @@ def test_dropout_matches_the_reference_with_the_kernels_mask(h, d, dtype):
     ei = _shuffled(torch.cat([ei, ei[:, :40]], 1), seed=6)
     plan = GraphPlan.from_edge_index(ei, n)
     _check(plan, ei, h, d, LOW[dtype], seed=1000 + h * d, label=f"dropout H={h} D={d}", dropout=0.3)
+
+
+@pytest.mark.parametrize("h,d", [(1, 64), (4, 16)])
+def test_dropout_seed_tensor_against_the_reference(h, d):
+    """The seed as an int64 tensor on the GPU (read by the kernels from
+    device memory: how a captured graph or a compiled region passes it),
+    above 2^32 so that both of its words count."""
+    ei, n = GRAPH_CASES["heavy_node"]()
+    ei = _shuffled(ei, seed=7)
+    plan = GraphPlan.from_edge_index(ei, n)
+    _check(plan, ei, h, d, torch.float16, seed=(5 << 33) + h * d, label=f"seed tensor H={h} D={d}",
+           dropout=0.3, seed_tensor=True)
+
+
+def _graph_step(plan, q, k, v, do, bias, seed):
+    out = fused3s_attention(q, k, v, plan, 0.3, edge_bias=bias, dropout_p=0.4, dropout_seed=seed)
+    return (out, *torch.autograd.grad(out, (q, k, v, bias), do))
+
+
+def test_dropout_in_a_captured_graph():
+    """Attention dropout inside a captured CUDA graph: with a seed tensor
+    that the caller refills between replays, each replay equals the
+    reference with that seed's mask; with no seed, the graph draws one on
+    the device and each replay drops other edges (an int seed would have
+    replayed one mask, so dropout raised inside a capture before)."""
+    from gt_fused3s.ops import dropout_keep
+    ei, n = GRAPH_CASES["heavy_node"]()
+    ei = _shuffled(ei, seed=8)
+    h, d = 2, 32
+    plan = GraphPlan.from_edge_index(ei, n).prepare(h, d, edge_bias=True)
+    g = torch.Generator(device=DEV).manual_seed(9)
+    q, k, v, do = (torch.randn(n, h, d, generator=g, device=DEV).half() for _ in range(4))
+    bias = torch.randn(ei.size(1), h, generator=g, device=DEV)
+    q, k, v, bias = (t.requires_grad_() for t in (q, k, v, bias))
+    seed_t = torch.zeros(1, dtype=torch.int64, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):       # warm-up, eagerly
+        _graph_step(plan, q, k, v, do, bias, seed_t)
+        _graph_step(plan, q, k, v, do, bias, None)
+    torch.cuda.current_stream().wait_stream(side)
+    given, drawn = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(given):
+        res_given = _graph_step(plan, q, k, v, do, bias, seed_t)
+    with torch.cuda.graph(drawn):
+        res_drawn = _graph_step(plan, q, k, v, do, bias, None)
+    for seed in (3, (7 << 40) + 1):
+        seed_t.fill_(seed)
+        given.replay()
+        torch.cuda.synchronize()
+        mask = dropout_keep(seed, 0.4, ei.size(1), h, DEV)
+        leaves = [t.detach().float().requires_grad_() for t in (q, k, v, bias)]
+        ref = attention_reference(*leaves[:3], ei, 0.3, edge_bias=leaves[3], dropout_mask=mask)
+        ref_grads = torch.autograd.grad(ref, leaves, do.float())
+        for name, x, r in zip(("out", "dq", "dk", "dv", "dbias"), res_given, (ref, *ref_grads)):
+            err = (x.float() - r).abs().max().item()
+            assert err <= 2e-2 * max(1.0, r.abs().max().item()), f"seed {seed}: {name} err {err:.3e}"
+    outs = []
+    for _ in range(2):
+        drawn.replay()
+        torch.cuda.synchronize()
+        outs.append([t.clone() for t in res_drawn])
+    for a, b in zip(*outs):
+        assert torch.isfinite(a).all() and not torch.equal(a, b)   # a new mask each replay
+
+
+def test_layer_dropout_under_reduce_overhead():
+    """Fused3SConv training with dropout under torch.compile's
+    reduce-overhead mode (CUDA graphs): it runs, each call drops other
+    edges, and the gradients are finite."""
+    from gt_fused3s.nn import Fused3SConv
+    ei, n = GRAPH_CASES["random_1003"]()
+    ei = ei.to(DEV)
+    torch.manual_seed(0)
+    conv = Fused3SConv(32, 16, heads=4, dropout=0.3, edge_dim=8).to(DEV).train()
+    x = torch.randn(n, 32, device=DEV)
+    ea = torch.randn(ei.size(1), 8, device=DEV)
+    torch._dynamo.reset()
+    step = torch.compile(conv, mode="reduce-overhead")
+    outs = []
+    for _ in range(4):
+        # a training loop's step: its gradients zeroed (set to None: the last
+        # step's live in the CUDA graphs' memory), a new step of the graph trees
+        conv.zero_grad(set_to_none=True)
+        torch.compiler.cudagraph_mark_step_begin()
+        xi = x.clone().requires_grad_()
+        out = step(xi, ei, ea)
+        out.square().sum().backward()
+        outs.append((out.detach().clone(), xi.grad.clone()))   # (replays reuse the graphs' memory)
+    for out, grad in outs:
+        assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+    assert not torch.equal(outs[-1][0], outs[-2][0])
 
 
 def test_compiled_bias_reads_the_plans_grouping_on_the_gpu():

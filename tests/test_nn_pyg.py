@@ -727,17 +727,73 @@ def test_nn_package_needs_no_dgl(monkeypatch):
         importlib.import_module("gt_fused3s.nn.dgl")
 
 
-def test_dropout_under_compile_takes_transformer_conv_path(fused_calls):
-    """A kernel dropout seed would be frozen into a compiled graph: training
-    with dropout under torch.compile runs TransformerConv's own dropout."""
+@pytest.mark.parametrize("edge_dim", [None, 4])
+@pytest.mark.parametrize("kernel_path", [False, True])
+def test_dropout_under_compile_is_fused_with_a_new_mask_each_call(monkeypatch, request, count_calls, fused_calls,
+                                                                  kernel_path, edge_dim):
+    """Training with attention dropout under torch.compile takes the fused
+    path (it took TransformerConv's before: an int seed would be frozen into
+    the graph): the region draws its seed as a tensor each call, so two
+    calls drop different edges, and a call equals the eager layer whose seed
+    is that tensor's value (the kernels' path through the stand-ins: the ops
+    get the seed tensor), gradients included."""
+    from gt_fused3s import ops
+    if kernel_path:
+        request.getfixturevalue("stand_in_kernels")
+    count_calls(pyg_mod, "edge_feature_attention", fused_calls)     # (compiled: one op, counted here)
     edge_index, n = GRAPH_CASES["self_loops"]()
-    _, ours = make_pair(heads=2, dropout=0.5)
+    _, ours = make_pair(heads=2, dropout=0.5, edge_dim=edge_dim)
     ours.train()
-    compiled = torch.compile(ours, backend="eager", fullgraph=False)
+    ea = torch.randn(edge_index.size(1), 4, generator=torch.Generator().manual_seed(2)) if edge_dim else None
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+
+    def run(layer, seed):
+        x = random_x(n).requires_grad_()
+        torch.manual_seed(seed)         # the region's draw repeats; the eager one is patched below
+        out = layer(x, edge_index, ea)
+        out.square().sum().backward()
+        return out.detach(), x.grad
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UnfusedPathWarning)    # none while tracing
-        out = compiled(random_x(n), edge_index)
-    assert out.shape == (n, 2 * D) and len(fused_calls) == 0
+        warnings.simplefilter("error", UnfusedPathWarning)
+        out1, g1 = run(compiled, 5)
+        out2, _ = run(compiled, 6)
+    assert len(fused_calls) > 0                     # traced the fused path
+    assert not torch.allclose(out1, out2)           # a new mask each call
+    torch.manual_seed(5)
+    drawn = ops.draw_dropout_seed_tensor("cpu")     # what the region drew
+    monkeypatch.setattr(ops, "draw_dropout_seed", lambda: int(drawn))
+    out_e, g_e = run(ours, 5)
+    torch.testing.assert_close(out1, out_e, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(g1, g_e, atol=1e-5, rtol=1e-4)
+
+
+def test_dropout_seed_forms():
+    """An int seed and a one-element int64 tensor of the same value draw the
+    same mask; inside a compiled region an int seed raises (it would be
+    frozen) and None draws a tensor; bad seed tensors are ValueErrors."""
+    from gt_fused3s import fused3s_attention
+    from gt_fused3s.ops import _dropout, dropout_keep
+    assert torch.equal(dropout_keep(2**40 + 7, 0.3, 500, 3), dropout_keep(torch.tensor([2**40 + 7]), 0.3, 500, 3))
+    assert _dropout(0.0, torch.tensor([1])) == (0.0, 0, None)
+    p, s, t = _dropout(0.2, torch.tensor([9]))
+    assert (p, s) == (0.2, 0) and int(t) == 9
+    assert _dropout(0.2, -1) == (0.2, 2**63 - 1, None)
+    for bad in (torch.tensor([1, 2]), torch.tensor([1.0]), torch.tensor([1], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="one int64"):
+            _dropout(0.2, bad)
+
+    def region(q, seed):
+        return _dropout(0.2, seed, q.device)[2] + 0
+    drawn = torch.compile(region, backend="eager", fullgraph=True)(torch.zeros(1), None)
+    assert drawn.dtype == torch.int64 and drawn.shape == (1,) and 0 <= int(drawn) < 2**62
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="an int dropout_seed inside"):
+        torch.compile(region, backend="eager", fullgraph=True)(torch.zeros(1), 3)
+    ei, n = GRAPH_CASES["self_loops"]()
+    q = torch.randn(n, 2, 8)
+    out_t = fused3s_attention(q, q, q, ei, dropout_p=0.4, dropout_seed=torch.tensor([77]))
+    torch.testing.assert_close(out_t, fused3s_attention(q, q, q, ei, dropout_p=0.4, dropout_seed=77))
 
 
 def test_clear_errors_for_scripting_sizes_and_edge_indices():

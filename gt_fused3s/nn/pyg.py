@@ -12,7 +12,7 @@ from torch_geometric.nn import TransformerConv
 from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.typing import SparseTensor
 
-from ..graph import BSBGraph, _check_index_tensor, _check_range, _in_capture_or_compile, check_int
+from ..graph import BSBGraph, _check_index_tensor, _check_range, check_int
 from .. import ops
 from ..edge_terms import edge_feature_attention
 from .fallback import UnfusedPathWarning, warn_unfused
@@ -92,10 +92,13 @@ class Fused3SConv(TransformerConv):
     given ``edge_index``).
 
     Attention dropout (``dropout > 0`` while training) runs in the kernel:
-    its mask is a counter-based hash of a seed drawn from torch's CPU
-    generator per call, regenerated in the backward
-    (:func:`gt_fused3s.ops.dropout_keep` computes it). It follows the same
-    distribution as TransformerConv's ``F.dropout``, not its random stream.
+    its mask is a counter-based hash of a seed drawn per call, regenerated
+    in the backward (:func:`gt_fused3s.ops.dropout_keep` computes it): from
+    torch's CPU generator when the call runs eagerly, on the GPU inside
+    ``torch.compile`` or a captured CUDA graph, whose every call or replay
+    then draws a new mask (the kernels read the seed from device memory).
+    It follows the same distribution as TransformerConv's ``F.dropout``,
+    not its random stream.
 
     What the fused path does not do takes :class:`TransformerConv`'s own
     unfused path (``super().forward``), with its exact results, and says so
@@ -108,8 +111,6 @@ class Fused3SConv(TransformerConv):
       adjacency (with a ``torch.sparse`` COO or CSR adjacency both are
       fused, in the order of its non-zeros, as TransformerConv takes and
       returns them),
-    - attention dropout while training inside ``torch.compile`` or a CUDA
-      graph capture (the kernel's seed would be frozen into the graph),
     - ``aggr`` other than ``"add"``, ``flow="target_to_source"``, explain
       mode and registered message-passing hooks,
     - on CUDA, a head size ``out_channels`` the kernel does not take (not a
@@ -319,9 +320,8 @@ class Fused3SConv(TransformerConv):
         # Without the kernel (a CPU) the fused path is the reference, which
         # reads the edges only: no format to build.
         want_weights = isinstance(return_attention_weights, bool)
-        drop_p, seed = 0.0, None
-        if self.training and self.dropout > 0:       # one seed for the kernel and the edge term
-            drop_p, seed = self.dropout, ops.draw_dropout_seed()
+        # the seed is drawn by the op (one for the kernel and the edge term)
+        drop_p = self.dropout if self.training and self.dropout > 0 else 0.0
         graph = (edge_index if isinstance(edge_index, Tensor) and not _is_sparse(edge_index)
                  and not ops.kernel_available(x_dst.device)
                  else self._plan_of(edge_index, n, want_weights or drop_p > 0 or self.lin_edge is not None))
@@ -349,11 +349,11 @@ class Fused3SConv(TransformerConv):
                 _check_range("edge_index", edge_index, 0, n)
             w_e = self.lin_edge.weight.view(H, C, -1)      # e_ij = W_e a_ij, per head [C, edge_dim]
             out, alpha = edge_feature_attention(query, key, value, graph, edge_attr, w_e, scale,
-                                                dropout_p=drop_p, dropout_seed=seed,
+                                                dropout_p=drop_p,
                                                 return_weights=want_weights)
         else:
             out = fused3s_attention(query, key, value, graph, scale, return_weights=want_weights,
-                                    dropout_p=drop_p, dropout_seed=seed)
+                                    dropout_p=drop_p)
             out, alpha = out if want_weights else (out, None)
         # the destinations' rows (no slice when they are all: its backward would copy)
         out = self._combine(out if out.size(0) == n_dst else out[:n_dst], x_r[0] if x_r else None)
@@ -383,8 +383,6 @@ class Fused3SConv(TransformerConv):
         """Why this call takes TransformerConv's unfused path, or None (fused)."""
         if edge_attr is not None and self.lin_edge is None:
             return "edge_attr without edge_dim (TransformerConv adds it to the values as is)"
-        if self.training and self.dropout > 0 and _in_capture_or_compile():
-            return "attention dropout while training inside a capture or compile (the seed would be frozen)"
         if isinstance(edge_index, SparseTensor) and self.lin_edge is not None:
             return "edge features with a SparseTensor adjacency"
         if isinstance(edge_index, SparseTensor) and isinstance(return_attention_weights, bool):
