@@ -199,3 +199,20 @@ def test_edge_feature_terms_op_under_compile(stand_in_kernels, monkeypatch, use_
     torch.library.opcheck(torch.ops.gt_fused3s.edge_feature_terms.default, (
         q, k, v, qe, a, list(plan.forward_args(H, Dp)), list(plan.backward_args(H, Dp)), list(plan.bias_args()),
         plan.edge_index[1].long(), *plan.destination_csr(), 0.25, 0.0, 0, None, None, use_weights))
+
+
+def test_reference_path_draws_one_seed_for_both_terms():
+    """On an edge_index (the reference path) dropout without a seed draws
+    one for both terms (it passed None to the value term's mask before, a
+    TypeError), and equals the call given that seed."""
+    ei = torch.tensor([[0, 1, 2, 2, 3], [1, 2, 0, 3, 0]])
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(4, 2, 8, generator=g) for _ in range(3))
+    a, w_e = torch.randn(5, 3, generator=g), torch.randn(2, 8, 3, generator=g)
+    torch.manual_seed(7)
+    out, _ = edge_feature_attention(q, k, v, ei, a, w_e, 0.3, dropout_p=0.4)
+    torch.manual_seed(7)
+    from gt_fused3s.ops import draw_dropout_seed
+    seed = draw_dropout_seed()
+    want, _ = edge_feature_attention(q, k, v, ei, a, w_e, 0.3, dropout_p=0.4, dropout_seed=seed)
+    torch.testing.assert_close(out, want)
