@@ -590,11 +590,22 @@ def kernel_available(device: torch.device) -> bool:
     (else they take the reference path, with a warning if the build failed)."""
     if device.type != "cuda" or os.environ.get("GT_FUSED3S_DISABLE_KERNEL") == "1":
         return False
+    return _extension_ready()
+
+
+# A constant of the process once known. Traced by torch.compile it runs at
+# trace time and its result is a constant of the graph: the first compiled
+# call on a GPU may come before the extension is loaded, whose build and
+# load (file locks, a subprocess) dynamo cannot trace; it broke the graph
+# there, and the compiled code kept that break in every later call (0.15 ms
+# a Fused3SConv step under reduce-overhead on github, H100).
+@torch.compiler.assume_constant_result
+def _extension_ready() -> bool:
     if _build.extension_available():
         return True
     warnings.warn("gt_fused3s: the CUDA extension is unavailable, CUDA tensors take the "
                   "reference path (see gt_fused3s._build.load_extension() for the reason)",
-                  RuntimeWarning, stacklevel=3)
+                  RuntimeWarning, stacklevel=4)
     return False
 
 

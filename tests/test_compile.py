@@ -280,3 +280,26 @@ def test_graph_transformer_exports(kernel_path, request):
         ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
         assert {"gt_fused3s.bsb_build.default", "gt_fused3s.attention.default"} <= ops, ops
         assert "fwd" in stand_ins.calls
+
+
+def test_kernel_check_before_the_extension_loads_does_not_break_the_graph(monkeypatch):
+    """The first compiled call on a GPU may trace the kernel check before
+    the extension is loaded, whose build and load dynamo cannot trace (here
+    an explicit graph break stands for them): the check runs at trace time
+    and its result is a constant of the graph, so a fullgraph compile
+    succeeds (it broke the graph there, for good, before)."""
+    from gt_fused3s import _build, ops
+    loads = []
+
+    def load():
+        torch._dynamo.graph_break()
+        loads.append(1)
+        return True
+    monkeypatch.setattr(_build, "extension_available", load)
+    monkeypatch.delenv("GT_FUSED3S_DISABLE_KERNEL", raising=False)
+
+    def f(x):
+        return x + 1 if ops.kernel_available(torch.device("cuda")) else x - 1
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(2)), torch.ones(2))
+    assert loads
