@@ -18,7 +18,7 @@ from torch_geometric.utils import coalesce
 import gt_fused3s.edge_terms as edge_terms
 import gt_fused3s.nn.pyg as pyg_mod
 from gt_fused3s import BSBGraph, GraphPlan, cached_plan
-from gt_fused3s.nn import Fused3SConv, UnfusedPathWarning
+from gt_fused3s.nn import Fused3SConv, PlanRebuildWarning, UnfusedPathWarning
 
 try:
     from graph_cases import GRAPH_CASES
@@ -298,34 +298,62 @@ def test_lazy_in_channels():
 def test_plan_reuse_is_explicit(stand_in_kernels):
     """The kernel path (CPU stand-ins): a plan from to_graph_format is built
     once and read by every call and layer; an edge_index tensor gets a plan
-    per call (no implicit cache), or one per tensor with cached=True."""
+    per call (no implicit cache: a PlanRebuildWarning says how to keep one),
+    or one per tensor with cached=True."""
+    pyg_mod._LAST_BUILT[0] = None
     edge_index, n = GRAPH_CASES["random_1003"]()
     _, conv1 = make_pair(heads=4, seed=0)
     _, conv2 = make_pair(in_channels=4 * D, heads=2, seed=1)
     x = random_x(n)
     builds = lambda: stand_in_kernels.calls.count("bsb_build")      # noqa: E731
     with torch.no_grad():          # forward only: one BSB per plan (no transposed one)
-        for _ in range(2):
-            conv2(conv1(x, edge_index), edge_index)
+        with pytest.warns(PlanRebuildWarning, match=r"cached=True.*to_graph_format"):
+            for _ in range(2):
+                conv2(conv1(x, edge_index), edge_index)
         assert builds() == 4
         plan = Fused3SConv.to_graph_format(edge_index, n)
         assert builds() == 5 and plan is not Fused3SConv.to_graph_format(edge_index, n)
         before = builds()
-        for _ in range(2):
-            conv2(conv1(x, plan), plan)
-        assert builds() == before
-        conv1.cached = conv2.cached = True
-        for _ in range(2):
-            conv2(conv1(x, edge_index), edge_index)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PlanRebuildWarning)
+            for _ in range(2):
+                conv2(conv1(x, plan), plan)
+            assert builds() == before
+            conv1.cached = conv2.cached = True
+            for _ in range(2):
+                conv2(conv1(x, edge_index), edge_index)
         assert builds() == before + 1
         assert cached_plan(edge_index, n) is cached_plan(edge_index, n)
+
+
+def test_plan_rebuild_warning_only_for_the_same_unchanged_tensor(stand_in_kernels):
+    """No PlanRebuildWarning for a new tensor each call (a new batch) or one
+    changed through torch in between (its plan must be rebuilt); one for
+    the same tensor unchanged."""
+    pyg_mod._LAST_BUILT[0] = None
+    edge_index, n = GRAPH_CASES["random_1003"]()
+    _, conv = make_pair(heads=2)
+    x = random_x(n)
+    with torch.no_grad():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PlanRebuildWarning)
+            conv(x, edge_index)
+            conv(x, edge_index.clone())
+            ei = edge_index.clone()
+            conv(x, ei)
+            ei[0, 0] = ei[0, 1]
+            conv(x, ei)
+        with pytest.warns(PlanRebuildWarning):
+            conv(x, ei)
 
 
 def test_an_edge_index_refilled_behind_torchs_back_is_not_stale(stand_in_kernels):
     """A tensor over a numpy array refilled in place with the next graph
     (same shape, same storage, same torch version counter): the layer builds
-    each call's plan, so it computes the new graph, as TransformerConv does."""
+    each call's plan, so it computes the new graph, as TransformerConv does
+    (the PlanRebuildWarning, which cannot tell, names cached=True's terms)."""
     import numpy as np
+    pyg_mod._LAST_BUILT[0] = None
     first, n = GRAPH_CASES["random_1003"]()
     second = torch.randint(0, n, first.shape, generator=torch.Generator().manual_seed(9))
     buf = first.numpy().copy()
@@ -336,7 +364,8 @@ def test_an_edge_index_refilled_behind_torchs_back_is_not_stale(stand_in_kernels
     out_first = ours(x, edge_index)
     torch.testing.assert_close(out_first, ref(x, first), **close)
     np.copyto(buf, second.numpy())
-    out_second = ours(x, edge_index)
+    with pytest.warns(PlanRebuildWarning, match="changed through torch"):
+        out_second = ours(x, edge_index)
     torch.testing.assert_close(out_second, ref(x, second), **close)
     assert (out_second - out_first).abs().max() > 0.1      # a stale plan would repeat the first
 
@@ -346,6 +375,7 @@ def test_an_edge_index_edited_through_data_is_not_stale(stand_in_kernels):
     was; the layer and the functional op still compute the edited graph."""
     from gt_fused3s import fused3s_attention
     from gt_fused3s.reference import attention_reference
+    pyg_mod._LAST_BUILT[0] = None
     edge_index, n = GRAPH_CASES["random_1003"]()
     edge_index = edge_index.clone()
     second = torch.randint(0, n, edge_index.shape, generator=torch.Generator().manual_seed(7))
@@ -358,7 +388,8 @@ def test_an_edge_index_edited_through_data_is_not_stale(stand_in_kernels):
     version = edge_index._version
     edge_index.data.copy_(second)
     assert edge_index._version == version             # torch cannot see the edit
-    torch.testing.assert_close(ours(x, edge_index), ref(x, second), **close)
+    with pytest.warns(PlanRebuildWarning):            # (nor the warning: the plan is built all the same)
+        torch.testing.assert_close(ours(x, edge_index), ref(x, second), **close)
     torch.testing.assert_close(fused3s_attention(q, q, q, edge_index), attention_reference(q, q, q, second), **close)
 
 

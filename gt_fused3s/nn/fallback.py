@@ -1,13 +1,14 @@
-"""What the layers say when a call cannot take the fused kernel: an
-:class:`UnfusedPathWarning` naming the reason (no torch_geometric or dgl
-import here: both layers use it)."""
+"""What the layers say when a call cannot take the fused kernel (an
+:class:`UnfusedPathWarning` naming the reason) or builds again what it could
+have kept (a :class:`PlanRebuildWarning`). No torch_geometric or dgl import
+here: both layers use it."""
 from __future__ import annotations
 
 import warnings
 
 import torch
 
-__all__ = ["UnfusedPathWarning", "warn_unfused"]
+__all__ = ["PlanRebuildWarning", "UnfusedPathWarning", "warn_unfused"]
 
 
 class UnfusedPathWarning(UserWarning):
@@ -15,6 +16,13 @@ class UnfusedPathWarning(UserWarning):
     exact, but without the fused kernel's speed or memory. Python shows it
     once per call site; silence it with
     ``warnings.simplefilter("ignore", UnfusedPathWarning)``."""
+
+
+class PlanRebuildWarning(UserWarning):
+    """A layer built the plan of a graph it had just built one for (the
+    message says how to keep it). Exact, but a plan build costs several
+    times a layer's kernels. Python shows it once per call site; silence it
+    with ``warnings.simplefilter("ignore", PlanRebuildWarning)``."""
 
 
 def warn_unfused(layer: str, reason: str, path: str, stacklevel: int = 2) -> None:
