@@ -23,6 +23,7 @@
 
 #include "kernels/bsb_build.h"
 #include "kernels/dense_rows.h"
+#include "kernels/edge_slots.h"
 #include "kernels/edge_terms.h"
 #include "kernels/fused3s_bwd_params.h"
 #include "kernels/fused3s_params.h"
@@ -736,6 +737,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     return {rw_offset, cols, bitmap, window_order, edges, counters};
 }
 
+// ---- The edges' places in a BSB (kernels/edge_slots.h) ---------------------------
+// key int64 [E] sorted and order int64 [E] (gt_fused3s/graph.py: edge_slots);
+// rw_offset, cols, bitmap: the BSB's arrays. (nnz_offset int32 [T + 1],
+// slot_edge int32 [E], slot_pos uint8 [E]); no host synchronisation.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_slots_cuda(const at::Tensor& key, const at::Tensor& order,
+                                                               const at::Tensor& rw_offset, const at::Tensor& cols,
+                                                               const at::Tensor& bitmap, int64_t num_nodes) {
+    TORCH_CHECK(key.defined() && key.is_cuda(), "key must be a CUDA tensor");
+    check_index(key, "key", at::kLong, key);
+    check_index(order, "order", at::kLong, key);
+    check_index(rw_offset, "rw_offset", at::kInt, key);
+    check_index(cols, "cols", at::kInt, key);
+    check_index(bitmap, "bitmap", at::kLong, key);
+    const int64_t E = key.numel(), T = bitmap.size(0);
+    TORCH_CHECK(key.dim() == 1 && order.sizes() == key.sizes(), "key and order must be [E] (got ",
+                shape(key.sizes()), ", ", shape(order.sizes()), ")");
+    TORCH_CHECK(bitmap.dim() == 2 && bitmap.size(1) == 2 && cols.numel() == 8 * T && rw_offset.dim() == 1 &&
+                    rw_offset.numel() >= 1,
+                "the BSB arrays must be rw_offset [R + 1], cols [8 T], bitmap [T, 2] (got ",
+                shape(rw_offset.sizes()), ", ", shape(cols.sizes()), ", ", shape(bitmap.sizes()), ")");
+    TORCH_CHECK(E < (int64_t(1) << 31) && num_nodes >= 0, "edge_slots takes fewer than 2^31 edges");
+    const c10::cuda::CUDAGuard device_guard(key.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(key.get_device()).stream();
+    const auto bits = reinterpret_cast<const uint64_t*>(bitmap.data_ptr<int64_t>());
+    auto counts = at::empty({T + 1}, key.options().dtype(at::kInt));
+    C10_CUDA_CHECK(run_tcb_counts(bits, T, counts.data_ptr<int32_t>(), stream));
+    const at::Tensor nnz_offset = counts.cumsum(0, at::kInt);
+    auto slot_edge = at::empty({E}, key.options().dtype(at::kInt));
+    auto slot_pos = at::empty({E}, key.options().dtype(at::kByte));
+    EdgeSlotsParams p{};
+    p.key = key.data_ptr<int64_t>();
+    p.order = order.data_ptr<int64_t>();
+    p.rw_offset = rw_offset.data_ptr<int32_t>();
+    p.cols = cols.data_ptr<int32_t>();
+    p.bitmap = bits;
+    p.nnz_offset = nnz_offset.data_ptr<int32_t>();
+    p.slot_edge = slot_edge.data_ptr<int32_t>();
+    p.slot_pos = slot_pos.data_ptr<uint8_t>();
+    p.num_edges = E;
+    p.num_nodes = num_nodes;
+    C10_CUDA_CHECK(run_edge_slots(p, stream));
+    return {nnz_offset, slot_edge, slot_pos};
+}
+
 // ---- Sequences ----------------------------------------------------------------
 // Attention over the tokens of packed documents with a structured mask
 // computed inside the kernel. mask: gt_fused3s/sequence/masks.py kernel_code:
@@ -1337,6 +1382,7 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("fwd8", &gt_fused3s::fwd8_cuda);
     m.impl("bwd8", &gt_fused3s::bwd8_cuda);
     m.impl("bsb_build", &gt_fused3s::bsb_build_cuda);
+    m.impl("edge_slots", &gt_fused3s::edge_slots_cuda);
     m.impl("seq_fwd", &gt_fused3s::seq_fwd_cuda);
     m.impl("seq_bwd", &gt_fused3s::seq_bwd_cuda);
     m.impl("edge_dot", &gt_fused3s::edge_dot_cuda);

@@ -721,16 +721,31 @@ def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor, Tenso
         key = key.int()
     key, order = torch.sort(key, stable=True)
     key = key.long()
-    _, win, _, row_in, rank, _ = _window_columns(key, bsb.num_nodes)
-    tcb = bsb.rw_offset.long()[win] + (rank >> 3)
+    if _op_build_available(key.device):
+        # the rest as two kernels (ops.edge_slots_op): the ops below are one
+        # launch each, about 130 a format (github, H100: the eager plan build
+        # with both formats' slots 7.0 ms, of which 1.7 ms on the GPU)
+        from .ops import edge_slots_op
+        return edge_slots_op(key, order, bsb.rw_offset, bsb.cols, bsb.bitmap, bsb.num_nodes)
+    return edge_slots_from_keys(key, order, bsb.rw_offset, bsb.bitmap, bsb.num_nodes)[:3]
+
+
+def edge_slots_from_keys(key: Tensor, order: Tensor, rw_offset: Tensor, bitmap: Tensor,
+                         num_nodes: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`edge_slots` in PyTorch from the sorted keys (int64) and their
+    edge ids: ``(nnz_offset, slot_edge, slot_pos, column)``, ``column`` the
+    global TCB slot (``8 tcb + column % 8``) of each sorted edge, which
+    holds its source in the BSB's ``cols`` (the CUDA op finds it there)."""
+    _, win, _, row_in, rank, _ = _window_columns(key, num_nodes)
+    tcb = rw_offset.long()[win] + (rank >> 3)
     word = row_in >> 3
     bit = ((row_in & 7) << 3) | (rank & 7)
-    nnz_offset, slot_edge, nnz = nnz_slots(bsb.bitmap, tcb, word, bit, order)
+    nnz_offset, slot_edge, nnz = nnz_slots(bitmap, tcb, word, bit, order)
     # bit 8 (row % 8) + column: lane bit // 2, element 2 word + bit % 2 of TCB
     # x = (rank // 8) % 2 of the window's pairs (work items start at even TCBs)
     pos = (((rank >> 3) & 1) << 7) | ((bit >> 1) << 2) | (word << 1) | (bit & 1)
     slot_pos = torch.empty_like(order, dtype=torch.uint8).scatter_(0, nnz, pos.to(torch.uint8))
-    return nnz_offset, slot_edge, slot_pos
+    return nnz_offset, slot_edge, slot_pos, 8 * tcb + (rank & 7)
 
 
 def nnz_slots(bitmap: Tensor, tcb: Tensor, word: Tensor, bit: Tensor, order: Tensor

@@ -67,6 +67,10 @@ _LIB.define("fwd_scores(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor c
 # an int specialised it and recompiled the graph for every node count)
 _LIB.define("bsb_build(Tensor edge_index, SymInt num_nodes) -> (Tensor rw_offset, Tensor cols, "
             "Tensor bitmap, Tensor window_order, Tensor edges, Tensor counters)")
+# Where each edge sits in a BSB (graph.py: edge_slots), from the builder's
+# sorted keys and the BSB's arrays: (nnz_offset, slot_edge, slot_pos).
+_LIB.define("edge_slots(Tensor key, Tensor order, Tensor rw_offset, Tensor cols, Tensor bitmap, SymInt num_nodes) "
+            "-> (Tensor nnz_offset, Tensor slot_edge, Tensor slot_pos)")
 _LIB.define("seq_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, int[] mask, "
             "float scale, int num_windows, int block_rows) -> (Tensor out, Tensor lse)")
 # The backward takes the forward's row blocks (cu_windows, num_windows): by
@@ -152,6 +156,13 @@ def _fwd_scores_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slot
             q.new_empty((slot_edge.size(0), q.size(1)), dtype=torch.float32))
 
 
+@torch.library.register_fake("gt_fused3s::edge_slots")
+def _edge_slots_fake(key, order, rw_offset, cols, bitmap, num_nodes):
+    E = key.size(0)
+    return (bitmap.new_empty((bitmap.size(0) + 1,), dtype=torch.int32), key.new_empty((E,), dtype=torch.int32),
+            key.new_empty((E,), dtype=torch.uint8))
+
+
 @torch.library.register_fake("gt_fused3s::seq_fwd")
 def _seq_fwd_fake(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows):
     T, H, _ = q.shape
@@ -233,6 +244,15 @@ def bsb_build(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, ...]:
     use): the BSB arrays at capacity and the counters, on the device."""
     _build.load_extension()
     return torch.ops.gt_fused3s.bsb_build(edge_index, num_nodes)
+
+
+def edge_slots_op(key: Tensor, order: Tensor, rw_offset: Tensor, cols: Tensor, bitmap: Tensor,
+                  num_nodes: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.ops.gt_fused3s.edge_slots``: :func:`~gt_fused3s.graph.edge_slots`
+    on the device from the builder's sorted keys (two kernels and a scan in
+    place of about 130 ops)."""
+    _build.load_extension()
+    return torch.ops.gt_fused3s.edge_slots(key, order, rw_offset, cols, bitmap, num_nodes)
 
 
 # ------------------------------------------------------------------ public API

@@ -297,6 +297,27 @@ class StandIns:
         self.calls.append("gather_rows")
         return x.index_select(0, index)
 
+    def edge_slots(self, key, order, rw_offset, cols, bitmap, num_nodes):
+        """graph.edge_slots_from_keys, checking what the CUDA op relies on:
+        the keys sorted, and each edge's column found in ``cols`` (the
+        window's sources ascending, a pair's copies side by side, -1 past
+        them) where a binary search for its source plus its copy number
+        lands."""
+        from gt_fused3s.graph import edge_slots_from_keys
+        self.calls.append("edge_slots")
+        assert key.dtype == order.dtype == torch.int64 and bool((key[1:] >= key[:-1]).all())
+        nnz_offset, slot_edge, slot_pos, column = edge_slots_from_keys(key, order, rw_offset, bitmap, num_nodes)
+        pair = key >> 4
+        win = pair // num_nodes if num_nodes else pair
+        src = pair - win * num_nodes
+        assert torch.equal(cols.long()[column], src)
+        for w in torch.unique(win).tolist():       # the op's binary search: first column of the pair
+            lo, hi = 8 * int(rw_offset[w]), 8 * int(rw_offset[w + 1])
+            window = cols[lo:hi].long()
+            valid = window[window >= 0]
+            assert torch.equal(valid, torch.sort(valid).values) and bool((window[len(valid):] < 0).all())
+        return nnz_offset, slot_edge, slot_pos
+
     def bsb_build(self, edge_index, num_nodes):
         self.calls.append("bsb_build")
         E = edge_index.size(1)
@@ -429,8 +450,9 @@ def install(monkeypatch) -> StandIns:
 
     stand_ins = StandIns()
     lib = torch.library.Library("gt_fused3s", "IMPL")
-    for name in ("fwd", "fwd_scores", "bwd", "fwd8", "bwd8", "bsb_build", "edge_dot", "edge_rows", "edge_scatter",
-                 "edge_probs", "gather_rows", "seq_fwd", "seq_bwd", "dense_rows_fwd", "dense_rows_bwd"):
+    for name in ("fwd", "fwd_scores", "bwd", "fwd8", "bwd8", "bsb_build", "edge_slots", "edge_dot", "edge_rows",
+                 "edge_scatter", "edge_probs", "gather_rows", "seq_fwd", "seq_bwd", "dense_rows_fwd",
+                 "dense_rows_bwd"):
         lib.impl(name, getattr(stand_ins, name), "CPU")
     monkeypatch.setattr(ops_mod, "kernel_available", lambda device: True)
     monkeypatch.setattr(ops_mod, "_use_kernel", lambda q: True)

@@ -77,3 +77,49 @@ def _data_dir():
         if d and os.path.exists(os.path.join(d, "load.py")):
             return d
     pytest.skip("shared data folder not found")
+
+
+def _slots_both_ways(bsb: BSBGraph, ei: torch.Tensor, monkeypatch) -> tuple:
+    """(the CUDA op's edge_slots, the PyTorch version's) of one format."""
+    import gt_fused3s.graph as graph_mod
+    got = graph_mod.edge_slots(bsb, ei)
+    with monkeypatch.context() as m:
+        m.setattr(graph_mod, "_op_build_available", lambda device: False)
+        want = graph_mod.edge_slots(bsb, ei)
+    return got, want
+
+
+@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
+@pytest.mark.parametrize("static", [False, True])
+def test_edge_slots_op_equals_the_torch_version(case, static, monkeypatch):
+    """ops.edge_slots_op (csrc/kernels/edge_slots.cu) gives exactly the
+    PyTorch edge_slots' arrays, for the format and its transpose, edges in
+    a shuffled order (duplicates take their columns in the order listed),
+    exact and static (capacity) builds."""
+    ei, n = GRAPH_CASES[case]()
+    perm = torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(3))
+    ei = ei[:, perm].cuda()
+    for e in (ei, ei.flip(0)):
+        bsb = BSBGraph.from_edge_index(e, n, static=static)
+        got, want = _slots_both_ways(bsb, e, monkeypatch)
+        for name, a, b in zip(("nnz_offset", "slot_edge", "slot_pos"), got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{case} static={static}: {name}"
+
+
+def test_edge_slots_op_on_shared_data(monkeypatch):
+    """The same on github (a hub of 9,458 in-edges: long windows) and a
+    shuffled peptides batch with duplicates."""
+    sys.path.insert(0, _data_dir())
+    import load
+    n, indptr, indices = load.csr("github")
+    dst = torch.repeat_interleave(torch.arange(n), torch.from_numpy(indptr).diff())
+    graphs = {"github": (torch.stack([torch.from_numpy(indices).long(), dst]), n)}
+    n, src, dst = load.batch("peptides", 0, 1024)
+    ei = torch.stack([torch.from_numpy(src), torch.from_numpy(dst)]).long()
+    perm = torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(0))
+    graphs["peptides"] = (torch.cat([ei[:, perm], ei[:, :50]], 1), n)
+    for name, (ei, n) in graphs.items():
+        for e in (ei.cuda(), ei.flip(0).cuda()):
+            got, want = _slots_both_ways(BSBGraph.from_edge_index(e, n), e, monkeypatch)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), name
