@@ -511,7 +511,7 @@ def _note_build(edge_index: Tensor) -> None:
     model on the same graph, or the next step on a fixed graph. In eager mode
     a build takes more than the layer's kernels (a 3-layer step with
     edge_dim=16 on github: 31.9 ms, against 6.4 ms with cached=True and
-    14.2 ms with one plan passed to the layers, H100, README)."""
+    14.2 ms with one plan passed to the layers, H100, git 2cb77bf, README)."""
     last = _LAST_BUILT[0]
     if last is not None and last[0]() is edge_index and last[1] == edge_index._version:
         warnings.warn("Fused3SConv(cached=False) builds the graph's plan in every call, and builds it again "
