@@ -7,11 +7,18 @@ use, see ``_build``):
 
 * ``fwd``        the fused forward kernel: (out, lse) from q, k, v and a plan's arrays
                  (and an optional edge bias with the plan's edge slots)
+* ``fwd_scores`` fwd that also writes each edge's q_i.k_j; ``edge_probs``
+                 the attention weights per edge [E, H] from them and lse
 * ``bwd``        the fused backward kernels: (dq, dk, dv, d edge_bias)
-* ``probs``      the attention probabilities per edge [E, H], from the forward's lse
+* ``fwd8``, ``bwd8``  the same over the 8-row window format
 * ``bsb_build``  the CUDA builder of the BSB format, at capacity, no host sync
+* ``edge_slots`` each edge's place in a BSB (the plan's edge slots), no host sync
 * ``edge_dot``, ``edge_rows``, ``edge_scatter``
                  the edge-feature kernels (fp32), one pass each
+* ``gather_rows`` row gathers (a plan's node and edge orders)
+* ``seq_fwd``, ``seq_bwd``, ``seq_attention_eager``, ``dense_rows_fwd``,
+  ``dense_rows_bwd``, ``seq_attention``, ``dense_rows``
+                 sequence attention with structured masks (and its global rows)
 * ``edge_dot_term``, ``edge_scatter_term``
                  the differentiable edge-feature products (:func:`edge_dot`,
                  :func:`edge_scatter`) as ``torch.compile`` sees them
