@@ -24,6 +24,7 @@
 #include "kernels/bsb_build.h"
 #include "kernels/dense_rows.h"
 #include "kernels/edge_slots.h"
+#include "kernels/work_schedule.h"
 #include "kernels/edge_terms.h"
 #include "kernels/fused3s_bwd_params.h"
 #include "kernels/fused3s_params.h"
@@ -781,6 +782,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_slots_cuda(const at::Tensor&
     return {nnz_offset, slot_edge, slot_pos};
 }
 
+// ---- The work schedule (kernels/work_schedule.h) ------------------------------------
+// rw_offset int32 [R + 1] and window_order int32 [R] of a BSB; the chunk
+// bound C and split threshold, the capacities I and S (gt_fused3s/schedule.py:
+// chunk_bounds, work_schedule). (items int32 [I, 4], slots int32 [S, 4],
+// counts int64 [2]: the items and slots used); no host synchronisation.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> work_schedule_cuda(const at::Tensor& rw_offset,
+                                                                  const at::Tensor& window_order, int64_t chunk,
+                                                                  int64_t threshold, int64_t num_items,
+                                                                  int64_t num_slots) {
+    TORCH_CHECK(rw_offset.defined() && rw_offset.is_cuda(), "rw_offset must be a CUDA tensor");
+    check_index(rw_offset, "rw_offset", at::kInt, rw_offset);
+    check_index(window_order, "window_order", at::kInt, rw_offset);
+    const int64_t R = window_order.numel();
+    TORCH_CHECK(rw_offset.dim() == 1 && window_order.dim() == 1 && rw_offset.numel() == R + 1 && R > 0,
+                "work_schedule takes rw_offset [R + 1] and window_order [R], R >= 1 (got ",
+                shape(rw_offset.sizes()), ", ", shape(window_order.sizes()), ")");
+    TORCH_CHECK(chunk >= 1 && chunk % 2 == 0 && threshold >= chunk && threshold < INT32_MAX,
+                "work_schedule: the chunk bound must be even and at most the split threshold (got ", num(chunk),
+                ", ", num(threshold), ")");
+    TORCH_CHECK(num_items >= R && num_items < INT32_MAX && num_slots >= 0 && num_slots < INT32_MAX,
+                "work_schedule: capacities out of range (", num(num_items), " items for ", num(R), " windows, ",
+                num(num_slots), " slots)");
+    const c10::cuda::CUDAGuard guard(rw_offset.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(rw_offset.get_device()).stream();
+    const auto i32 = rw_offset.options();
+    at::Tensor items = at::empty({num_items, 4}, i32);
+    at::Tensor slots = at::empty({num_slots, 4}, i32);
+    at::Tensor counts = at::empty({2}, i32.dtype(at::kLong));
+    const size_t bytes = work_schedule_workspace_bytes(static_cast<int32_t>(R), static_cast<int32_t>(num_items));
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, i32.dtype(at::kByte));
+    WorkScheduleParams p{};
+    p.rw_offset = rw_offset.data_ptr<int32_t>();
+    p.window_order = window_order.data_ptr<int32_t>();
+    p.num_windows = static_cast<int32_t>(R);
+    p.chunk = static_cast<int32_t>(chunk);
+    p.threshold = static_cast<int32_t>(threshold);
+    p.num_items = static_cast<int32_t>(num_items);
+    p.num_slots = static_cast<int32_t>(num_slots);
+    p.items = items.data_ptr<int32_t>();
+    p.slots = slots.data_ptr<int32_t>();
+    p.counts = counts.data_ptr<int64_t>();
+    C10_CUDA_CHECK(run_work_schedule(p, workspace.data_ptr(), bytes, stream));
+    return {items, slots, counts};
+}
+
 // ---- Sequences ----------------------------------------------------------------
 // Attention over the tokens of packed documents with a structured mask
 // computed inside the kernel. mask: gt_fused3s/sequence/masks.py kernel_code:
@@ -1383,6 +1429,7 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("bwd8", &gt_fused3s::bwd8_cuda);
     m.impl("bsb_build", &gt_fused3s::bsb_build_cuda);
     m.impl("edge_slots", &gt_fused3s::edge_slots_cuda);
+    m.impl("work_schedule", &gt_fused3s::work_schedule_cuda);
     m.impl("seq_fwd", &gt_fused3s::seq_fwd_cuda);
     m.impl("seq_bwd", &gt_fused3s::seq_bwd_cuda);
     m.impl("edge_dot", &gt_fused3s::edge_dot_cuda);

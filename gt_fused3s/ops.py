@@ -13,6 +13,7 @@ use, see ``_build``):
 * ``fwd8``, ``bwd8``  the same over the 8-row window format
 * ``bsb_build``  the CUDA builder of the BSB format, at capacity, no host sync
 * ``edge_slots`` each edge's place in a BSB (the plan's edge slots), no host sync
+* ``work_schedule`` the kernels' work items and slots of a BSB (schedule.py), no host sync
 * ``edge_dot``, ``edge_rows``, ``edge_scatter``
                  the edge-feature kernels (fp32), one pass each
 * ``gather_rows`` row gathers (a plan's node and edge orders)
@@ -78,6 +79,12 @@ _LIB.define("bsb_build(Tensor edge_index, SymInt num_nodes) -> (Tensor rw_offset
 # sorted keys and the BSB's arrays: (nnz_offset, slot_edge, slot_pos).
 _LIB.define("edge_slots(Tensor key, Tensor order, Tensor rw_offset, Tensor cols, Tensor bitmap, SymInt num_nodes) "
             "-> (Tensor nnz_offset, Tensor slot_edge, Tensor slot_pos)")
+# The work schedule of a BSB (schedule.py: work_schedule) at the capacities
+# given: (items [I, 4], slots [S, 4], counts [2]: the items and slots used).
+# SymInt: the chunk bound and the capacities follow the TCB capacity, symbolic
+# under torch.compile(dynamic=True).
+_LIB.define("work_schedule(Tensor rw_offset, Tensor window_order, SymInt chunk, SymInt threshold, "
+            "SymInt num_items, SymInt num_slots) -> (Tensor items, Tensor slots, Tensor counts)")
 _LIB.define("seq_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, int[] mask, "
             "float scale, int num_windows, int block_rows) -> (Tensor out, Tensor lse)")
 # The backward takes the forward's row blocks (cu_windows, num_windows): by
@@ -170,6 +177,12 @@ def _edge_slots_fake(key, order, rw_offset, cols, bitmap, num_nodes):
             key.new_empty((E,), dtype=torch.uint8))
 
 
+@torch.library.register_fake("gt_fused3s::work_schedule")
+def _work_schedule_fake(rw_offset, window_order, chunk, threshold, num_items, num_slots):
+    return (rw_offset.new_empty((num_items, 4)), rw_offset.new_empty((num_slots, 4)),
+            rw_offset.new_empty((2,), dtype=torch.int64))
+
+
 @torch.library.register_fake("gt_fused3s::seq_fwd")
 def _seq_fwd_fake(q, k, v, cu_seqlens, cu_windows, mask, scale, num_windows, block_rows):
     T, H, _ = q.shape
@@ -260,6 +273,15 @@ def edge_slots_op(key: Tensor, order: Tensor, rw_offset: Tensor, cols: Tensor, b
     place of about 130 ops)."""
     _build.load_extension()
     return torch.ops.gt_fused3s.edge_slots(key, order, rw_offset, cols, bitmap, num_nodes)
+
+
+def work_schedule_op(rw_offset: Tensor, window_order: Tensor, chunk: int, threshold: int, num_items: int,
+                     num_slots: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.ops.gt_fused3s.work_schedule``: :func:`~gt_fused3s.schedule.work_schedule`
+    on the device (three kernels, two scans and a sort in place of about 80
+    aten ops)."""
+    _build.load_extension()
+    return torch.ops.gt_fused3s.work_schedule(rw_offset, window_order, chunk, threshold, num_items, num_slots)
 
 
 # ------------------------------------------------------------------ public API

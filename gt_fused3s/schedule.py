@@ -1,5 +1,7 @@
 """The work schedule of the fused kernels, built once per (graph, heads,
-head dim) by :class:`~gt_fused3s.plan.GraphPlan` with vectorised ops.
+head dim) by :class:`~gt_fused3s.plan.GraphPlan`: on a GPU by one op
+(``gt_fused3s::work_schedule``, csrc/kernels/work_schedule.cu), elsewhere by
+:func:`work_schedule_from_counts`, its specification in PyTorch.
 
 A work item is a chunk of consecutive TCBs of one row window: a window with
 more TCBs than the chunk bound is split into chunks that run in parallel and
@@ -26,6 +28,7 @@ import os
 import torch
 from torch import Tensor
 
+from . import graph as _graph
 from .graph import BSBGraph
 
 # Resident warp-teams per SM for each head dim (register-limited).
@@ -72,9 +75,32 @@ def work_schedule(bsb: BSBGraph, heads: int, head_dim: int, *, exact: bool | Non
     if R == 0:
         empty = torch.empty((0, 4), dtype=torch.int32, device=dev)
         return empty, empty.clone()
+    if _graph._op_build_available(dev):
+        # one op (csrc/kernels/work_schedule.cu): the ~80 aten ops of the
+        # PyTorch version are most of them a launch (an eager schedule took
+        # 1.3-2.8 ms of the H100 machine's host time)
+        from .ops import work_schedule_op
+        items, slots, counts = work_schedule_op(bsb.rw_offset, bsb.window_order, C, threshold, I_cap, S_cap)
+    else:
+        items, slots, counts = work_schedule_from_counts(bsb.rw_offset, bsb.window_order, C, threshold,
+                                                         I_cap, S_cap)
+    if exact:
+        num_items, num_slots = counts.tolist()
+        items, slots = items[:num_items], slots[:num_slots]
+    return items.contiguous(), slots.contiguous()
 
-    rw = bsb.rw_offset.long()
-    order = bsb.window_order.long()                         # windows, heaviest first
+
+def work_schedule_from_counts(rw_offset: Tensor, window_order: Tensor, C: int, threshold: int,
+                              I_cap: int, S_cap: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The schedule in PyTorch (the specification of the CUDA op and the CPU
+    path): ``items`` int32 [I_cap, 4] and ``slots`` int32 [S_cap, 4] of the
+    windows of ``rw_offset`` (R + 1 entries, R >= 1) listed heaviest first
+    by ``window_order``, chunks of at most ``C`` TCBs for windows of more
+    than ``threshold``; and ``counts`` int64 [2], the items and slots used."""
+    dev = rw_offset.device
+    R = window_order.numel()
+    rw = rw_offset.long()
+    order = window_order.long()                             # windows, heaviest first
     cnt = (rw[1:] - rw[:-1])[order]
     nch = torch.where(cnt > threshold, (cnt + C - 1) // C, torch.ones_like(cnt))
     length = ((cnt + nch - 1) // nch + 1) // 2 * 2           # even chunk length
@@ -103,8 +129,5 @@ def work_schedule(bsb: BSBGraph, heads: int, head_dim: int, *, exact: bool | Non
     # sorts its indices on CUDA: 65 us per schedule for ZINC batches)
     slots = torch.zeros((S_cap + 1, 4), dtype=torch.long, device=dev)
     slots.scatter_(0, torch.where(split, slot, S_cap).unsqueeze(1).expand(-1, 4), rows)
-    slots = slots[:S_cap].to(torch.int32)
-    if exact:
-        num_items, num_slots = torch.stack([ends[-1], split.sum()]).tolist()
-        items, slots = items[:num_items], slots[:num_slots]
-    return items.contiguous(), slots.contiguous()
+    counts = torch.stack([ends[-1], (nch * (nch > 1)).sum()])
+    return items, slots[:S_cap].to(torch.int32), counts

@@ -1,5 +1,5 @@
 """CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``fwd_scores``, ``bwd``, ``fwd8``, ``bwd8``, ``edge_probs``, ``gather_rows``, the
-edge-term ops, ``bsb_build`` and the sequence kernels ``seq_fwd`` / ``seq_bwd``,
+edge-term ops, ``bsb_build``, ``work_schedule`` and the sequence kernels ``seq_fwd`` / ``seq_bwd``,
 with their contracts, so that the CPU suite runs everything around the
 kernels: the plan, the registered ops and their fakes (``opcheck``),
 autograd, torch.compile tracing, casts and padding.
@@ -318,6 +318,23 @@ class StandIns:
             assert torch.equal(valid, torch.sort(valid).values) and bool((window[len(valid):] < 0).all())
         return nnz_offset, slot_edge, slot_pos
 
+    def work_schedule(self, rw_offset, window_order, chunk, threshold, num_items, num_slots):
+        """schedule.work_schedule_from_counts, checking what the CUDA op
+        relies on: the windows listed heaviest first, an even chunk bound
+        at most the threshold, the capacities enough, and no item longer
+        than the threshold (its sort key's bits)."""
+        from gt_fused3s.schedule import work_schedule_from_counts
+        self.calls.append("work_schedule")
+        assert rw_offset.dtype == window_order.dtype == torch.int32
+        cnt = rw_offset.diff()[window_order.long()]
+        assert torch.equal(torch.sort(window_order).values, torch.arange(window_order.numel(), dtype=torch.int32))
+        assert bool((cnt[:-1] >= cnt[1:]).all()) and chunk % 2 == 0 and chunk <= threshold
+        items, slots, counts = work_schedule_from_counts(rw_offset, window_order, chunk, threshold,
+                                                         num_items, num_slots)
+        assert counts[0] <= num_items and counts[1] <= num_slots
+        assert int((items[:, 2] - items[:, 1]).max()) <= threshold
+        return items, slots, counts
+
     def bsb_build(self, edge_index, num_nodes):
         self.calls.append("bsb_build")
         E = edge_index.size(1)
@@ -450,7 +467,7 @@ def install(monkeypatch) -> StandIns:
 
     stand_ins = StandIns()
     lib = torch.library.Library("gt_fused3s", "IMPL")
-    for name in ("fwd", "fwd_scores", "bwd", "fwd8", "bwd8", "bsb_build", "edge_slots", "edge_dot", "edge_rows",
+    for name in ("fwd", "fwd_scores", "bwd", "fwd8", "bwd8", "bsb_build", "edge_slots", "work_schedule", "edge_dot", "edge_rows",
                  "edge_scatter", "edge_probs", "gather_rows", "seq_fwd", "seq_bwd", "dense_rows_fwd",
                  "dense_rows_bwd"):
         lib.impl(name, getattr(stand_ins, name), "CPU")

@@ -9,6 +9,7 @@ the graph nor recompile per node count."""
 import pytest
 import torch
 
+import gt_fused3s.schedule as schedule
 from gt_fused3s import GraphPlan
 from gt_fused3s.bench.common import expand_runs, parse_run
 from gt_fused3s.graph import node_csr
@@ -215,6 +216,10 @@ def test_opcheck_on_registered_ops(stand_in_kernels):
         (torch.ops.gt_fused3s.bsb_build.default, (ei, N)),
         (torch.ops.gt_fused3s.edge_slots.default, (*torch.sort(_edge_keys(ei[0].long(), ei[1].long(), N), stable=True),
                                                    plan.bsb.rw_offset, plan.bsb.cols, plan.bsb.bitmap, N)),
+        (torch.ops.gt_fused3s.work_schedule.default, (plan.bsb.rw_offset, plan.bsb.window_order,
+                                                      *schedule.chunk_bounds(plan.bsb.tcb_capacity, 2, 32, 132),
+                                                      plan.forward_args(2, 32)[4].size(0),
+                                                      plan.forward_args(2, 32)[5].size(0))),
         (torch.ops.gt_fused3s.fwd_scores.default, (q, k, v, *fwd, 0.3, False, bias, *slots[:3])),
         (torch.ops.gt_fused3s.edge_probs.default, (bias, None, lse_b, ei[1].long(), 0.3)),
         (torch.ops.gt_fused3s.attention.default,       # the differentiable one

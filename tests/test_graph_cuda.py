@@ -1,6 +1,8 @@
-"""The GPU builder of the BSB format (csrc/kernels/bsb_build.cu) must give
-exactly the arrays of the CPU builder (BSBGraph._build), which test_graph.py
-checks against hand-made graphs."""
+"""The GPU builders of a plan's arrays must give exactly those of their
+PyTorch versions: the BSB format (csrc/kernels/bsb_build.cu against
+BSBGraph._build, which test_graph.py checks against hand-made graphs), the
+edge slots (edge_slots.cu) and the work schedule (work_schedule.cu against
+schedule.work_schedule_from_counts, which test_schedule.py checks)."""
 import os
 import sys
 
@@ -123,3 +125,61 @@ def test_edge_slots_op_on_shared_data(monkeypatch):
             got, want = _slots_both_ways(BSBGraph.from_edge_index(e, n), e, monkeypatch)
             for a, b in zip(got, want):
                 assert torch.equal(a, b), name
+
+
+def _schedules_both_ways(bsb: BSBGraph, heads: int, head_dim: int, monkeypatch) -> tuple:
+    """(the CUDA op's work schedule, the PyTorch version's) of one format."""
+    import gt_fused3s.graph as graph_mod
+    import gt_fused3s.schedule as schedule_mod
+    got = schedule_mod.work_schedule(bsb, heads, head_dim)
+    with monkeypatch.context() as m:
+        m.setattr(graph_mod, "_op_build_available", lambda device: False)
+        want = schedule_mod.work_schedule(bsb, heads, head_dim)
+    return got, want
+
+
+def _assert_same_schedule(got, want, what):
+    for name, a, b in zip(("items", "slots"), got, want):
+        assert a.dtype == b.dtype == torch.int32 and a.is_cuda, f"{what}: {name}"
+        assert torch.equal(a, b), f"{what}: {name}"
+
+
+@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
+@pytest.mark.parametrize("static", [False, True])
+def test_work_schedule_op_equals_the_torch_version(case, static, monkeypatch):
+    """ops.work_schedule_op (csrc/kernels/work_schedule.cu) gives exactly the
+    PyTorch schedule (items in the same heaviest-first order, ties in the
+    windows' order; the same slots), for the format and its transpose, exact
+    (cut to the used rows by the op's counts) and static (capacity) builds,
+    at head settings of different chunk bounds."""
+    ei, n = GRAPH_CASES[case]()
+    for e in (ei.cuda(), ei.flip(0).cuda()):
+        bsb = BSBGraph.from_edge_index(e, n, static=static)
+        if bsb.num_windows == 0:
+            continue
+        for heads, head_dim in ((1, 64), (8, 16), (4, 256)):
+            got, want = _schedules_both_ways(bsb, heads, head_dim, monkeypatch)
+            _assert_same_schedule(got, want, f"{case} static={static} H={heads} D={head_dim}")
+
+
+def test_work_schedule_op_on_shared_data_and_small_chunks(monkeypatch):
+    """The same on github (hub windows of hundreds of TCBs, split into many
+    chunks), a peptides batch, and with GT_FUSED3S_CHUNK=2 (every window of
+    more than 2 TCBs split: most items and slots)."""
+    sys.path.insert(0, _data_dir())
+    import load
+    n, indptr, indices = load.csr("github")
+    dst = torch.repeat_interleave(torch.arange(n), torch.from_numpy(indptr).diff())
+    graphs = {"github": (torch.stack([torch.from_numpy(indices).long(), dst]), n)}
+    n, src, dst = load.batch("peptides", 0, 1024)
+    graphs["peptides"] = (torch.stack([torch.from_numpy(src), torch.from_numpy(dst)]).long(), n)
+    for chunk in (None, "2"):
+        if chunk:
+            monkeypatch.setenv("GT_FUSED3S_CHUNK", chunk)
+        for name, (ei, n) in graphs.items():
+            for static in (False, True):
+                bsb = BSBGraph.from_edge_index(ei.cuda(), n, static=static)
+                got, want = _schedules_both_ways(bsb, 4, 32, monkeypatch)
+                _assert_same_schedule(got, want, f"{name} static={static} chunk={chunk}")
+                if name == "github" or chunk:
+                    assert (got[0][:, 3] >= 0).any(), f"{name}: no split window"

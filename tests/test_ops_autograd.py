@@ -47,7 +47,8 @@ def test_gradients_through_the_custom_op(stand_in_kernels, dtype, d):
     out = fused3s_attention(*leaves, bsb)
     assert out.dtype == dtype and out.shape == q.shape
     out.backward(do)
-    assert fake.calls == ["bsb_build", "bsb_build", "fwd", "bwd"]   # the transpose: at the first grad
+    # the transpose and its schedule: at the first grad
+    assert fake.calls == ["bsb_build", "work_schedule", "bsb_build", "work_schedule", "fwd", "bwd"]
     # the stand-in is exact on the operands the kernel gets (fp32 rounded to
     # fp16); only the gradients' final rounding to a low-precision dtype remains
     rounded = [t.to(torch.float16) if dtype == torch.float32 else t for t in (q, k, v, do)]
@@ -74,7 +75,8 @@ def test_only_requested_gradients_and_no_backward_without_grad(stand_in_kernels)
     q, k, v, do = _inputs(bsb.num_nodes, 2, 16, torch.float16)
     with torch.no_grad():
         fused3s_attention(q.requires_grad_(), k, v, bsb)
-    assert fake.calls == ["bsb_build", "fwd"] and bsb.transposed is None   # inference: no transpose
+    # inference: no transpose
+    assert fake.calls == ["bsb_build", "work_schedule", "fwd"] and bsb.transposed is None
     q.requires_grad_(False)
     vg = v.clone().requires_grad_()
     out = fused3s_attention(q, k, vg, bsb)

@@ -1,4 +1,5 @@
-"""The kernels' work schedule (built with torch ops, so checked on the CPU):
+"""The kernels' work schedule (its PyTorch specification, which the CUDA op
+must equal bit for bit: tests/test_graph_cuda.py), checked on the CPU:
 every TCB is covered by exactly one item, split windows have consistent
 slots, and the schedule at capacity (static shapes, no host sync) holds the
 exact one followed by unused items."""
@@ -90,3 +91,46 @@ def test_schedule_at_capacity_is_the_exact_one_plus_unused_items(n, e, heavy, H,
 def test_chunk_bound_env_override(monkeypatch):
     monkeypatch.setenv("GT_FUSED3S_CHUNK", "7")
     assert schedule.chunk_bounds(10**6, 8, 64, 132) == (8, 8)
+
+
+@pytest.mark.parametrize("n,e,heavy,H,D", [(1003, 4000, 0, 1, 64), (5000, 60000, 3000, 1, 128),
+                                           (5000, 60000, 3000, 8, 32), (3000, 90000, 2900, 4, 256)])
+@pytest.mark.parametrize("chunk_env", [None, "2", "7"])
+def test_schedule_counts_and_the_op_s_key_bound(n, e, heavy, H, D, chunk_env, monkeypatch):
+    """What the CUDA op (csrc/kernels/work_schedule.cu) relies on, in the
+    specification: no item longer than the split threshold (its sort key has
+    the threshold's bits), and counts = the items and slots in use, within
+    the capacities."""
+    if chunk_env:
+        monkeypatch.setenv("GT_FUSED3S_CHUNK", chunk_env)
+    for bsb in (_graph(n, e, heavy, n), _at_capacity(_graph(n, e, heavy, n))):
+        C, threshold = schedule.chunk_bounds(bsb.tcb_capacity, H, D, 132)
+        R, T_cap = bsb.num_windows, bsb.tcb_capacity
+        I_cap, S_cap = R + T_cap // C, T_cap // C + T_cap // (threshold + 1)
+        items, slots, counts = schedule.work_schedule_from_counts(bsb.rw_offset, bsb.window_order, C,
+                                                                  threshold, I_cap, S_cap)
+        used = items[:, 0] >= 0
+        assert counts.tolist() == [int(used.sum()), int((items[:, 3] >= 0).sum())]
+        assert counts[0] <= I_cap and counts[1] <= S_cap
+        assert int((items[:, 2] - items[:, 1]).max()) <= threshold
+        if chunk_env:
+            assert counts[1] > 0                                  # windows were split
+
+
+def test_schedule_through_the_op(stand_in_kernels):
+    """A plan's schedules come from the registered op where the builder ops
+    run (stand-ins on the CPU: they check the op's preconditions), exact and
+    at capacity, equal to the PyTorch path."""
+    import gt_fused3s.graph as graph_mod
+    for bsb in (_graph(5000, 60000, 3000, 1), _at_capacity(_graph(5000, 60000, 3000, 1))):
+        stand_in_kernels.calls.clear()
+        got = schedule.work_schedule(bsb, 4, 32)
+        assert stand_in_kernels.calls == ["work_schedule"]
+        stand_in_kernels.calls.clear()
+        graph_mod._op_build_available, saved = (lambda device: False), graph_mod._op_build_available
+        try:
+            want = schedule.work_schedule(bsb, 4, 32)
+        finally:
+            graph_mod._op_build_available = saved
+        assert not stand_in_kernels.calls
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
