@@ -111,10 +111,12 @@ std::pair<at::Tensor, at::Tensor> key_value_inputs(const at::Tensor& k_in, const
     return {k, v};
 }
 
-void check_index(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Tensor& q) {
+// `q`: the tensor whose device t must share, named `q_name` in the message.
+void check_index(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Tensor& q,
+                 const char* q_name = "q") {
     TORCH_CHECK(t.defined(), name, " must be a tensor (got an undefined tensor)");
-    TORCH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on the device of q (", q.device().str(),
-                "), got ", t.device().str());
+    TORCH_CHECK(t.is_cuda() && t.device() == q.device(), name, " must be on the device of ", q_name, " (",
+                q.device().str(), "), got ", t.device().str());
     TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype_name(dtype), " (got ",
                 dtype_name(t.scalar_type()), ")");
     TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
@@ -739,37 +741,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 }
 
 // ---- The edges' places in a BSB (kernels/edge_slots.h) ---------------------------
-// key int64 [E] sorted and order int64 [E] (gt_fused3s/graph.py: edge_slots);
-// rw_offset, cols, bitmap: the BSB's arrays. (nnz_offset int32 [T + 1],
-// slot_edge int32 [E], slot_pos uint8 [E]); no host synchronisation.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_slots_cuda(const at::Tensor& key, const at::Tensor& order,
+// edge_index [2, E] (int32 or int64, any strides: the graph the BSB was built
+// from, in the caller's edge order); rw_offset, cols, bitmap: the BSB's arrays.
+// (nnz_offset int32 [T + 1], slot_edge int32 [E], slot_pos uint8 [E]); no host
+// synchronisation.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_slots_cuda(const at::Tensor& edge_index,
                                                                const at::Tensor& rw_offset, const at::Tensor& cols,
                                                                const at::Tensor& bitmap, int64_t num_nodes) {
-    TORCH_CHECK(key.defined() && key.is_cuda(), "key must be a CUDA tensor");
-    check_index(key, "key", at::kLong, key);
-    check_index(order, "order", at::kLong, key);
-    check_index(rw_offset, "rw_offset", at::kInt, key);
-    check_index(cols, "cols", at::kInt, key);
-    check_index(bitmap, "bitmap", at::kLong, key);
-    const int64_t E = key.numel(), T = bitmap.size(0);
-    TORCH_CHECK(key.dim() == 1 && order.sizes() == key.sizes(), "key and order must be [E] (got ",
-                shape(key.sizes()), ", ", shape(order.sizes()), ")");
+    TORCH_CHECK_VALUE(edge_index.defined() && edge_index.is_cuda(), "edge_index must be a CUDA tensor");
+    TORCH_CHECK_VALUE(edge_index.scalar_type() == at::kInt || edge_index.scalar_type() == at::kLong,
+                      "edge_index must be int32 or int64 (got ", dtype_name(edge_index.scalar_type()), ")");
+    TORCH_CHECK_VALUE(edge_index.dim() == 2 && edge_index.size(0) == 2, "edge_index must have shape [2, E] (got ",
+                      shape(edge_index.sizes()), ")");
+    check_index(rw_offset, "rw_offset", at::kInt, edge_index, "edge_index");
+    check_index(cols, "cols", at::kInt, edge_index, "edge_index");
+    check_index(bitmap, "bitmap", at::kLong, edge_index, "edge_index");
+    const int64_t E = edge_index.size(1), T = bitmap.size(0);
     TORCH_CHECK(bitmap.dim() == 2 && bitmap.size(1) == 2 && cols.numel() == 8 * T && rw_offset.dim() == 1 &&
                     rw_offset.numel() >= 1,
                 "the BSB arrays must be rw_offset [R + 1], cols [8 T], bitmap [T, 2] (got ",
                 shape(rw_offset.sizes()), ", ", shape(cols.sizes()), ", ", shape(bitmap.sizes()), ")");
-    TORCH_CHECK(E < (int64_t(1) << 31) && num_nodes >= 0, "edge_slots takes fewer than 2^31 edges");
-    const c10::cuda::CUDAGuard device_guard(key.device());
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(key.get_device()).stream();
+    TORCH_CHECK(E < (int64_t(1) << 31) && num_nodes >= 0 && num_nodes <= INT32_MAX,
+                "edge_slots takes fewer than 2^31 edges and nodes");
+    const c10::cuda::CUDAGuard device_guard(edge_index.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(edge_index.get_device()).stream();
     const auto bits = reinterpret_cast<const uint64_t*>(bitmap.data_ptr<int64_t>());
-    auto counts = at::empty({T + 1}, key.options().dtype(at::kInt));
+    const auto i32 = edge_index.options().dtype(at::kInt);
+    auto counts = at::empty({T + 1}, i32);
     C10_CUDA_CHECK(run_tcb_counts(bits, T, counts.data_ptr<int32_t>(), stream));
     const at::Tensor nnz_offset = counts.cumsum(0, at::kInt);
-    auto slot_edge = at::empty({E}, key.options().dtype(at::kInt));
-    auto slot_pos = at::empty({E}, key.options().dtype(at::kByte));
+    auto slot_edge = at::empty({E}, i32);
+    auto slot_pos = at::empty({E}, edge_index.options().dtype(at::kByte));
+    const size_t bytes = edge_slots_workspace_bytes(E, num_nodes);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, edge_index.options().dtype(at::kByte));
     EdgeSlotsParams p{};
-    p.key = key.data_ptr<int64_t>();
-    p.order = order.data_ptr<int64_t>();
+    p.src = edge_index.data_ptr();
+    p.dst = static_cast<const char*>(edge_index.data_ptr()) + edge_index.stride(0) * edge_index.element_size();
+    p.src_stride = p.dst_stride = edge_index.stride(1);
+    p.index64 = edge_index.scalar_type() == at::kLong;
     p.rw_offset = rw_offset.data_ptr<int32_t>();
     p.cols = cols.data_ptr<int32_t>();
     p.bitmap = bits;
@@ -778,7 +787,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_slots_cuda(const at::Tensor&
     p.slot_pos = slot_pos.data_ptr<uint8_t>();
     p.num_edges = E;
     p.num_nodes = num_nodes;
-    C10_CUDA_CHECK(run_edge_slots(p, stream));
+    C10_CUDA_CHECK(run_edge_slots(p, workspace.data_ptr(), bytes, stream));
     return {nnz_offset, slot_edge, slot_pos};
 }
 
@@ -793,7 +802,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> work_schedule_cuda(const at::Tens
                                                                   int64_t num_slots) {
     TORCH_CHECK(rw_offset.defined() && rw_offset.is_cuda(), "rw_offset must be a CUDA tensor");
     check_index(rw_offset, "rw_offset", at::kInt, rw_offset);
-    check_index(window_order, "window_order", at::kInt, rw_offset);
+    check_index(window_order, "window_order", at::kInt, rw_offset, "rw_offset");
     const int64_t R = window_order.numel();
     TORCH_CHECK(rw_offset.dim() == 1 && window_order.dim() == 1 && rw_offset.numel() == R + 1 && R > 0,
                 "work_schedule takes rw_offset [R + 1] and window_order [R], R >= 1 (got ",

@@ -715,19 +715,18 @@ def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor, Tenso
     if edge_index.size(1) != bsb.num_edges:
         raise ValueError(f"edge_index has {edge_index.size(1)} edges but the BSB graph was built "
                          f"from {bsb.num_edges}")
+    if _op_build_available(edge_index.device):
+        # one op (ops.edge_slots_op: keys, sort, two kernels): the ops below
+        # are one launch each, about 140 a format (github, H100: the eager
+        # plan build with both formats' slots 7.0 ms, of which 1.7 ms on the GPU)
+        from .ops import edge_slots_op
+        return edge_slots_op(edge_index, bsb.rw_offset, bsb.cols, bsb.bitmap, bsb.num_nodes)
     src, dst = edge_index[0].long(), edge_index[1].long()
     key = _edge_keys(src, dst, bsb.num_nodes)
     if _max_key(bsb.num_nodes) < 2**31:      # half the radix passes (molecule batches)
         key = key.int()
     key, order = torch.sort(key, stable=True)
-    key = key.long()
-    if _op_build_available(key.device):
-        # the rest as two kernels (ops.edge_slots_op): the ops below are one
-        # launch each, about 130 a format (github, H100: the eager plan build
-        # with both formats' slots 7.0 ms, of which 1.7 ms on the GPU)
-        from .ops import edge_slots_op
-        return edge_slots_op(key, order, bsb.rw_offset, bsb.cols, bsb.bitmap, bsb.num_nodes)
-    return edge_slots_from_keys(key, order, bsb.rw_offset, bsb.bitmap, bsb.num_nodes)[:3]
+    return edge_slots_from_keys(key.long(), order, bsb.rw_offset, bsb.bitmap, bsb.num_nodes)[:3]
 
 
 def edge_slots_from_keys(key: Tensor, order: Tensor, rw_offset: Tensor, bitmap: Tensor,

@@ -75,9 +75,9 @@ _LIB.define("fwd_scores(Tensor q, Tensor k, Tensor v, Tensor rw_offset, Tensor c
 # an int specialised it and recompiled the graph for every node count)
 _LIB.define("bsb_build(Tensor edge_index, SymInt num_nodes) -> (Tensor rw_offset, Tensor cols, "
             "Tensor bitmap, Tensor window_order, Tensor edges, Tensor counters)")
-# Where each edge sits in a BSB (graph.py: edge_slots), from the builder's
-# sorted keys and the BSB's arrays: (nnz_offset, slot_edge, slot_pos).
-_LIB.define("edge_slots(Tensor key, Tensor order, Tensor rw_offset, Tensor cols, Tensor bitmap, SymInt num_nodes) "
+# Where each edge of edge_index sits in the BSB built from it (graph.py:
+# edge_slots), from the edges and the BSB's arrays: (nnz_offset, slot_edge, slot_pos).
+_LIB.define("edge_slots(Tensor edge_index, Tensor rw_offset, Tensor cols, Tensor bitmap, SymInt num_nodes) "
             "-> (Tensor nnz_offset, Tensor slot_edge, Tensor slot_pos)")
 # The work schedule of a BSB (schedule.py: work_schedule) at the capacities
 # given: (items [I, 4], slots [S, 4], counts [2]: the items and slots used).
@@ -171,10 +171,10 @@ def _fwd_scores_fake(q, k, v, rw_offset, cols, bitmap, window_order, items, slot
 
 
 @torch.library.register_fake("gt_fused3s::edge_slots")
-def _edge_slots_fake(key, order, rw_offset, cols, bitmap, num_nodes):
-    E = key.size(0)
-    return (bitmap.new_empty((bitmap.size(0) + 1,), dtype=torch.int32), key.new_empty((E,), dtype=torch.int32),
-            key.new_empty((E,), dtype=torch.uint8))
+def _edge_slots_fake(edge_index, rw_offset, cols, bitmap, num_nodes):
+    E = edge_index.size(1)
+    return (bitmap.new_empty((bitmap.size(0) + 1,), dtype=torch.int32), bitmap.new_empty((E,), dtype=torch.int32),
+            bitmap.new_empty((E,), dtype=torch.uint8))
 
 
 @torch.library.register_fake("gt_fused3s::work_schedule")
@@ -266,13 +266,13 @@ def bsb_build(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, ...]:
     return torch.ops.gt_fused3s.bsb_build(edge_index, num_nodes)
 
 
-def edge_slots_op(key: Tensor, order: Tensor, rw_offset: Tensor, cols: Tensor, bitmap: Tensor,
+def edge_slots_op(edge_index: Tensor, rw_offset: Tensor, cols: Tensor, bitmap: Tensor,
                   num_nodes: int) -> tuple[Tensor, Tensor, Tensor]:
     """``torch.ops.gt_fused3s.edge_slots``: :func:`~gt_fused3s.graph.edge_slots`
-    on the device from the builder's sorted keys (two kernels and a scan in
-    place of about 130 ops)."""
+    on the device (the edges' keys, their sort, two kernels and a scan in
+    place of about 140 aten ops)."""
     _build.load_extension()
-    return torch.ops.gt_fused3s.edge_slots(key, order, rw_offset, cols, bitmap, num_nodes)
+    return torch.ops.gt_fused3s.edge_slots(edge_index, rw_offset, cols, bitmap, num_nodes)
 
 
 def work_schedule_op(rw_offset: Tensor, window_order: Tensor, chunk: int, threshold: int, num_items: int,

@@ -297,15 +297,17 @@ class StandIns:
         self.calls.append("gather_rows")
         return x.index_select(0, index)
 
-    def edge_slots(self, key, order, rw_offset, cols, bitmap, num_nodes):
-        """graph.edge_slots_from_keys, checking what the CUDA op relies on:
-        the keys sorted, and each edge's column found in ``cols`` (the
-        window's sources ascending, a pair's copies side by side, -1 past
-        them) where a binary search for its source plus its copy number
-        lands."""
-        from gt_fused3s.graph import edge_slots_from_keys
+    def edge_slots(self, edge_index, rw_offset, cols, bitmap, num_nodes):
+        """graph.edge_slots_from_keys on the edges' keys sorted (stable),
+        checking what the CUDA op relies on: each edge's column found in
+        ``cols`` (the window's sources ascending, a pair's copies side by
+        side, -1 past them) where a binary search for its source plus its
+        copy number lands."""
+        from gt_fused3s.graph import _edge_keys, edge_slots_from_keys
         self.calls.append("edge_slots")
-        assert key.dtype == order.dtype == torch.int64 and bool((key[1:] >= key[:-1]).all())
+        assert edge_index.dtype in (torch.int32, torch.int64) and edge_index.dim() == 2
+        assert bool(((edge_index >= 0) & (edge_index < num_nodes)).all())
+        key, order = torch.sort(_edge_keys(edge_index[0].long(), edge_index[1].long(), num_nodes), stable=True)
         nnz_offset, slot_edge, slot_pos, column = edge_slots_from_keys(key, order, rw_offset, bitmap, num_nodes)
         pair = key >> 4
         win = pair // num_nodes if num_nodes else pair

@@ -196,7 +196,6 @@ def test_unprepared_plan_is_prepared_outside_the_graph(stand_in_kernels, schedul
 
 
 def test_opcheck_on_registered_ops(stand_in_kernels):
-    from gt_fused3s.graph import _edge_keys
     ei, _ = _graph(2)
     g = torch.Generator().manual_seed(3)
     q, k, v, do = (torch.randn(N, 2, 32, generator=g).half() for _ in range(4))
@@ -214,8 +213,7 @@ def test_opcheck_on_registered_ops(stand_in_kernels):
         (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out, lse, *bwd_graph, 0.3, False)),
         (torch.ops.gt_fused3s.bwd.default, (do, q, k, v, out_b, lse_b, *bwd_graph, 0.3, False, bias, *slots)),
         (torch.ops.gt_fused3s.bsb_build.default, (ei, N)),
-        (torch.ops.gt_fused3s.edge_slots.default, (*torch.sort(_edge_keys(ei[0].long(), ei[1].long(), N), stable=True),
-                                                   plan.bsb.rw_offset, plan.bsb.cols, plan.bsb.bitmap, N)),
+        (torch.ops.gt_fused3s.edge_slots.default, (ei, plan.bsb.rw_offset, plan.bsb.cols, plan.bsb.bitmap, N)),
         (torch.ops.gt_fused3s.work_schedule.default, (plan.bsb.rw_offset, plan.bsb.window_order,
                                                       *schedule.chunk_bounds(plan.bsb.tcb_capacity, 2, 32, 132),
                                                       plan.forward_args(2, 32)[4].size(0),

@@ -1,12 +1,63 @@
 // The edges' places in a BSB (edge_slots.h): what graph.py's edge_slots
-// computes in about 130 PyTorch ops a format (one kernel launch each, which
-// made it half of an eager plan build's host time), in two kernels.
+// computes in about 140 PyTorch ops a format (one kernel launch each, which
+// made it half of an eager plan build's host time): the keys, their sort
+// and two kernels.
 #include "edge_slots.h"
+
+#include <algorithm>
+
+#include <cub/cub.cuh>
 
 namespace gt_fused3s {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr uint64_t kInvalidKey = ~0ull;   // an edge with an index outside [0, N): sorts last, skipped
+
+// Significant bits of the largest key (bsb_build.cu's), so the sort skips the zero ones.
+inline int key_bits(int64_t num_nodes) {
+    const uint64_t max_key = static_cast<uint64_t>((num_nodes + 15) / 16) * static_cast<uint64_t>(num_nodes) * 16;
+    int bits = 1;
+    while (bits < 64 && (max_key >> bits) != 0) ++bits;
+    return bits;
+}
+
+inline size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
+
+struct Layout {
+    size_t keys_in, keys_out, ids_in, ids_out, temp, temp_bytes, total;
+};
+
+Layout make_layout(int64_t E, int64_t N) {
+    size_t sort_bytes = 0;
+    cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const uint64_t*>(nullptr),
+                                    static_cast<uint64_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                    static_cast<int32_t*>(nullptr), E, 0, key_bits(N));
+    Layout l{};
+    size_t off = 0;
+    auto take = [&](size_t bytes) { size_t at = off; off += align_up(bytes); return at; };
+    l.keys_in = take(sizeof(uint64_t) * E);
+    l.keys_out = take(sizeof(uint64_t) * E);
+    l.ids_in = take(sizeof(int32_t) * E);
+    l.ids_out = take(sizeof(int32_t) * E);
+    l.temp_bytes = std::max(sort_bytes, size_t(1));
+    l.temp = take(l.temp_bytes);
+    l.total = off;
+    return l;
+}
+
+// The builder's key of edge i (graph.py: _edge_keys) and its id.
+template <typename Idx>
+__global__ void edge_keys_kernel(const EdgeSlotsParams p, uint64_t* __restrict__ keys, int32_t* __restrict__ ids) {
+    const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+    if (i >= p.num_edges) return;
+    const int64_t s = static_cast<int64_t>(static_cast<const Idx*>(p.src)[i * p.src_stride]);
+    const int64_t d = static_cast<int64_t>(static_cast<const Idx*>(p.dst)[i * p.dst_stride]);
+    const bool ok = s >= 0 && s < p.num_nodes && d >= 0 && d < p.num_nodes;
+    keys[i] = ok ? ((static_cast<uint64_t>(d >> 4) * static_cast<uint64_t>(p.num_nodes) + s) << 4) | (d & 15)
+                 : kInvalidKey;
+    ids[i] = static_cast<int32_t>(i);
+}
 
 __global__ void tcb_counts_kernel(const uint64_t* __restrict__ bitmap, int64_t num_tcbs, int32_t* __restrict__ counts) {
     const int64_t t = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
@@ -14,20 +65,22 @@ __global__ void tcb_counts_kernel(const uint64_t* __restrict__ bitmap, int64_t n
     if (t < num_tcbs) counts[t + 1] = __popcll(bitmap[2 * t]) + __popcll(bitmap[2 * t + 1]);
 }
 
-__global__ void edge_slots_kernel(const EdgeSlotsParams p) {
+__global__ void edge_slots_kernel(const EdgeSlotsParams p, const uint64_t* __restrict__ keys,
+                                  const int32_t* __restrict__ ids) {
     const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
     if (i >= p.num_edges) return;
-    const int64_t k = p.key[i];
+    const uint64_t k = keys[i];
+    if (k == kInvalidKey) return;
     // copies of one edge (equal keys) take the pair's columns in order:
     // this one's copy number is its distance to the first of its run
     int64_t lo = 0, hi = i;
     while (lo < hi) {
         const int64_t mid = (lo + hi) >> 1;
-        if (p.key[mid] < k) lo = mid + 1;
+        if (keys[mid] < k) lo = mid + 1;
         else hi = mid;
     }
     const int64_t copy = i - lo;
-    const int64_t pair = k >> 4;                       // window * N + source
+    const int64_t pair = static_cast<int64_t>(k >> 4);  // window * N + source
     const int row_in = static_cast<int>(k & 15);
     const int64_t win = p.num_nodes ? pair / p.num_nodes : pair;
     const int64_t src = pair - win * p.num_nodes;
@@ -47,7 +100,7 @@ __global__ void edge_slots_kernel(const EdgeSlotsParams p) {
     const int bit = ((row_in & 7) << 3) | static_cast<int>(rank & 7);
     const uint64_t below = p.bitmap[2 * tcb + word] & ((uint64_t(1) << bit) - 1);
     const int64_t nnz = p.nnz_offset[tcb] + __popcll(below) + (word ? __popcll(p.bitmap[2 * tcb]) : 0);
-    p.slot_edge[nnz] = static_cast<int32_t>(p.order[i]);
+    p.slot_edge[nnz] = ids[i];
     // TCB x = (rank / 8) % 2 of the window's pairs, lane bit / 2, element 2 word + bit % 2
     p.slot_pos[nnz] = static_cast<uint8_t>((((rank >> 3) & 1) << 7) | ((bit >> 1) << 2) | (word << 1) | (bit & 1));
 }
@@ -61,9 +114,30 @@ cudaError_t run_tcb_counts(const uint64_t* bitmap, int64_t num_tcbs, int32_t* co
     return cudaGetLastError();
 }
 
-cudaError_t run_edge_slots(const EdgeSlotsParams& p, cudaStream_t stream) {
-    if (p.num_edges == 0) return cudaSuccess;
-    edge_slots_kernel<<<blocks(p.num_edges), kThreads, 0, stream>>>(p);
+size_t edge_slots_workspace_bytes(int64_t num_edges, int64_t num_nodes) {
+    return make_layout(num_edges, num_nodes).total;
+}
+
+cudaError_t run_edge_slots(const EdgeSlotsParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+    const int64_t E = p.num_edges;
+    if (E == 0) return cudaSuccess;
+    const Layout l = make_layout(E, p.num_nodes);
+    if (workspace_bytes < l.total) return cudaErrorInvalidValue;
+    auto* base = static_cast<char*>(workspace);
+    auto* keys_in = reinterpret_cast<uint64_t*>(base + l.keys_in);
+    auto* keys_out = reinterpret_cast<uint64_t*>(base + l.keys_out);
+    auto* ids_in = reinterpret_cast<int32_t*>(base + l.ids_in);
+    auto* ids_out = reinterpret_cast<int32_t*>(base + l.ids_out);
+    if (p.index64) edge_keys_kernel<int64_t><<<blocks(E), kThreads, 0, stream>>>(p, keys_in, ids_in);
+    else edge_keys_kernel<int32_t><<<blocks(E), kThreads, 0, stream>>>(p, keys_in, ids_in);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    // stable: copies of one edge keep the caller's order (as torch.sort(stable=True))
+    size_t temp_bytes = l.temp_bytes;
+    err = cub::DeviceRadixSort::SortPairs(base + l.temp, temp_bytes, keys_in, keys_out, ids_in, ids_out, E, 0,
+                                          key_bits(p.num_nodes), stream);
+    if (err != cudaSuccess) return err;
+    edge_slots_kernel<<<blocks(E), kThreads, 0, stream>>>(p, keys_out, ids_out);
     return cudaGetLastError();
 }
 
