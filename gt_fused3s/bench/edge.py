@@ -14,9 +14,11 @@ Two tables:
   permutations to and from the format's edge order included).
 * ``layer``: ``Fused3SConv`` against ``TransformerConv`` with the same
   weights (``heads``, ``out_channels``, ``edge_dim``), fp32 features,
-  forward + backward of the layer, each side eager and without launch
-  overhead: ``fused3s_graph`` is the fused step captured once in a CUDA
-  graph and replayed (:class:`~gt_fused3s.capture.CudaGraphRunner`, on the
+  forward + backward of the layer, each side eager (``fused3s``: the plan
+  cached, as for one graph; ``fused3s_new_graph``: PyG's default
+  ``cached=False``, the plan built in every call, as for a new batch every
+  step, added after git 008275c) and without launch overhead:
+  ``fused3s_graph`` is the fused step captured once in a CUDA graph and replayed (:class:`~gt_fused3s.capture.CudaGraphRunner`, on the
   graph's plan), ``pyg_compiled`` TransformerConv under ``torch.compile``
   (inductor, static shapes), ``pyg_reduce_overhead`` the same in
   ``mode="reduce-overhead"`` (inductor's kernels replayed as CUDA graphs),
@@ -48,6 +50,7 @@ from __future__ import annotations
 import csv
 import math
 import platform
+import warnings
 
 import torch
 
@@ -59,7 +62,7 @@ GRAPHS = ("zinc", "github", "powerlaw200k")
 EDGE_ORDERS = ("as-loaded", "source", "random")
 ATTENTION_SETTINGS = ((4, 16), (1, 64), (8, 32))     # (heads, head dim)
 EDGE_DIM = 16
-PEERS = ("fused3s", "fused3s_graph", "fused3s_compiled", "fused3s_reduce_overhead", "pyg", "pyg_compiled",
+PEERS = ("fused3s", "fused3s_new_graph", "fused3s_graph", "fused3s_compiled", "fused3s_reduce_overhead", "pyg", "pyg_compiled",
          "pyg_reduce_overhead")
 CAPTURED = ("fused3s_graph", "fused3s_reduce_overhead", "pyg_reduce_overhead")   # replayed as CUDA graphs
 
@@ -170,6 +173,7 @@ def format_attention_row(r: dict) -> str:
 
 #: The layer table's ratios: (suffix, our peer, their peer).
 RATIOS = (("", "fused3s", "pyg"),                                   # eager vs eager
+          ("_new_graph", "fused3s_new_graph", "pyg"),               # eager, a new graph every call
           ("_compiled", "fused3s", "pyg_compiled"),
           ("_graph", "fused3s_graph", "pyg_reduce_overhead"),     # both without launch overhead
           ("_graph_vs_eager", "fused3s_graph", "pyg"),
@@ -191,10 +195,14 @@ def _layer_step(conv, x, ei, edge_attr, grad, mark_step: bool = False):
     return step
 
 
-def _peer_steps(fused, ref, plan, x, ei, edge_attr, grad, compiled: bool):
+def _peer_steps(fused, fused_uncached, ref, plan, x, ei, edge_attr, grad, compiled: bool):
     """(label, step) of every peer of the layer table."""
     from ..capture import CudaGraphRunner
-    steps = [("fused3s", _layer_step(fused, x, ei, edge_attr, grad))]
+    steps = [("fused3s", _layer_step(fused, x, ei, edge_attr, grad)),
+             # PyG's default (cached=False), as on a new batch every step: the
+             # plan built in every call (the warning that the edge_index is the
+             # last call's is silenced in layer_rows: here it is on purpose)
+             ("fused3s_new_graph", _layer_step(fused_uncached, x, ei, edge_attr, grad))]
     # the captured step reads the plan (the format built outside it, once per
     # graph) and the inputs where they are: a replay copies nothing in
     steps.append(("fused3s_graph", CudaGraphRunner(_layer_step(fused, x, plan, edge_attr, grad))))
@@ -209,12 +217,40 @@ def _peer_steps(fused, ref, plan, x, ei, edge_attr, grad, compiled: bool):
     return steps
 
 
+def _time_peer(label: str, step, row: dict, grads: dict) -> None:
+    """Run ``step`` (its first call compiles or captures), keep its gradients
+    in ``grads`` and its peak memory and times in ``row``; a compiled or
+    captured peer's failure becomes its ``<label>_error`` note."""
+    try:
+        grads[label] = [t.clone() for t in step()]      # a compile or a capture happens here
+        torch.cuda.synchronize()
+        free_cuda_memory()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        if label not in CAPTURED:   # a replay allocates nothing: its memory is the capture's pool
+            row[f"{label}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        row[f"{label}_gpu_ms"] = time_cuda(step, flush=False, max_reps=50)["median"]
+        row[f"{label}_wall_ms"] = time_wall(step, reps=30)["wall"]
+        # every kernel of the step (profiler; inside a replay too), without launch gaps
+        row[f"{label}_kernel_ms"] = kernel_time(step, "", reps=10, flush=False)
+    except torch.cuda.OutOfMemoryError as e:
+        row[f"{label}_error"] = short_error(e)
+    except Exception as e:  # noqa: BLE001 - a compile / capture error becomes the peer's note
+        if label in ("fused3s", "pyg"):
+            raise
+        torch.compiler.reset()      # a failed compile leaves nothing behind for the next peer
+        row[f"{label}_error"] = short_error(e)
+    free_cuda_memory()
+
+
 def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, heads: int = 4,
                edge_dim: int | None = 16, seed: int = 0, compiled: bool = True,
                edge_order: str = "as-loaded") -> list[dict]:
     from torch_geometric.nn import TransformerConv
 
-    from ..nn.pyg import Fused3SConv
+    from ..nn.pyg import Fused3SConv, PlanRebuildWarning
     rows = []
     for name in graphs:
         ei, n = load_graph(name, "cuda")
@@ -228,6 +264,8 @@ def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, hea
         ref = TransformerConv(in_channels, out_channels, heads=heads, edge_dim=edge_dim).cuda()
         fused = Fused3SConv(in_channels, out_channels, heads=heads, edge_dim=edge_dim, cached=True).cuda()
         fused.load_state_dict(ref.state_dict(), strict=True)
+        fused_uncached = Fused3SConv(in_channels, out_channels, heads=heads, edge_dim=edge_dim).cuda()
+        fused_uncached.load_state_dict(ref.state_dict(), strict=True)
         plan = Fused3SConv.to_graph_format(ei, n).prepare(heads, out_channels, edge_features=bool(edge_dim))
         grad = torch.randn(n, heads * out_channels, device="cuda", generator=g)
         row = {"graph": name, "N": n, "E": E, "heads": heads, "out_channels": out_channels,
@@ -237,29 +275,10 @@ def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, hea
             err = (fused(x, ei, edge_attr) - ref(x, ei, edge_attr)).abs().max().item()
         row["max_abs_diff"] = err
         grads = {}
-        for label, step in _peer_steps(fused, ref, plan, x, ei, edge_attr, grad, compiled):
-            try:
-                grads[label] = [t.clone() for t in step()]      # a compile or a capture happens here
-                torch.cuda.synchronize()
-                free_cuda_memory()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                torch.cuda.synchronize()
-                if label not in CAPTURED:   # a replay allocates nothing: its memory is the capture's pool
-                    row[f"{label}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-                row[f"{label}_gpu_ms"] = time_cuda(step, flush=False, max_reps=50)["median"]
-                row[f"{label}_wall_ms"] = time_wall(step, reps=30)["wall"]
-                # every kernel of the step (profiler; inside a replay too), without launch gaps
-                row[f"{label}_kernel_ms"] = kernel_time(step, "", reps=10, flush=False)
-            except torch.cuda.OutOfMemoryError as e:
-                row[f"{label}_error"] = short_error(e)
-            except Exception as e:  # noqa: BLE001 - a compile / capture error becomes the peer's note
-                if label in ("fused3s", "pyg"):
-                    raise
-                torch.compiler.reset()      # a failed compile leaves nothing behind for the next peer
-                row[f"{label}_error"] = short_error(e)
-            free_cuda_memory()
+        with warnings.catch_warnings():   # fused3s_new_graph rebuilds the plan of one edge_index on purpose
+            warnings.simplefilter("ignore", PlanRebuildWarning)
+            for label, step in _peer_steps(fused, fused_uncached, ref, plan, x, ei, edge_attr, grad, compiled):
+                _time_peer(label, step, row, grads)
         # every peer computes the same gradients (inputs and parameters): the
         # largest error of a gradient relative to its largest entry, floored
         # at 1e-3 of the largest entry of all (the key bias's gradient is zero
@@ -275,7 +294,7 @@ def layer_rows(graphs=GRAPHS, in_channels: int = 64, out_channels: int = 16, hea
                     row[ratio + suffix] = row[f"{peer}_{key}"] / row[f"{ours}_{key}"]
         rows.append(row)
         print(format_layer_row(row), flush=True)
-        del fused, ref, plan, grads
+        del fused, fused_uncached, ref, plan, grads
         free_cuda_memory()
     return rows
 
