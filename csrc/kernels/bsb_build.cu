@@ -12,6 +12,7 @@
 // Nothing here synchronises with the host: the outputs are sized from E and
 // N (at capacity), the counts the caller may want are left in `counters`.
 #include "bsb_build.h"
+#include "build_scratch.h"
 
 #include <algorithm>
 
@@ -21,23 +22,11 @@ namespace gt_fused3s {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr uint64_t kInvalidKey = ~0ull;   // an edge with an index outside [0, N)
 
 inline int blocks_for(int64_t n) {
     int64_t b = (n + kThreads - 1) / kThreads;
     return static_cast<int>(b < 65535 * 32 ? (b > 0 ? b : 1) : 65535 * 32);
 }
-
-// Significant bits of the largest key, so the radix sort skips the zero ones.
-inline int key_bits(int64_t num_nodes) {
-    uint64_t windows = (num_nodes + 15) / 16;
-    uint64_t max_key = windows * static_cast<uint64_t>(num_nodes) * 16;
-    int bits = 1;
-    while (bits < 64 && (max_key >> bits) != 0) ++bits;
-    return bits;
-}
-
-inline size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
 
 struct MaxOp {
     __device__ __forceinline__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; }
@@ -56,7 +45,7 @@ struct Layout {
 
 Layout make_layout(int64_t E, int32_t N) {
     const int64_t R = (static_cast<int64_t>(N) + 15) / 16;
-    const int bits = key_bits(N);
+    const int bits = edge_key_bits(N);
     size_t sort_bytes = 0, scan_bytes = 0, max_bytes = 0, cscan_bytes = 0, wscan_bytes = 0, wsort_bytes = 0;
     cub::DeviceRadixSort::SortKeys(nullptr, sort_bytes, static_cast<const uint64_t*>(nullptr),
                                    static_cast<uint64_t*>(nullptr), E, 0, bits);
@@ -73,23 +62,22 @@ Layout make_layout(int64_t E, int32_t N) {
                                               static_cast<const int32_t*>(nullptr),
                                               static_cast<int32_t*>(nullptr), R);
     Layout l{};
-    size_t off = 0;
-    auto take = [&](size_t bytes) { size_t at = off; off += align_up(bytes); return at; };
-    l.keys_a = take(sizeof(uint64_t) * E);
-    l.keys_b = take(sizeof(uint64_t) * E);
-    l.incl = take(sizeof(uint64_t) * E);
-    l.run_first_in = take(sizeof(int32_t) * E);
-    l.run_first = take(sizeof(int32_t) * E);
-    l.pair_cols = take(sizeof(int32_t) * (E + 1));
-    l.col_base = take(sizeof(int32_t) * (E + 1));
-    l.first_pair = take(sizeof(int32_t) * R);
-    l.end_pair = take(sizeof(int32_t) * R);
-    l.tcb_count = take(sizeof(int32_t) * (R + 1));
-    l.iota = take(sizeof(int32_t) * R);
-    l.counts_sorted = take(sizeof(int32_t) * R);
+    ScratchLayout c;
+    l.keys_a = c.take(sizeof(uint64_t) * E);
+    l.keys_b = c.take(sizeof(uint64_t) * E);
+    l.incl = c.take(sizeof(uint64_t) * E);
+    l.run_first_in = c.take(sizeof(int32_t) * E);
+    l.run_first = c.take(sizeof(int32_t) * E);
+    l.pair_cols = c.take(sizeof(int32_t) * (E + 1));
+    l.col_base = c.take(sizeof(int32_t) * (E + 1));
+    l.first_pair = c.take(sizeof(int32_t) * R);
+    l.end_pair = c.take(sizeof(int32_t) * R);
+    l.tcb_count = c.take(sizeof(int32_t) * (R + 1));
+    l.iota = c.take(sizeof(int32_t) * R);
+    l.counts_sorted = c.take(sizeof(int32_t) * R);
     l.temp_bytes = std::max({sort_bytes, scan_bytes, max_bytes, cscan_bytes, wscan_bytes, wsort_bytes});
-    l.temp = take(l.temp_bytes);
-    l.total = off;
+    l.temp = c.take(l.temp_bytes);
+    l.total = c.bytes;
     return l;
 }
 
@@ -113,7 +101,7 @@ __global__ void make_keys(const Idx* __restrict__ src, int64_t src_stride, const
         lo = min(lo, min(s, d));
         hi = max(hi, max(s, d));
         const bool ok = s >= 0 && s < N && d >= 0 && d < N;
-        keys[i] = ok ? ((static_cast<uint64_t>(d >> 4) * N + s) << 4) | (d & 15) : kInvalidKey;
+        keys[i] = ok ? ((static_cast<uint64_t>(d >> 4) * N + s) << 4) | (d & 15) : kInvalidEdgeKey;
     }
     // warp reduction, then one atomic per warp
     for (int o = 16; o > 0; o >>= 1) {
@@ -219,12 +207,6 @@ __global__ void finish_counters(const int32_t* __restrict__ rw_offset, int32_t R
     counters[4] = R > 0 ? counts_sorted[0] : 0;   // windows sorted by decreasing TCB count
 }
 
-#define GT_CUDA_RETURN_IF_ERROR(expr)              \
-    do {                                           \
-        cudaError_t err_ = (expr);                 \
-        if (err_ != cudaSuccess) return err_;      \
-    } while (0)
-
 }  // namespace
 
 size_t bsb_build_workspace_bytes(int64_t num_edges, int32_t num_nodes) {
@@ -273,7 +255,7 @@ cudaError_t run_bsb_build(const BsbBuildParams& p, void* workspace, size_t works
         GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
         // Invalid keys have all their low bits set: they sort last.
         GT_CUDA_RETURN_IF_ERROR(
-            cub::DeviceRadixSort::SortKeys(temp, temp_bytes, keys_a, keys_b, E, 0, key_bits(N), stream));
+            cub::DeviceRadixSort::SortKeys(temp, temp_bytes, keys_a, keys_b, E, 0, edge_key_bits(N), stream));
         mark_firsts<<<blocks_for(E), kThreads, 0, stream>>>(keys_b, E, keys_a, run_first_in);
         GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
         temp_bytes = l.temp_bytes;

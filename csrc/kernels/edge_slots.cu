@@ -3,6 +3,7 @@
 // made it half of an eager plan build's host time): the keys, their sort
 // and two kernels.
 #include "edge_slots.h"
+#include "build_scratch.h"
 
 #include <algorithm>
 
@@ -12,18 +13,8 @@ namespace gt_fused3s {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr uint64_t kInvalidKey = ~0ull;   // an edge with an index outside [0, N): sorts last, skipped
 
-// Significant bits of the largest key (bsb_build.cu's), so the sort skips the zero ones.
-inline int key_bits(int64_t num_nodes) {
-    const uint64_t max_key = static_cast<uint64_t>((num_nodes + 15) / 16) * static_cast<uint64_t>(num_nodes) * 16;
-    int bits = 1;
-    while (bits < 64 && (max_key >> bits) != 0) ++bits;
-    return bits;
-}
-
-inline size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
-
+// Where each scratch array lives inside the caller's workspace.
 struct Layout {
     size_t keys_in, keys_out, ids_in, ids_out, temp, temp_bytes, total;
 };
@@ -32,17 +23,16 @@ Layout make_layout(int64_t E, int64_t N) {
     size_t sort_bytes = 0;
     cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const uint64_t*>(nullptr),
                                     static_cast<uint64_t*>(nullptr), static_cast<const int32_t*>(nullptr),
-                                    static_cast<int32_t*>(nullptr), E, 0, key_bits(N));
+                                    static_cast<int32_t*>(nullptr), E, 0, edge_key_bits(N));
     Layout l{};
-    size_t off = 0;
-    auto take = [&](size_t bytes) { size_t at = off; off += align_up(bytes); return at; };
-    l.keys_in = take(sizeof(uint64_t) * E);
-    l.keys_out = take(sizeof(uint64_t) * E);
-    l.ids_in = take(sizeof(int32_t) * E);
-    l.ids_out = take(sizeof(int32_t) * E);
+    ScratchLayout c;
+    l.keys_in = c.take(sizeof(uint64_t) * E);
+    l.keys_out = c.take(sizeof(uint64_t) * E);
+    l.ids_in = c.take(sizeof(int32_t) * E);
+    l.ids_out = c.take(sizeof(int32_t) * E);
     l.temp_bytes = std::max(sort_bytes, size_t(1));
-    l.temp = take(l.temp_bytes);
-    l.total = off;
+    l.temp = c.take(l.temp_bytes);
+    l.total = c.bytes;
     return l;
 }
 
@@ -55,7 +45,7 @@ __global__ void edge_keys_kernel(const EdgeSlotsParams p, uint64_t* __restrict__
     const int64_t d = static_cast<int64_t>(static_cast<const Idx*>(p.dst)[i * p.dst_stride]);
     const bool ok = s >= 0 && s < p.num_nodes && d >= 0 && d < p.num_nodes;
     keys[i] = ok ? ((static_cast<uint64_t>(d >> 4) * static_cast<uint64_t>(p.num_nodes) + s) << 4) | (d & 15)
-                 : kInvalidKey;
+                 : kInvalidEdgeKey;
     ids[i] = static_cast<int32_t>(i);
 }
 
@@ -70,7 +60,7 @@ __global__ void edge_slots_kernel(const EdgeSlotsParams p, const uint64_t* __res
     const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
     if (i >= p.num_edges) return;
     const uint64_t k = keys[i];
-    if (k == kInvalidKey) return;
+    if (k == kInvalidEdgeKey) return;
     // copies of one edge (equal keys) take the pair's columns in order:
     // this one's copy number is its distance to the first of its run
     int64_t lo = 0, hi = i;
@@ -130,13 +120,11 @@ cudaError_t run_edge_slots(const EdgeSlotsParams& p, void* workspace, size_t wor
     auto* ids_out = reinterpret_cast<int32_t*>(base + l.ids_out);
     if (p.index64) edge_keys_kernel<int64_t><<<blocks(E), kThreads, 0, stream>>>(p, keys_in, ids_in);
     else edge_keys_kernel<int32_t><<<blocks(E), kThreads, 0, stream>>>(p, keys_in, ids_in);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
+    GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     // stable: copies of one edge keep the caller's order (as torch.sort(stable=True))
     size_t temp_bytes = l.temp_bytes;
-    err = cub::DeviceRadixSort::SortPairs(base + l.temp, temp_bytes, keys_in, keys_out, ids_in, ids_out, E, 0,
-                                          key_bits(p.num_nodes), stream);
-    if (err != cudaSuccess) return err;
+    GT_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(base + l.temp, temp_bytes, keys_in, keys_out, ids_in,
+                                                            ids_out, E, 0, edge_key_bits(p.num_nodes), stream));
     edge_slots_kernel<<<blocks(E), kThreads, 0, stream>>>(p, keys_out, ids_out);
     return cudaGetLastError();
 }

@@ -12,6 +12,7 @@
 //                   windows' order, as torch.sort(stable=True) does), then a
 //                   gather of the rows in that order
 #include "work_schedule.h"
+#include "build_scratch.h"
 
 #include <algorithm>
 
@@ -23,13 +24,12 @@ namespace {
 constexpr int kThreads = 256;
 
 inline unsigned blocks_for(int64_t n) { return static_cast<unsigned>(std::max<int64_t>(1, (n + kThreads - 1) / kThreads)); }
-inline size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
 
 // A chunk holds at most max(threshold, C) = threshold TCBs (a window of at
 // most `threshold` is one chunk; a split one's chunks hold ceil(cnt / nch)
 // <= C rounded up to even, and C is even), so the sort key work + 1 lies in
 // [0, threshold + 1] (work -1: an unused item) and needs this many bits.
-inline int key_bits(int32_t threshold) {
+inline int work_key_bits(int32_t threshold) {
     int bits = 1;
     while (bits < 32 && ((static_cast<uint32_t>(threshold) + 1) >> bits) != 0) ++bits;
     return bits;
@@ -50,21 +50,20 @@ Layout make_layout(int32_t R, int32_t I) {
                                               static_cast<uint32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
                                               static_cast<int32_t*>(nullptr), I);
     Layout l{};
-    size_t off = 0;
-    auto take = [&](size_t bytes) { size_t at = off; off += align_up(bytes); return at; };
-    l.nch = take(sizeof(int32_t) * R);
-    l.length = take(sizeof(int32_t) * R);
-    l.split_n = take(sizeof(int32_t) * R);
-    l.ends = take(sizeof(int32_t) * R);
-    l.split_first = take(sizeof(int32_t) * R);
-    l.rows = take(sizeof(int4) * I);
-    l.keys_in = take(sizeof(uint32_t) * I);
-    l.keys_out = take(sizeof(uint32_t) * I);
-    l.vals_in = take(sizeof(int32_t) * I);
-    l.vals_out = take(sizeof(int32_t) * I);
+    ScratchLayout c;
+    l.nch = c.take(sizeof(int32_t) * R);
+    l.length = c.take(sizeof(int32_t) * R);
+    l.split_n = c.take(sizeof(int32_t) * R);
+    l.ends = c.take(sizeof(int32_t) * R);
+    l.split_first = c.take(sizeof(int32_t) * R);
+    l.rows = c.take(sizeof(int4) * I);
+    l.keys_in = c.take(sizeof(uint32_t) * I);
+    l.keys_out = c.take(sizeof(uint32_t) * I);
+    l.vals_in = c.take(sizeof(int32_t) * I);
+    l.vals_out = c.take(sizeof(int32_t) * I);
     l.temp_bytes = std::max({scan_bytes, escan_bytes, sort_bytes, size_t(1)});
-    l.temp = take(l.temp_bytes);
-    l.total = off;
+    l.temp = c.take(l.temp_bytes);
+    l.total = c.bytes;
     return l;
 }
 
@@ -123,12 +122,6 @@ __global__ void gather_items(const WorkScheduleParams p, const int4* __restrict_
     if (j < p.num_items) reinterpret_cast<int4*>(p.items)[j] = rows[order[j]];
 }
 
-#define GT_CUDA_RETURN_IF_ERROR(expr)              \
-    do {                                           \
-        const cudaError_t err_ = (expr);           \
-        if (err_ != cudaSuccess) return err_;      \
-    } while (0)
-
 }  // namespace
 
 size_t work_schedule_workspace_bytes(int32_t num_windows, int32_t num_items) {
@@ -153,7 +146,7 @@ cudaError_t run_work_schedule(const WorkScheduleParams& p, void* workspace, size
     auto* vals_out = reinterpret_cast<int32_t*>(base + l.vals_out);
     void* temp = base + l.temp;
     size_t temp_bytes = l.temp_bytes;
-    const int bits = key_bits(p.threshold);
+    const int bits = work_key_bits(p.threshold);
 
     GT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.slots, 0, sizeof(int32_t) * 4 * static_cast<size_t>(p.num_slots), stream));
     window_chunks<<<blocks_for(R), kThreads, 0, stream>>>(p, nch, length, split_n);
