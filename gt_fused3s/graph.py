@@ -707,8 +707,9 @@ def edge_slots(bsb: BSBGraph, edge_index: Tensor) -> tuple[Tensor, Tensor, Tenso
     (row >= 8) + column % 2`` of the m16n8 accumulator, where the kernels
     put its bias and find its score: csrc/kernels/edge_bias.cuh). Copies of
     one edge take its columns in the order they are listed. Built once per
-    graph with vectorised ops and static shapes (no host synchronisation),
-    for the kernels' per-edge terms, which they read and write in the
+    graph with static shapes (no host synchronisation), on a GPU by one op
+    (csrc/kernels/edge_slots.cu), elsewhere with vectorised ops (the op's
+    specification), for the kernels' per-edge terms, which they read and write in the
     caller's edge order through ``slot_edge``.
     """
     _check_edge_index(edge_index)

@@ -18,8 +18,9 @@ Two tables:
   cached, as for one graph; ``fused3s_new_graph``: PyG's default
   ``cached=False``, the plan built in every call, as for a new batch every
   step, added after git 008275c) and without launch overhead:
-  ``fused3s_graph`` is the fused step captured once in a CUDA graph and replayed (:class:`~gt_fused3s.capture.CudaGraphRunner`, on the
-  graph's plan), ``pyg_compiled`` TransformerConv under ``torch.compile``
+  ``fused3s_graph`` is the fused step captured once in a CUDA graph and
+  replayed (:class:`~gt_fused3s.capture.CudaGraphRunner`, on the graph's
+  plan), ``pyg_compiled`` TransformerConv under ``torch.compile``
   (inductor, static shapes), ``pyg_reduce_overhead`` the same in
   ``mode="reduce-overhead"`` (inductor's kernels replayed as CUDA graphs),
   and ``fused3s_compiled`` / ``fused3s_reduce_overhead`` the fused layer
@@ -62,8 +63,8 @@ GRAPHS = ("zinc", "github", "powerlaw200k")
 EDGE_ORDERS = ("as-loaded", "source", "random")
 ATTENTION_SETTINGS = ((4, 16), (1, 64), (8, 32))     # (heads, head dim)
 EDGE_DIM = 16
-PEERS = ("fused3s", "fused3s_new_graph", "fused3s_graph", "fused3s_compiled", "fused3s_reduce_overhead", "pyg", "pyg_compiled",
-         "pyg_reduce_overhead")
+PEERS = ("fused3s", "fused3s_new_graph", "fused3s_graph", "fused3s_compiled", "fused3s_reduce_overhead", "pyg",
+         "pyg_compiled", "pyg_reduce_overhead")
 CAPTURED = ("fused3s_graph", "fused3s_reduce_overhead", "pyg_reduce_overhead")   # replayed as CUDA graphs
 
 
