@@ -1,5 +1,5 @@
 """CPU stand-ins for the CUDA ops ``gt_fused3s::fwd``, ``fwd_scores``, ``bwd``, ``fwd8``, ``bwd8``, ``edge_probs``, ``gather_rows``, the
-edge-term ops, ``bsb_build``, ``work_schedule`` and the sequence kernels ``seq_fwd`` / ``seq_bwd``,
+edge-term ops, the plan's builders ``bsb_build``, ``edge_slots`` and ``work_schedule``, and the sequence kernels ``seq_fwd`` / ``seq_bwd``,
 with their contracts, so that the CPU suite runs everything around the
 kernels: the plan, the registered ops and their fakes (``opcheck``),
 autograd, torch.compile tracing, casts and padding.
@@ -469,9 +469,9 @@ def install(monkeypatch) -> StandIns:
 
     stand_ins = StandIns()
     lib = torch.library.Library("gt_fused3s", "IMPL")
-    for name in ("fwd", "fwd_scores", "bwd", "fwd8", "bwd8", "bsb_build", "edge_slots", "work_schedule", "edge_dot", "edge_rows",
-                 "edge_scatter", "edge_probs", "gather_rows", "seq_fwd", "seq_bwd", "dense_rows_fwd",
-                 "dense_rows_bwd"):
+    for name in ("fwd", "fwd_scores", "bwd", "fwd8", "bwd8", "bsb_build", "edge_slots", "work_schedule",
+                 "edge_dot", "edge_rows", "edge_scatter", "edge_probs", "gather_rows", "seq_fwd", "seq_bwd",
+                 "dense_rows_fwd", "dense_rows_bwd"):
         lib.impl(name, getattr(stand_ins, name), "CPU")
     monkeypatch.setattr(ops_mod, "kernel_available", lambda device: True)
     monkeypatch.setattr(ops_mod, "_use_kernel", lambda q: True)

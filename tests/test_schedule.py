@@ -117,7 +117,7 @@ def test_schedule_counts_and_the_op_s_key_bound(n, e, heavy, H, D, chunk_env, mo
             assert counts[1] > 0                                  # windows were split
 
 
-def test_schedule_through_the_op(stand_in_kernels):
+def test_schedule_through_the_op(stand_in_kernels, monkeypatch):
     """A plan's schedules come from the registered op where the builder ops
     run (stand-ins on the CPU: they check the op's preconditions), exact and
     at capacity, equal to the PyTorch path."""
@@ -127,10 +127,8 @@ def test_schedule_through_the_op(stand_in_kernels):
         got = schedule.work_schedule(bsb, 4, 32)
         assert stand_in_kernels.calls == ["work_schedule"]
         stand_in_kernels.calls.clear()
-        graph_mod._op_build_available, saved = (lambda device: False), graph_mod._op_build_available
-        try:
+        with monkeypatch.context() as m:
+            m.setattr(graph_mod, "_op_build_available", lambda device: False)
             want = schedule.work_schedule(bsb, 4, 32)
-        finally:
-            graph_mod._op_build_available = saved
         assert not stand_in_kernels.calls
         assert all(torch.equal(a, b) for a, b in zip(got, want))
