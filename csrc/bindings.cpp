@@ -685,6 +685,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd8_cuda(
     return {dq, dk, dv};
 }
 
+// edge_index [2, E] of int32 or int64, any strides, on a CUDA device: the
+// builders' view of its rows (ValueError otherwise).
+EdgeIndexView edge_index_view(const at::Tensor& edge_index) {
+    TORCH_CHECK_VALUE(edge_index.defined() && edge_index.is_cuda(), "edge_index must be a CUDA tensor (got ",
+                      edge_index.defined() ? edge_index.device().str() : std::string("an undefined tensor"), ")");
+    TORCH_CHECK_VALUE(edge_index.scalar_type() == at::kInt || edge_index.scalar_type() == at::kLong,
+                      "edge_index must be int32 or int64 (got ", dtype_name(edge_index.scalar_type()), ")");
+    TORCH_CHECK_VALUE(edge_index.dim() == 2 && edge_index.size(0) == 2, "edge_index must have shape [2, E] (got ",
+                      shape(edge_index.sizes()), ")");
+    EdgeIndexView e{};
+    e.src = edge_index.data_ptr();
+    e.dst = static_cast<const char*>(edge_index.data_ptr()) + edge_index.stride(0) * edge_index.element_size();
+    e.src_stride = e.dst_stride = edge_index.stride(1);
+    e.index64 = edge_index.scalar_type() == at::kLong;
+    return e;
+}
+
 // ---- BSB builder -------------------------------------------------------------
 // Builds the BSB format of gt_fused3s/graph.py on the GPU, at capacity (cols
 // and bitmap sized for E / 8 + R + 1 TCBs, T in counters[0]) and without a
@@ -692,11 +709,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd8_cuda(
 // and cut the arrays to T) when and if it may synchronise.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bsb_build_cuda(
     const at::Tensor& edge_index, int64_t num_nodes) {
-    TORCH_CHECK_VALUE(edge_index.is_cuda(), "edge_index must be a CUDA tensor (got ", edge_index.device().str(), ")");
-    TORCH_CHECK_VALUE(edge_index.scalar_type() == at::kInt || edge_index.scalar_type() == at::kLong,
-                      "edge_index must be int32 or int64 (got ", dtype_name(edge_index.scalar_type()), ")");
-    TORCH_CHECK_VALUE(edge_index.dim() == 2 && edge_index.size(0) == 2, "edge_index must have shape [2, E] (got ",
-                      shape(edge_index.sizes()), ")");
+    const EdgeIndexView edges_in = edge_index_view(edge_index);
     TORCH_CHECK_VALUE(num_nodes >= 0 && num_nodes <= INT32_MAX, "num_nodes must be in [0, 2^31) (got ",
                       num(num_nodes), ")");
     const int64_t E = edge_index.size(1);
@@ -721,10 +734,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                                      edge_index.options().dtype(at::kByte));
 
     BsbBuildParams p{};
-    p.src_ptr = edge_index.data_ptr();
-    p.dst_ptr = static_cast<const char*>(edge_index.data_ptr()) + edge_index.stride(0) * edge_index.element_size();
-    p.src_stride = p.dst_stride = edge_index.stride(1);
-    p.index64 = edge_index.scalar_type() == at::kLong;
+    p.edge_index = edges_in;
     p.num_edges = E;
     p.num_nodes = N;
     p.num_windows = R;
@@ -748,11 +758,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_slots_cuda(const at::Tensor& edge_index,
                                                                const at::Tensor& rw_offset, const at::Tensor& cols,
                                                                const at::Tensor& bitmap, int64_t num_nodes) {
-    TORCH_CHECK_VALUE(edge_index.defined() && edge_index.is_cuda(), "edge_index must be a CUDA tensor");
-    TORCH_CHECK_VALUE(edge_index.scalar_type() == at::kInt || edge_index.scalar_type() == at::kLong,
-                      "edge_index must be int32 or int64 (got ", dtype_name(edge_index.scalar_type()), ")");
-    TORCH_CHECK_VALUE(edge_index.dim() == 2 && edge_index.size(0) == 2, "edge_index must have shape [2, E] (got ",
-                      shape(edge_index.sizes()), ")");
+    const EdgeIndexView edges_in = edge_index_view(edge_index);
     check_index(rw_offset, "rw_offset", at::kInt, edge_index, "edge_index");
     check_index(cols, "cols", at::kInt, edge_index, "edge_index");
     check_index(bitmap, "bitmap", at::kLong, edge_index, "edge_index");
@@ -775,10 +781,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_slots_cuda(const at::Tensor&
     const size_t bytes = edge_slots_workspace_bytes(E, num_nodes);
     at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, edge_index.options().dtype(at::kByte));
     EdgeSlotsParams p{};
-    p.src = edge_index.data_ptr();
-    p.dst = static_cast<const char*>(edge_index.data_ptr()) + edge_index.stride(0) * edge_index.element_size();
-    p.src_stride = p.dst_stride = edge_index.stride(1);
-    p.index64 = edge_index.scalar_type() == at::kLong;
+    p.edge_index = edges_in;
     p.rw_offset = rw_offset.data_ptr<int32_t>();
     p.cols = cols.data_ptr<int32_t>();
     p.bitmap = bits;

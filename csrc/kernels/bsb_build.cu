@@ -12,7 +12,6 @@
 // Nothing here synchronises with the host: the outputs are sized from E and
 // N (at capacity), the counts the caller may want are left in `counters`.
 #include "bsb_build.h"
-#include "build_scratch.h"
 
 #include <algorithm>
 
@@ -91,17 +90,15 @@ __global__ void init_counters(int64_t* counters) {
 
 // keys[i] of edge i, and the range of all indices (for the caller's check).
 template <typename Idx>
-__global__ void make_keys(const Idx* __restrict__ src, int64_t src_stride, const Idx* __restrict__ dst,
-                          int64_t dst_stride, int64_t E, int32_t N, uint64_t* __restrict__ keys,
+__global__ void make_keys(const EdgeIndexView e, int64_t E, int32_t N, uint64_t* __restrict__ keys,
                           int64_t* __restrict__ counters) {
     int64_t lo = INT64_MAX, hi = INT64_MIN;
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < E; i += int64_t(gridDim.x) * blockDim.x) {
-        const int64_t s = static_cast<int64_t>(src[i * src_stride]);
-        const int64_t d = static_cast<int64_t>(dst[i * dst_stride]);
+        int64_t s, d;
+        load_edge<Idx>(e, i, s, d);
         lo = min(lo, min(s, d));
         hi = max(hi, max(s, d));
-        const bool ok = s >= 0 && s < N && d >= 0 && d < N;
-        keys[i] = ok ? ((static_cast<uint64_t>(d >> 4) * N + s) << 4) | (d & 15) : kInvalidEdgeKey;
+        keys[i] = edge_key(s, d, N);
     }
     // warp reduction, then one atomic per warp
     for (int o = 16; o > 0; o >>= 1) {
@@ -243,15 +240,10 @@ cudaError_t run_bsb_build(const BsbBuildParams& p, void* workspace, size_t works
     GT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(end_pair, 0, sizeof(int32_t) * R, stream));
     GT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pair_cols, 0, sizeof(int32_t) * (E + 1), stream));
     if (E > 0) {
-        if (p.index64) {
-            make_keys<int64_t><<<blocks_for(E), kThreads, 0, stream>>>(
-                static_cast<const int64_t*>(p.src_ptr), p.src_stride, static_cast<const int64_t*>(p.dst_ptr),
-                p.dst_stride, E, N, keys_a, p.counters_ptr);
-        } else {
-            make_keys<int32_t><<<blocks_for(E), kThreads, 0, stream>>>(
-                static_cast<const int32_t*>(p.src_ptr), p.src_stride, static_cast<const int32_t*>(p.dst_ptr),
-                p.dst_stride, E, N, keys_a, p.counters_ptr);
-        }
+        if (p.edge_index.index64)
+            make_keys<int64_t><<<blocks_for(E), kThreads, 0, stream>>>(p.edge_index, E, N, keys_a, p.counters_ptr);
+        else
+            make_keys<int32_t><<<blocks_for(E), kThreads, 0, stream>>>(p.edge_index, E, N, keys_a, p.counters_ptr);
         GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
         // Invalid keys have all their low bits set: they sort last.
         GT_CUDA_RETURN_IF_ERROR(

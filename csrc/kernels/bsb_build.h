@@ -7,15 +7,12 @@
 #include <cstdint>
 #include <cuda_runtime_api.h>
 
+#include "build_scratch.h"
+
 namespace gt_fused3s {
 
 struct BsbBuildParams {
-    // edge_index rows: sources and destinations, [E] each, int32 or int64,
-    // element strides src_stride / dst_stride.
-    const void* src_ptr;
-    const void* dst_ptr;
-    int64_t src_stride, dst_stride;
-    bool index64;
+    EdgeIndexView edge_index;   // sources and destinations, [E] each
     int64_t num_edges;    // E, duplicates included
     int32_t num_nodes;    // N
     int32_t num_windows;  // R = ceil(N / 16)

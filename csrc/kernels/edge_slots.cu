@@ -3,7 +3,6 @@
 // made it half of an eager plan build's host time): the keys, their sort
 // and two kernels.
 #include "edge_slots.h"
-#include "build_scratch.h"
 
 #include <algorithm>
 
@@ -41,11 +40,9 @@ template <typename Idx>
 __global__ void edge_keys_kernel(const EdgeSlotsParams p, uint64_t* __restrict__ keys, int32_t* __restrict__ ids) {
     const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
     if (i >= p.num_edges) return;
-    const int64_t s = static_cast<int64_t>(static_cast<const Idx*>(p.src)[i * p.src_stride]);
-    const int64_t d = static_cast<int64_t>(static_cast<const Idx*>(p.dst)[i * p.dst_stride]);
-    const bool ok = s >= 0 && s < p.num_nodes && d >= 0 && d < p.num_nodes;
-    keys[i] = ok ? ((static_cast<uint64_t>(d >> 4) * static_cast<uint64_t>(p.num_nodes) + s) << 4) | (d & 15)
-                 : kInvalidEdgeKey;
+    int64_t s, d;
+    load_edge<Idx>(p.edge_index, i, s, d);
+    keys[i] = edge_key(s, d, p.num_nodes);
     ids[i] = static_cast<int32_t>(i);
 }
 
@@ -118,7 +115,7 @@ cudaError_t run_edge_slots(const EdgeSlotsParams& p, void* workspace, size_t wor
     auto* keys_out = reinterpret_cast<uint64_t*>(base + l.keys_out);
     auto* ids_in = reinterpret_cast<int32_t*>(base + l.ids_in);
     auto* ids_out = reinterpret_cast<int32_t*>(base + l.ids_out);
-    if (p.index64) edge_keys_kernel<int64_t><<<blocks(E), kThreads, 0, stream>>>(p, keys_in, ids_in);
+    if (p.edge_index.index64) edge_keys_kernel<int64_t><<<blocks(E), kThreads, 0, stream>>>(p, keys_in, ids_in);
     else edge_keys_kernel<int32_t><<<blocks(E), kThreads, 0, stream>>>(p, keys_in, ids_in);
     GT_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     // stable: copies of one edge keep the caller's order (as torch.sort(stable=True))

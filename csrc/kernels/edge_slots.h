@@ -8,15 +8,12 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "build_scratch.h"
+
 namespace gt_fused3s {
 
 struct EdgeSlotsParams {
-    // edge_index rows, [E] each, int32 or int64, element strides (the
-    // graph the BSB was built from, in the caller's edge order)
-    const void* src;
-    const void* dst;
-    int64_t src_stride, dst_stride;
-    bool index64;
+    EdgeIndexView edge_index;   // the graph the BSB was built from, in the caller's edge order
     const int32_t* rw_offset;   // [R + 1] first TCB of each window
     const int32_t* cols;        // [T * 8] column of each TCB slot, a window's ascending (-1: padding)
     const uint64_t* bitmap;     // [T, 2]
