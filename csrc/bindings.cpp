@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -157,6 +159,43 @@ bool check_slots(const std::optional<at::Tensor>& nnz_offset, const std::optiona
 
 // The kernel instance: 0 no edge terms, 1 edge terms, 2 edge terms and dropout.
 int edge_mode(bool has_edges, double dropout_p) { return has_edges ? (dropout_p > 0.0 ? 2 : 1) : 0; }
+
+// Heads one warp of the kernels runs (fused3s_fwd_kernel.cuh and
+// fused3s_bwd_kernel.cuh: head groups), at head dims 16 and 32: the most
+// that fit a head dim of 64, divide H and leave the caller's per-edge arrays
+// (`edge_arrays`, [E, H] fp32) aligned for one access per edge, where they
+// were measured faster (H100, README "Head groups"): where a resident group
+// walks at least 100 TCBs (the 200k power-law graph), and where the windows
+// are small and alike (molecule batches: at most 4 TCBs a window on average;
+// with edge terms groups of at most 2 there, 4 measured slower on ZINC);
+// elsewhere a head a warp (cora, pubmed, github at 4 heads: a group runs its
+// longest item's heads in turn, which set those kernels' time). `tcbs` and
+// `windows` are the pass's format's (a static plan's TCB capacity reads as
+// more TCBs). GT_FUSED3S_HEAD_GROUP=g asks for up to g heads a warp wherever
+// allowed (1: none), for experiments; it is read at every launch.
+int head_group(int64_t heads, int64_t head_dim, int64_t tcbs, int64_t windows, const at::Tensor& on, bool edge_terms,
+               std::initializer_list<const std::optional<at::Tensor>*> edge_arrays) {
+    if (heads == 1) return 1;
+    int g = max_head_group(static_cast<int>(head_dim));
+    while (g > 1 && heads % g != 0) g /= 2;
+    for (const auto* a : edge_arrays) {
+        while (g > 1 && a->has_value() && reinterpret_cast<uintptr_t>((*a)->data_ptr()) % (4 * g) != 0) g /= 2;
+    }
+    if (const char* env = std::getenv("GT_FUSED3S_HEAD_GROUP")) {
+        const int want = std::atoi(env);
+        while (g > 1 && g > want) g /= 2;
+        return g;
+    }
+    if (g == 1) return 1;
+    static int sms_of[64] = {};   // per device, read once
+    const int dev = on.get_device();
+    int& sms = sms_of[dev & 63];
+    if (sms == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int64_t resident = static_cast<int64_t>(sms) * (g * head_dim <= 32 ? 16 : 12);   // groups an SM holds
+    if (tcbs * (heads / g) >= 100 * resident) return g;
+    if (tcbs <= 4 * windows) return edge_terms ? std::min(g, 2) : g;
+    return 1;
+}
 
 void check_dropout(double p) {
     TORCH_CHECK(p >= 0.0 && p < 1.0, "dropout_p must be in [0, 1) (got ", num(p), ")");
@@ -315,6 +354,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     p.num_nodes = static_cast<int32_t>(Nq);   // rows read and written; windows past them have no edges
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+    p.head_group = head_group(H, D, T, R, q, has_bias, {&edge_bias});
     p.bias = edge_args(nnz_offset, slot_edge, slot_pos, H, edge_bias, nullptr, std::nullopt);
     if (has_bias) set_dropout(p.bias, dropout_p, dropout_seed, dropout_seed_t, q);
     p.scores_ptr = return_scores ? scores.data_ptr<float>() : nullptr;
@@ -551,6 +591,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                     : launch_bwd_for_head_dim<__nv_bfloat16, kEdges>(D, dq_pass, dkv_pass, stream);
     };
     const int mode = edge_mode(has_edges, dropout_p);
+    // head groups copy a group's heads as one row: only where they are adjacent
+    bool adjacent = true;
+    for (const at::Tensor* t : {&q, &k, &v, &dout}) adjacent = adjacent && (H == 1 || t->stride(1) == D);
+    dq_pass.head_group = adjacent ? head_group(H, D, bitmap.size(0), (Nq + 15) / 16, q, has_edges, {&edge_bias, &dp_bias}) : 1;
+    dkv_pass.head_group = adjacent ? head_group(H, D, t_bitmap.size(0), (N + 15) / 16, q, has_edges, {&edge_bias, &dp_bias}) : 1;
     const cudaError_t err = mode == 0 ? launch(std::integral_constant<int, 0>{})
                             : mode == 1 ? launch(std::integral_constant<int, 1>{})
                                         : launch(std::integral_constant<int, 2>{});

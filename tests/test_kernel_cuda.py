@@ -11,6 +11,7 @@ fallback to the reference path).
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -334,3 +335,112 @@ def test_static_plan_equals_exact_plan(dtype):
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     _check(q, k, v, static, label="static plan")
+
+
+# ------------------------------------------------------------- head groups
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("h, d", [(2, 16), (4, 16), (8, 16), (6, 16), (2, 32), (4, 32), (6, 32), (3, 16)])
+def test_head_groups_equal_a_head_a_warp(h, d, dtype, monkeypatch):
+    """A warp running 2 or 4 heads (head dims 16, 32) computes each head as a
+    warp of its own does: out, lse and the gradients of q, k, v bit for bit,
+    with a split window, with heads adjacent in memory and not (every other
+    head of a wider tensor: the backward then runs a head a warp), with an
+    fp32 output; and the forward equals the reference."""
+    bsb = _hub_graph(n=5000, hub=77, degree=3000)      # includes a split window
+    n = bsb.num_nodes
+    plan = GraphPlan(bsb)
+    g = torch.Generator(device=DEV).manual_seed(h * d)
+    wide = [torch.randn(n, 2 * h, d, generator=g, device=DEV).to(LOW[dtype]) for _ in range(4)]
+    for layout in ("adjacent", "strided"):
+        q, k, v, do = ([x[:, :h].contiguous() for x in wide] if layout == "adjacent" else [x[:, ::2] for x in wide])
+        _check(q, k, v, bsb, label=f"groups H={h} D={d} {layout}")
+        for out_dtype in (None, torch.float32):
+            res = {}
+            for env in (None, "1"):
+                if env is None:
+                    monkeypatch.delenv("GT_FUSED3S_HEAD_GROUP", raising=False)
+                else:
+                    monkeypatch.setenv("GT_FUSED3S_HEAD_GROUP", env)
+                qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+                out = fused3s_attention(qq, kk, vv, plan, out_dtype=out_dtype)
+                out.backward(do.to(out.dtype))
+                lse = torch.ops.gt_fused3s.fwd(q, k, v, *plan.forward_args(h, d), 1 / math.sqrt(d), False)[1]
+                res[env] = (out, lse, qq.grad, kk.grad, vv.grad)
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), res[None], res["1"]):
+                assert torch.equal(a, b), f"H={h} D={d} {layout} out_dtype={out_dtype}: {name}"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("h, d", [(4, 16), (8, 16), (2, 16), (4, 32), (2, 32)])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_head_groups_with_edge_terms(h, d, dropout, dtype, monkeypatch):
+    """The edge terms in head groups (each non-zero's kG values in one access,
+    placed once for the group): output, returned weights and the gradients
+    of q, k, v and the bias bit for bit equal to a head a warp, with dropout
+    (its mask keyed by each head), a split window and duplicate edges; with
+    a gradient of the weights too, equal up to the rounding of its share of
+    delta (``ops.weights_delta``: an index_add, whose atomic order varies
+    from run to run); and a bias not aligned for a vector access (a view one
+    float into its storage) runs a head a warp, equally."""
+    bsb = _hub_graph(n=5000, hub=77, degree=3000)
+    ei = torch.cat([bsb.edge_index, bsb.edge_index[:, :500]], 1)      # 500 duplicated edges
+    n, E = bsb.num_nodes, ei.size(1)
+    plan = GraphPlan.from_edge_index(ei, n)
+    g = torch.Generator(device=DEV).manual_seed(h * d + 1)
+    q, k, v, do = (torch.randn(n, h, d, generator=g, device=DEV).to(LOW[dtype]) for _ in range(4))
+    store = torch.randn(E * h + 1, generator=g, device=DEV)
+    dw = torch.randn(E, h, generator=g, device=DEV)
+    for bias in (store[:-1].view(E, h), store[1:].view(E, h)):        # aligned, then one float off
+        for weights_grad in (False, True):
+            res = {}
+            for env in ("4", "1"):
+                monkeypatch.setenv("GT_FUSED3S_HEAD_GROUP", env)
+                leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, bias)]
+                drop = dict(dropout_p=dropout, dropout_seed=1234) if dropout else {}
+                out, w = fused3s_attention(*leaves[:3], plan, edge_bias=leaves[3], return_weights=True, **drop)
+                torch.autograd.backward([out, w] if weights_grad else [out], [do, dw] if weights_grad else [do])
+                res[env] = (out, w, *(t.grad for t in leaves))
+            for name, a, b in zip(("out", "weights", "dq", "dk", "dv", "dbias"), res["4"], res["1"]):
+                label = f"H={h} D={d} dropout={dropout} weights_grad={weights_grad}: {name}"
+                if weights_grad and name in ("dq", "dk", "dbias"):
+                    tol = 1e-5 if name == "dbias" else 2e-2
+                    torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=label)
+                else:
+                    assert torch.equal(a, b), label
+
+
+def test_head_groups_are_chosen_where_they_pay():
+    """The launch rule (bindings.cpp: head_group): groups of 4 for a batch of
+    small molecule-like graphs at 4 heads of 16 (of 2 with an edge bias), of
+    2 at 8 heads of 32, a head a warp for a small citation-like graph and at
+    head dim 64 (the profiler's kernel names carry the group as the last
+    template argument)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def groups(ei, n, h, d, bias=False):
+        """The head group (last template argument) of each fused kernel of a forward + backward."""
+        plan = GraphPlan.from_edge_index(ei, n)
+        q, k, v = _qkv(n, h, d, torch.float16)
+        q.requires_grad_(True)
+        b = torch.randn(ei.size(1), h, device=DEV) if bias else None
+        fused3s_attention(q, k, v, plan, edge_bias=b).sum().backward()   # warm up (the build, the schedules)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fused3s_attention(q, k, v, plan, edge_bias=b).sum().backward()
+            torch.cuda.synchronize()
+        found = [re.search(r"fused3s_(?:fwd|bwd)_kernel<(.*?)>", e.name) for e in prof.events()]
+        found = [int(m.group(1).split(",")[-1]) for m in found if m]
+        assert len(found) >= 3, "the forward and both backward passes"
+        return set(found)
+
+    # 2000 rings of 12 nodes: 2 in-edges a node, a few TCBs a window
+    ring = torch.arange(12, device=DEV)
+    src = torch.cat([ring, (ring + 1) % 12])
+    dst = torch.cat([(ring + 1) % 12, ring])
+    off = 12 * torch.arange(2000, device=DEV).repeat_interleave(src.numel())
+    mol = (torch.stack([src.repeat(2000), dst.repeat(2000)]) + off, 24000)
+    citation = (_random_graph(3000, 12000, seed=5).edge_index, 3000)   # ~8 TCBs a window, 190 windows
+    assert groups(*mol, 4, 16) == {4}
+    assert groups(*mol, 4, 16, bias=True) == {2}
+    assert groups(*mol, 8, 32) == {2}
+    assert groups(*citation, 4, 16) == {1}
+    assert groups(*mol, 4, 64) == {1}

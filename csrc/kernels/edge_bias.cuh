@@ -22,8 +22,11 @@
 // in that lane: online_softmax.cuh), is built with the plan
 // (graph.edge_slots), so a lane writes its non-zeros' values to their places
 // in the warp's 256 floats of shared memory (PairSlots) and each thread reads
-// its 8 places as two float4, free of bank conflicts (PairBias::expand);
-// per-edge outputs go the other way (store_all). A pair with more than 64
+// its 8 places as two float4, free of bank conflicts (PairBias::expand and
+// select); per-edge outputs go the other way (stage, flush). A warp running
+// a head group (the kernels' head groups) loads each non-zero's values of
+// its kG heads in one vector access and writes all of them to kG arrays of
+// places at once. A pair with more than 64
 // non-zeros (denser than those graphs; tests: dense_pairs) moves the rest
 // the same way, 32 a round, loaded where used. A null bias (weights or
 // dropout alone) reads as 0.
@@ -36,7 +39,9 @@
 // format's order changed nothing (same run). Then each thread's ranks of its
 // 8 bits (16 popcounts a pair) and a shuffle per element were: 1.72 -> 1.49x
 // and 1.45 -> 1.32x at H = 4 and 1 with the places (README: the places of
-// the non-zeros).
+// the non-zeros). Head groups cut a bias call's kernels 10-16% on the 200k
+// graph at 4 and 8 heads, less than the plain attention's 17-20%, so the
+// ratio rose there (README: head groups).
 #pragma once
 
 #include <cstdint>
@@ -97,13 +102,14 @@ __device__ __forceinline__ uint32_t dropout_hash(const EdgeBiasArgs& eb, int hea
 constexpr int kPairLaneNnz = 64;
 
 // One warp's shared memory for its pairs' edge terms: element (x, i) of
-// lane l at 128 x + 4 l + i (the places of slot_pos), for the bias, the dP
-// bias (kDpBias) and the dropout flags (kDrop: 1 = dropped).
-template <bool kDpBias, bool kDrop>
+// lane l of head h (of the warp's kG heads) at [h][128 x + 4 l + i] (the
+// places of slot_pos), for the bias, the dP bias (kDpBias) and the dropout
+// flags (kDrop: 1 = dropped).
+template <bool kDpBias, bool kDrop, int kG = 1>
 struct PairSlots {
-    alignas(16) float bias[256];
-    alignas(16) float dp[kDpBias ? 256 : 4];
-    alignas(16) uint8_t drop[kDrop ? 256 : 16];
+    alignas(16) float bias[kG][256];
+    alignas(16) float dp[kDpBias ? kG : 1][kDpBias ? 256 : 4];
+    alignas(16) uint8_t drop[kDrop ? kG : 1][kDrop ? 256 : 16];
 };
 
 // The 8 floats of this lane's places.
@@ -121,89 +127,146 @@ __device__ __forceinline__ void write_places(float* slots, int lane, const float
     }
 }
 
-// The edge terms of one TCB pair. `load` (one pair ahead of use) fetches the
-// first kPairLaneNnz non-zeros of the pair's run lane by lane; `expand` (in
-// uniform control flow: it synchronises the warp) gives this thread's 8
-// scores their values through the warp's places (PairSlots): the bias in
-// log2 units, the dP bias (kDpBias, backward) and the dropout mask (kDrop:
-// only the instances with dropout pay for it). A pair of more non-zeros
-// (denser than the graphs above) moves the rest in rounds of 32, loaded
-// where used.
-template <bool kEdges, bool kDpBias = false, bool kDrop = false>
+// kG consecutive floats of an [E, H] array at `at` (kG divides H and `at`,
+// and the array is aligned to kG floats: one vector access).
+template <int kG>
+__device__ __forceinline__ void load_heads(const float* src, int64_t at, float (&v)[kG]) {
+    if constexpr (kG == 4) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(src + at));
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    } else if constexpr (kG == 2) {
+        const float2 a = __ldg(reinterpret_cast<const float2*>(src + at));
+        v[0] = a.x; v[1] = a.y;
+    } else {
+        v[0] = __ldg(src + at);
+    }
+}
+template <int kG>
+__device__ __forceinline__ void store_heads(float* dst, int64_t at, const float (&v)[kG]) {
+    if constexpr (kG == 4) {
+        *reinterpret_cast<float4*>(dst + at) = make_float4(v[0], v[1], v[2], v[3]);
+    } else if constexpr (kG == 2) {
+        *reinterpret_cast<float2*>(dst + at) = make_float2(v[0], v[1]);
+    } else {
+        dst[at] = v[0];
+    }
+}
+
+// The edge terms of one TCB pair, for the warp's kG heads head0 ..
+// head0 + kG - 1 (head groups: the kernels' head loop). `load` (one pair
+// ahead of use) fetches the first kPairLaneNnz non-zeros of the pair's run
+// lane by lane, each one's kG values in one access; `expand` (in uniform
+// control flow: it synchronises the warp) writes every head's values to the
+// warp's places (PairSlots) and `select(h)` gives this thread's 8 scores
+// head h's: the bias in log2 units, the dP bias (kDpBias, backward) and the
+// dropout mask (kDrop: only the instances with dropout pay for it). Per-edge
+// outputs go the other way: `stage(h)` puts head h's values in this
+// thread's places, `flush` writes every head's for each non-zero. A pair of
+// more non-zeros (denser than the graphs above) moves the rest in rounds of
+// 32, loaded where used.
+template <bool kEdges, bool kDpBias = false, bool kDrop = false, int kG = 1>
 struct PairBias {
-    using Slots = PairSlots<kDpBias, kDrop>;
+    using Slots = PairSlots<kDpBias, kDrop, kG>;
     // Loaded: the run [off, off + n); lane l's non-zeros l and l + 32 (edge
-    // id, -1 past n; places; bias log2e; dP bias).
+    // id, -1 past n; places; bias log2e; dP bias), per head.
     int32_t off, n;
     int32_t le[2];
     uint32_t lp;   // places, bytes 0 and 1
-    float lb[2];
-    float lc[2];   // (unused without kDpBias)
-    // Expanded: per element (x, i) of this thread.
+    float lb[2][kG];
+    float lc[kDpBias ? 2 : 1][kDpBias ? kG : 1];
+    // Selected: head h's value per element (x, i) of this thread.
     float b2[2][4];
     float c[kDpBias ? 2 : 1][4];
     uint32_t keep;   // bit 4x + i: element (x, i) survives dropout (all set without dropout)
 
-    __device__ __forceinline__ uint32_t place(int h) const { return (lp >> (8 * h)) & 0xffu; }
+    __device__ __forceinline__ uint32_t place(int k) const { return (lp >> (8 * k)) & 0xffu; }
 
     // The pair of `r`, the cursor's next; the cursor moves on to the pair
     // after it and fetches that one's edge ids and places.
     __device__ __forceinline__ void load(const PairRaw& r, EdgeCursor& ec, const EdgeBiasArgs& eb, int lane,
-                                         int head) {
+                                         int head0) {
         n = __popc(r.wa.x) + __popc(r.wa.y) + __popc(r.wa.z) + __popc(r.wa.w) + __popc(r.wb.x) + __popc(r.wb.y) +
             __popc(r.wb.z) + __popc(r.wb.w);
         off = ec.off;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) le[h] = lane + 32 * h < n ? ec.le[h] : -1;
+        for (int k = 0; k < 2; ++k) le[k] = lane + 32 * k < n ? ec.le[k] : -1;
         lp = ec.lp;
         ec.off += n;
         ec.fetch(eb, lane);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int64_t at = static_cast<int64_t>(le[h]) * eb.num_heads + head;
-            lb[h] = (le[h] >= 0 && eb.bias != nullptr) ? __ldg(eb.bias + at) * 1.4426950408889634f : 0.f;
-            if constexpr (kDpBias) lc[h] = (le[h] >= 0 && eb.dp_bias != nullptr) ? __ldg(eb.dp_bias + at) : 0.f;
+        for (int k = 0; k < 2; ++k) {
+            const int64_t at = static_cast<int64_t>(le[k]) * eb.num_heads + head0;
+#pragma unroll
+            for (int h = 0; h < kG; ++h) lb[k][h] = 0.f;
+            if (le[k] >= 0 && eb.bias != nullptr) {
+                load_heads<kG>(eb.bias, at, lb[k]);
+#pragma unroll
+                for (int h = 0; h < kG; ++h) lb[k][h] *= 1.4426950408889634f;
+            }
+            if constexpr (kDpBias) {
+#pragma unroll
+                for (int h = 0; h < kG; ++h) lc[k][h] = 0.f;
+                if (le[k] >= 0 && eb.dp_bias != nullptr) load_heads<kG>(eb.dp_bias, at, lc[k]);
+            }
         }
     }
 
-    // Non-zero `edge`'s terms into its place (dropped: flag 1).
-    __device__ __forceinline__ void put(Slots& sl, const EdgeBiasArgs& eb, int head, int32_t edge, uint32_t at, float b,
-                                        float cv) const {
-        sl.bias[at] = b;
-        if (kDpBias && eb.dp_bias != nullptr) sl.dp[at] = cv;
-        if constexpr (kDrop) {
-            if (dropout_hash(eb, head, edge) < eb.drop_threshold) sl.drop[at] = 1u;
+    // Non-zero `edge`'s terms into its place, every head (dropped: flag 1).
+    __device__ __forceinline__ void put(Slots& sl, const EdgeBiasArgs& eb, int head0, int32_t edge, uint32_t at,
+                                        const float (&b)[kG], const float (&cv)[kG]) const {
+#pragma unroll
+        for (int h = 0; h < kG; ++h) {
+            sl.bias[h][at] = b[h];
+            if (kDpBias && eb.dp_bias != nullptr) sl.dp[h][at] = cv[h];
+            if constexpr (kDrop) {
+                if (dropout_hash(eb, head0 + h, edge) < eb.drop_threshold) sl.drop[h][at] = 1u;
+            }
         }
     }
 
-    __device__ __forceinline__ void expand(const EdgeBiasArgs& eb, int head, Slots& sl, int lane) {
+    __device__ __forceinline__ void expand(const EdgeBiasArgs& eb, int head0, Slots& sl, int lane) {
         // this lane's places cleared (no edge: bias 0, kept), then every
-        // lane's non-zeros written to their places, then this lane's read
+        // lane's non-zeros written to their places
         const float zero[2][4] = {};
-        write_places(sl.bias, lane, zero);
         const bool dp = kDpBias && eb.dp_bias != nullptr;   // (uniform: a null dP bias reads as 0)
-        if (dp) write_places(sl.dp, lane, zero);
-        if constexpr (kDrop) {
-            *reinterpret_cast<uint32_t*>(sl.drop + 4 * lane) = 0u;
-            *reinterpret_cast<uint32_t*>(sl.drop + 128 + 4 * lane) = 0u;
+#pragma unroll
+        for (int h = 0; h < kG; ++h) {
+            write_places(sl.bias[h], lane, zero);
+            if (dp) write_places(sl.dp[h], lane, zero);
+            if constexpr (kDrop) {
+                *reinterpret_cast<uint32_t*>(&sl.drop[h][4 * lane]) = 0u;
+                *reinterpret_cast<uint32_t*>(&sl.drop[h][128 + 4 * lane]) = 0u;
+            }
         }
         __syncwarp();
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (le[h] >= 0) put(sl, eb, head, le[h], place(h), lb[h], kDpBias ? lc[h] : 0.f);
+        for (int k = 0; k < 2; ++k) {
+            if (le[k] >= 0) {
+                if constexpr (kDpBias) put(sl, eb, head0, le[k], place(k), lb[k], lc[k]);
+                else put(sl, eb, head0, le[k], place(k), lb[k], lb[k]);
+            }
         }
         for (int r = kPairLaneNnz + lane; r < n; r += 32) {   // a dense pair's further non-zeros
             const int32_t e = __ldg(eb.slot_edge + off + r);
-            const int64_t at = static_cast<int64_t>(e) * eb.num_heads + head;
-            put(sl, eb, head, e, __ldg(eb.slot_pos + off + r),
-                eb.bias != nullptr ? __ldg(eb.bias + at) * 1.4426950408889634f : 0.f,
-                (kDpBias && eb.dp_bias != nullptr) ? __ldg(eb.dp_bias + at) : 0.f);
+            const int64_t at = static_cast<int64_t>(e) * eb.num_heads + head0;
+            float b[kG] = {}, cv[kG] = {};
+            if (eb.bias != nullptr) {
+                load_heads<kG>(eb.bias, at, b);
+#pragma unroll
+                for (int h = 0; h < kG; ++h) b[h] *= 1.4426950408889634f;
+            }
+            if (kDpBias && eb.dp_bias != nullptr) load_heads<kG>(eb.dp_bias, at, cv);
+            put(sl, eb, head0, e, __ldg(eb.slot_pos + off + r), b, cv);
         }
         __syncwarp();
-        read_places(sl.bias, lane, b2);
+    }
+
+    // Head h's values (after expand) in this thread's elements.
+    __device__ __forceinline__ void select(const EdgeBiasArgs& eb, const Slots& sl, int h, int lane) {
+        read_places(sl.bias[h], lane, b2);
         if constexpr (kDpBias) {
-            if (dp) {
-                read_places(sl.dp, lane, c);
+            if (eb.dp_bias != nullptr) {
+                read_places(sl.dp[h], lane, c);
             } else {
 #pragma unroll
                 for (int x = 0; x < 2; ++x) c[x][0] = c[x][1] = c[x][2] = c[x][3] = 0.f;
@@ -211,8 +274,8 @@ struct PairBias {
         }
         keep = 0xffu;
         if constexpr (kDrop) {
-            const uint32_t d[2] = {*reinterpret_cast<const uint32_t*>(sl.drop + 4 * lane),
-                                   *reinterpret_cast<const uint32_t*>(sl.drop + 128 + 4 * lane)};
+            const uint32_t d[2] = {*reinterpret_cast<const uint32_t*>(&sl.drop[h][4 * lane]),
+                                   *reinterpret_cast<const uint32_t*>(&sl.drop[h][128 + 4 * lane])};
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 if (((d[e >> 2] >> (8 * (e & 3))) & 0xffu) != 0u) keep &= ~(1u << e);
@@ -232,20 +295,31 @@ struct PairBias {
         if constexpr (kDpBias) return v + c[x][i];
         else return v;
     }
-    // out[edge * H + head] = v[x][i] for every edge of the pair (after
-    // expand; the whole warp calls it): this thread's values into its places,
-    // then each non-zero's read by its lane.
-    __device__ __forceinline__ void store_all(float* out, int num_heads, int head, const float (&v)[2][4],
-                                              Slots& sl, int lane, const EdgeBiasArgs& eb) const {
-        write_places(sl.bias, lane, v);
+    // Head h's per-edge values v[x][i] into this thread's places (after
+    // select(h): the places of head h are then free). Then flush.
+    __device__ __forceinline__ void stage(Slots& sl, int h, const float (&v)[2][4], int lane) const {
+        write_places(sl.bias[h], lane, v);
+    }
+    // out[edge * H + head0 + h] = the staged values, every edge of the pair
+    // and head (the whole warp calls it).
+    __device__ __forceinline__ void flush(float* out, int num_heads, int head0, const Slots& sl, int lane,
+                                          const EdgeBiasArgs& eb) const {
         __syncwarp();
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (le[h] >= 0) out[static_cast<int64_t>(le[h]) * num_heads + head] = sl.bias[place(h)];
+        for (int k = 0; k < 2; ++k) {
+            if (le[k] >= 0) {
+                float v[kG];
+#pragma unroll
+                for (int h = 0; h < kG; ++h) v[h] = sl.bias[h][place(k)];
+                store_heads<kG>(out, static_cast<int64_t>(le[k]) * num_heads + head0, v);
+            }
         }
         for (int r = kPairLaneNnz + lane; r < n; r += 32) {   // a dense pair's further non-zeros
-            out[static_cast<int64_t>(__ldg(eb.slot_edge + off + r)) * num_heads + head] =
-                sl.bias[__ldg(eb.slot_pos + off + r)];
+            const uint32_t at = __ldg(eb.slot_pos + off + r);
+            float v[kG];
+#pragma unroll
+            for (int h = 0; h < kG; ++h) v[h] = sl.bias[h][at];
+            store_heads<kG>(out, static_cast<int64_t>(__ldg(eb.slot_edge + off + r)) * num_heads + head0, v);
         }
         __syncwarp();   // the places are free for the next pair
     }
@@ -253,11 +327,12 @@ struct PairBias {
 
 // Without edge terms: nothing stored, nothing loaded (the compiler removes
 // every trace of it).
-template <>
-struct PairBias<false, false> {
+template <int kG>
+struct PairBias<false, false, false, kG> {
     using Slots = PairSlots<false, false>;
     __device__ __forceinline__ void load(const PairRaw&, EdgeCursor&, const EdgeBiasArgs&, int, int) {}
     __device__ __forceinline__ void expand(const EdgeBiasArgs&, int, Slots&, int) {}
+    __device__ __forceinline__ void select(const EdgeBiasArgs&, const Slots&, int, int) {}
     __device__ __forceinline__ float add(float v, int, int) const { return v; }
     __device__ __forceinline__ float add_dp(float v, int, int) const { return v; }
     __device__ __forceinline__ float drop(float v, int, int, const EdgeBiasArgs&) const { return v; }

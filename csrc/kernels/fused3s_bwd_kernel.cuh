@@ -22,6 +22,16 @@
 // pair's rows load while this pair computes) and are read by ldmatrix in both
 // shapes. lse and delta belong to the destination i: per window row in the dQ
 // pass, per gathered column in the dKV pass.
+//
+// Head groups (kG > 1: head dims 16 and 32, the kG heads of every operand
+// adjacent in memory): one warp runs kG consecutive heads of an
+// item, w = item * (H / kG) + group. Each gathered row's kG heads are then one
+// copy of kG x D elements (a 128-byte row at kG x D = 64, where a warp per
+// head copied 32 or 64 bytes per row and head), and the pair's columns and
+// bitmap are walked once for kG heads; each head keeps its own scores, P,
+// dS, row statistics and accumulators (the tile's k-steps and n-tiles of
+// head h are h's own); the edge terms load each non-zero's kG values in one
+// access and place them once for the kG heads (edge_bias.cuh).
 #pragma once
 
 #include <cstdint>
@@ -44,7 +54,7 @@
 
 namespace gt_fused3s {
 
-template <int kHeadDim, bool kDKV>
+template <int kHeadDim, bool kDKV, int kG = 1>
 struct BwdConfig {
     static_assert(kHeadDim == 16 || kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
                   "head dim must be 16, 32, 64, 128 or 256");
@@ -57,12 +67,13 @@ struct BwdConfig {
     static constexpr int kThreads = kSplit * 32;
     static constexpr int kNT = kDW / 8;        // n-tiles of the accumulators
     static constexpr int kSteps = kDW / 16;    // k-steps of the score mmas
-    using Tile = RowTile<kDW>;
+    static constexpr int kGroupDim = kDW * kG;
+    using Tile = RowTile<kGroupDim>;   // a head group's rows side by side
     // Per warp: A1, A2 and two stages of (G1, G2).
     static constexpr int kWarpSmem = 6 * Tile::kBytes;
     static constexpr int kSmemBytes = kSplit * kWarpSmem;
     // Resident warps per SM the registers allow (occupancy hint).
-    static constexpr int kWarpsPerSM = kDW <= 32 ? 16 : (kDW == 64 ? 12 : 8);
+    static constexpr int kWarpsPerSM = kGroupDim <= 32 ? 16 : (kGroupDim == 64 ? 12 : 8);
     static constexpr int kMinBlocks = kWarpsPerSM / kSplit > 0 ? kWarpsPerSM / kSplit : 1;
 };
 
@@ -122,21 +133,30 @@ __device__ __forceinline__ float row_delta(const Fused3SBwdParams& p, int row, i
 // the warp loads the edge terms lane by lane (edge_bias.cuh); they asked for
 // 1/2 before, which cost more than the loads (200k power-law graph, H100:
 // dK/dV pass with a bias 2.76 -> 1.55 ms at H = 4, D = 16).
-template <int kEdges, int kMinBlocks, int kDW>
+// Head groups with edge terms: kBwdGroupEdgeWarps resident warps an SM (a
+// warp sits in one of an SM's four register partitions: 12 warps give 168
+// registers a thread, 8 give 255; at kG x D = 64 the tiles and the edge
+// terms' places of 10 warps fill its shared memory).
+constexpr int kBwdGroupEdgeWarps = 8;
+
+template <int kEdges, int kMinBlocks, int kDW, int kG = 1>
 constexpr int bwd_min_blocks() {
-    return (kEdges == 0 || (kEdges == 1 && kDW == 16)) ? kMinBlocks : (kMinBlocks * 3 + 3) / 4;
+    return kG > 1 ? (kEdges == 0 ? kMinBlocks : (kMinBlocks < kBwdGroupEdgeWarps ? kMinBlocks : kBwdGroupEdgeWarps))
+                  : ((kEdges == 0 || (kEdges == 1 && kDW == 16)) ? kMinBlocks : (kMinBlocks * 3 + 3) / 4);
 }
 
-template <typename T, int kHeadDim, bool kDKV, int kEdges>
-__global__ void __launch_bounds__(BwdConfig<kHeadDim, kDKV>::kThreads,
-                                  bwd_min_blocks<kEdges, BwdConfig<kHeadDim, kDKV>::kMinBlocks,
-                                                 BwdConfig<kHeadDim, kDKV>::kDW>())
+template <typename T, int kHeadDim, bool kDKV, int kEdges, int kG>
+__global__ void __launch_bounds__(BwdConfig<kHeadDim, kDKV, kG>::kThreads,
+                                  bwd_min_blocks<kEdges, BwdConfig<kHeadDim, kDKV, kG>::kMinBlocks,
+                                                 BwdConfig<kHeadDim, kDKV, kG>::kDW, kG>())
 fused3s_bwd_kernel(const Fused3SBwdParams p) {
     constexpr bool kBias = kEdges > 0;
-    using Cfg = BwdConfig<kHeadDim, kDKV>;
+    using Cfg = BwdConfig<kHeadDim, kDKV, kG>;
+    static_assert(kG == 1 || (Cfg::kSplit == 1 && kG <= max_head_group(kHeadDim)), "head groups: head dims 16 and 32");
     using Tile = typename Cfg::Tile;
     constexpr int kDW = Cfg::kDW;
     constexpr int kNT = Cfg::kNT;
+    constexpr int kSteps = Cfg::kSteps;   // k-steps of one head
     constexpr int kSplit = Cfg::kSplit;
     constexpr float kLog2e = 1.4426950408889634f;
 
@@ -145,7 +165,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     __shared__ float s_xchg[kSplit > 1 ? 2 * kSplit * 16 * 32 : 1];
     __shared__ int s_bcast;
     // Each warp's places of its pairs' edge terms (edge_bias.cuh: PairSlots).
-    using Bias = PairBias<kBias, kBias, kEdges == 2>;
+    using Bias = PairBias<kBias, kBias, kEdges == 2, kG>;
     __shared__ typename Bias::Slots s_slots[kBias ? kSplit : 1];
 
     const int lane = threadIdx.x & 31;
@@ -170,9 +190,10 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     const uint32_t tile_a1 = warp_smem, tile_a2 = warp_smem + Tile::kBytes;
     auto tile_g = [&](int stage, int which) { return warp_smem + (2 + 2 * stage + which) * Tile::kBytes; };
 
-    const int w = blockIdx.x;   // work index = item * H + head, heaviest items first
-    const int item_idx = w / p.num_heads;
-    const int head = w - item_idx * p.num_heads;
+    const int w = blockIdx.x;   // work index = item * (H / kG) + group, heaviest items first
+    const int groups = p.num_heads / kG;
+    const int item_idx = w / groups;
+    const int head0 = (w - item_idx * groups) * kG;   // the group's first head
     const int4 it = __ldg(reinterpret_cast<const int4*>(p.items_ptr) + item_idx);
     const int window = it.x, tcb_begin = it.y, tcb_end = it.z, slot = it.w;
     if (window < 0) return;   // an unused item of a schedule at capacity (the whole block)
@@ -180,46 +201,56 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     const int64_t H = p.num_heads;
 
     auto slice = [&](const Fused3SOperand& op) {
-        return reinterpret_cast<const uint16_t*>(op.ptr) + head * op.head_stride + part * kDW;
+        return reinterpret_cast<const uint16_t*>(op.ptr) + head0 * op.head_stride + part * kDW;
     };
     const uint16_t* g1 = slice(p.g1);
     const uint16_t* g2 = slice(p.g2);
 
-    // dQ pass: lse (log2 units) and delta of the rows g, g+8 (computed once the
-    // first copies are in flight).
-    float row_lse2[2] = {0.f, 0.f}, row_dl[2] = {0.f, 0.f};
+    // dQ pass: lse (log2 units) and delta of the rows g, g+8 per head
+    // (computed once the first copies are in flight).
+    float row_lse2[kG][2], row_dl[kG][2];
+#pragma unroll
+    for (int h = 0; h < kG; ++h) row_lse2[h][0] = row_lse2[h][1] = row_dl[h][0] = row_dl[h][1] = 0.f;
     auto load_row_stats = [&]() {
         if constexpr (!kDKV) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = r ? row1 : row0;
-                row_dl[r] = row_delta<T, kHeadDim>(p, row, head, t);
-                if (row < p.num_nodes) {
-                    row_lse2[r] = __ldg(p.lse_ptr + row * H + head) * kLog2e;
-                    if (kBias && p.delta_extra_ptr != nullptr) row_dl[r] += __ldg(p.delta_extra_ptr + row * H + head);
+            for (int h = 0; h < kG; ++h) {
+                const int head = head0 + h;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = r ? row1 : row0;
+                    row_dl[h][r] = row_delta<T, kHeadDim>(p, row, head, t);
+                    if (row < p.num_nodes) {
+                        row_lse2[h][r] = __ldg(p.lse_ptr + row * H + head) * kLog2e;
+                        if (kBias && p.delta_extra_ptr != nullptr) row_dl[h][r] += __ldg(p.delta_extra_ptr + row * H + head);
+                    }
                 }
             }
         }
     };
-    // dKV pass: (lse log2e, delta) of the columns 2t, 2t+1 of TCB a, b of a pair.
-    auto load_col_stats = [&](const PairMeta& m, float2 (&st)[4]) {
+    // dKV pass: (lse log2e, delta) of the columns 2t, 2t+1 of TCB a, b of a pair, per head.
+    auto load_col_stats = [&](const PairMeta& m, float2 (&st)[kG][4]) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int c = m.colv[i];
-            st[i] = c >= 0 ? __ldg(p.stats_ptr + c * H + head) : make_float2(0.f, 0.f);
+#pragma unroll
+            for (int h = 0; h < kG; ++h) st[h][i] = c >= 0 ? __ldg(p.stats_ptr + c * H + head0 + h) : make_float2(0.f, 0.f);
         }
     };
 
     // The dQ pass keeps its window operands (Q, dO) in registers; the dKV
     // pass, with two accumulators, reads K and V from shared memory per pair.
     constexpr bool kARegs = !kDKV;
-    uint32_t a1f[kARegs ? Cfg::kSteps : 1][4], a2f[kARegs ? Cfg::kSteps : 1][4];
-    float acc1[kNT][4];
-    float acc2[kDKV ? kNT : 1][4];
+    uint32_t a1f[kARegs ? kG * kSteps : 1][4], a2f[kARegs ? kG * kSteps : 1][4];
+    float acc1[kG][kNT][4];
+    float acc2[kG][kDKV ? kNT : 1][4];
 #pragma unroll
-    for (int j = 0; j < kNT; ++j) acc1[j][0] = acc1[j][1] = acc1[j][2] = acc1[j][3] = 0.f;
+    for (int h = 0; h < kG; ++h) {
 #pragma unroll
-    for (int j = 0; j < (kDKV ? kNT : 1); ++j) acc2[j][0] = acc2[j][1] = acc2[j][2] = acc2[j][3] = 0.f;
+        for (int j = 0; j < kNT; ++j) acc1[h][j][0] = acc1[h][j][1] = acc1[h][j][2] = acc1[h][j][3] = 0.f;
+#pragma unroll
+        for (int j = 0; j < (kDKV ? kNT : 1); ++j) acc2[h][j][0] = acc2[h][j][1] = acc2[h][j][2] = acc2[h][j][3] = 0.f;
+    }
 
     if (tcb_begin == tcb_end) load_row_stats();   // rows without in-neighbours: delta = 0, lse = -inf
     if (tcb_begin < tcb_end) {
@@ -237,7 +268,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
         PairMeta cur = decode_pair(raw, lane);
         Bias bcur, bnxt;
         typename Bias::Slots& slots = s_slots[kBias ? part : 0];
-        bcur.load(raw, ec, p.bias, lane, head);
+        bcur.load(raw, ec, p.bias, lane, head0);
         Tile::load_async(tile_g(0, 0), g1, p.g1.row_stride, tile_g(0, 1), g2, p.g2.row_stride, raw.c, lane);
         cp_async_commit();
         load_row_stats();
@@ -245,12 +276,12 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             cp_async_wait<1>();   // the window tiles (not yet the first pair's rows)
             __syncwarp();
 #pragma unroll
-            for (int step = 0; step < Cfg::kSteps; ++step) {
+            for (int step = 0; step < kG * kSteps; ++step) {
                 Tile::a_frag(a1f[step], tile_a1, step, lane);
                 Tile::a_frag(a2f[step], tile_a2, step, lane);
             }
         }
-        float2 cur_st[4];
+        float2 cur_st[kG][4];
         if constexpr (kDKV) load_col_stats(cur, cur_st);
         if (tcb_begin + 2 < tcb_end) load_raw(tcb_begin + 2);
 
@@ -258,13 +289,13 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
         for (int base = tcb_begin;; base += 2) {
             const bool has_next = base + 2 < tcb_end;
             PairMeta nxt;
-            float2 nxt_st[4];
+            float2 nxt_st[kG][4];
             if (has_next) {   // rows of the next pair fly while this one computes
                 nxt = decode_pair(raw, lane);
                 Tile::load_async(tile_g(stage ^ 1, 0), g1, p.g1.row_stride, tile_g(stage ^ 1, 1), g2,
                                  p.g2.row_stride, raw.c, lane);
                 if constexpr (kDKV) load_col_stats(nxt, nxt_st);
-                bnxt.load(raw, ec, p.bias, lane, head);
+                bnxt.load(raw, ec, p.bias, lane, head0);
                 if (base + 4 < tcb_end) load_raw(base + 4);
             }
             cp_async_commit();
@@ -272,102 +303,108 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             __syncwarp();
             // this pair's edge terms per element (edge_bias.cuh), ahead of the
             // products, whose latency hides the places' round trip
-            bcur.expand(p.bias, head, slots, lane);
+            bcur.expand(p.bias, head0, slots, lane);
 
-            // Scores and dP for TCBs a (x = 0) and b (x = 1).
-            float s[2][4] = {}, dp[2][4] = {};
 #pragma unroll
-            for (int step = 0; step < Cfg::kSteps; ++step) {
-                uint32_t a[4], b[4];
-                if constexpr (kARegs) {
+            for (int h = 0; h < kG; ++h) {
+                // Scores and dP of head h for TCBs a (x = 0) and b (x = 1): its own k-steps.
+                float s[2][4] = {}, dp[2][4] = {};
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) a[i] = a1f[step][i];
-                } else {
-                    Tile::a_frag(a, tile_a1, step, lane);
-                }
-                Tile::bt_frags(b, tile_g(stage, 0), step, lane);
-                mma_16816<T>(s[0], a, b[0], b[1]);
-                mma_16816<T>(s[1], a, b[2], b[3]);
-                if constexpr (kARegs) {
+                for (int hs = 0; hs < kSteps; ++hs) {
+                    const int step = h * kSteps + hs;
+                    uint32_t a[4], b[4];
+                    if constexpr (kARegs) {
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) a[i] = a2f[step][i];
-                } else {
-                    Tile::a_frag(a, tile_a2, step, lane);
-                }
-                Tile::bt_frags(b, tile_g(stage, 1), step, lane);
-                mma_16816<T>(dp[0], a, b[0], b[1]);
-                mma_16816<T>(dp[1], a, b[2], b[3]);
-            }
-            if constexpr (kSplit > 1) {
-                // Sum the team's partial dot products (same order in every warp).
-                float* x = s_xchg + buf * kSplit * 16 * 32;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    x[(part * 16 + i) * 32 + lane] = s[i >> 2][i & 3];
-                    x[(part * 16 + 8 + i) * 32 + lane] = dp[i >> 2][i & 3];
-                }
-                __syncthreads();
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    float sa = 0.f, da = 0.f;
-#pragma unroll
-                    for (int q2 = 0; q2 < kSplit; ++q2) {
-                        sa += x[(q2 * 16 + i) * 32 + lane];
-                        da += x[(q2 * 16 + 8 + i) * 32 + lane];
+                        for (int i = 0; i < 4; ++i) a[i] = a1f[step][i];
+                    } else {
+                        Tile::a_frag(a, tile_a1, step, lane);
                     }
-                    s[i >> 2][i & 3] = sa;
-                    dp[i >> 2][i & 3] = da;
+                    Tile::bt_frags(b, tile_g(stage, 0), step, lane);
+                    mma_16816<T>(s[0], a, b[0], b[1]);
+                    mma_16816<T>(s[1], a, b[2], b[3]);
+                    if constexpr (kARegs) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) a[i] = a2f[step][i];
+                    } else {
+                        Tile::a_frag(a, tile_a2, step, lane);
+                    }
+                    Tile::bt_frags(b, tile_g(stage, 1), step, lane);
+                    mma_16816<T>(dp[0], a, b[0], b[1]);
+                    mma_16816<T>(dp[1], a, b[2], b[3]);
                 }
-                buf ^= 1;
-            }
+                if constexpr (kSplit > 1) {
+                    // Sum the team's partial dot products (same order in every warp).
+                    float* x = s_xchg + buf * kSplit * 16 * 32;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        x[(part * 16 + i) * 32 + lane] = s[i >> 2][i & 3];
+                        x[(part * 16 + 8 + i) * 32 + lane] = dp[i >> 2][i & 3];
+                    }
+                    __syncthreads();
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        float sa = 0.f, da = 0.f;
+#pragma unroll
+                        for (int q2 = 0; q2 < kSplit; ++q2) {
+                            sa += x[(q2 * 16 + i) * 32 + lane];
+                            da += x[(q2 * 16 + 8 + i) * 32 + lane];
+                        }
+                        s[i >> 2][i & 3] = sa;
+                        dp[i >> 2][i & 3] = da;
+                    }
+                    buf ^= 1;
+                }
 
-            // P and dS in the mma C layout: i = 0, 1 row g, i = 2, 3 row g+8;
-            // column 2t + (i & 1) of TCB x.
-            float pv[2][4], ds[2][4];
-#pragma unroll
-            for (int x = 0; x < 2; ++x) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const bool on = (cur.mask >> (4 * x + i)) & 1u;
-                    const float lse2 = kDKV ? cur_st[2 * x + (i & 1)].x : row_lse2[i >> 1];
-                    const float dl = kDKV ? cur_st[2 * x + (i & 1)].y : row_dl[i >> 1];
-                    pv[x][i] = on ? fast_exp2(bcur.add(s[x][i] * p.scale_log2, x, i) - lse2) : 0.f;
-                    // dropout: dP = dO.v times the element's factor (0 or 1 / (1 - p))
-                    ds[x][i] = pv[x][i] * (bcur.add_dp(bcur.drop(dp[x][i], x, i, p.bias), x, i) - dl);
-                }
-            }
-            if constexpr (kBias && !kDKV) {
-                // d loss / d bias_e = dS_ij: each edge is one score of one chunk, written once.
-                if (p.bias.grad != nullptr && part == 0) {   // warp-uniform
-                    bcur.store_all(p.bias.grad, p.bias.num_heads, head, ds, slots, lane, p.bias);
-                }
-            }
-            // As A operands [16, 16]: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
-            const uint32_t dsa[4] = {TypeTraits<T>::pack(ds[0][0], ds[0][1]), TypeTraits<T>::pack(ds[0][2], ds[0][3]),
-                                     TypeTraits<T>::pack(ds[1][0], ds[1][1]), TypeTraits<T>::pack(ds[1][2], ds[1][3])};
-#pragma unroll
-            for (int jj = 0; jj < kNT / 2; ++jj) {
-                uint32_t b[4];
-                Tile::b_frags(b, tile_g(stage, 0), jj, lane);
-                mma_16816<T>(acc1[2 * jj], dsa, b[0], b[1]);
-                mma_16816<T>(acc1[2 * jj + 1], dsa, b[2], b[3]);
-            }
-            if constexpr (kDKV) {
-                // dV = P^T dO with the dropped P of the forward's SpMM
+                // P and dS in the mma C layout: i = 0, 1 row g, i = 2, 3 row g+8;
+                // column 2t + (i & 1) of TCB x.
+                bcur.select(p.bias, slots, h, lane);   // head h's edge terms
+                float pv[2][4], ds[2][4];
 #pragma unroll
                 for (int x = 0; x < 2; ++x) {
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) pv[x][i] = bcur.drop(pv[x][i], x, i, p.bias);
+                    for (int i = 0; i < 4; ++i) {
+                        const bool on = (cur.mask >> (4 * x + i)) & 1u;
+                        const float lse2 = kDKV ? cur_st[h][2 * x + (i & 1)].x : row_lse2[h][i >> 1];
+                        const float dl = kDKV ? cur_st[h][2 * x + (i & 1)].y : row_dl[h][i >> 1];
+                        pv[x][i] = on ? fast_exp2(bcur.add(s[x][i] * p.scale_log2, x, i) - lse2) : 0.f;
+                        // dropout: dP = dO.v times the element's factor (0 or 1 / (1 - p))
+                        ds[x][i] = pv[x][i] * (bcur.add_dp(bcur.drop(dp[x][i], x, i, p.bias), x, i) - dl);
+                    }
                 }
-                const uint32_t pa[4] = {TypeTraits<T>::pack(pv[0][0], pv[0][1]), TypeTraits<T>::pack(pv[0][2], pv[0][3]),
-                                        TypeTraits<T>::pack(pv[1][0], pv[1][1]), TypeTraits<T>::pack(pv[1][2], pv[1][3])};
+                if constexpr (kBias && !kDKV) {
+                    // d loss / d bias_e = dS_ij: each edge is one score of one chunk, written once.
+                    if (p.bias.grad != nullptr && part == 0) bcur.stage(slots, h, ds, lane);   // warp-uniform
+                }
+                // As A operands [16, 16]: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
+                const uint32_t dsa[4] = {TypeTraits<T>::pack(ds[0][0], ds[0][1]), TypeTraits<T>::pack(ds[0][2], ds[0][3]),
+                                         TypeTraits<T>::pack(ds[1][0], ds[1][1]), TypeTraits<T>::pack(ds[1][2], ds[1][3])};
 #pragma unroll
                 for (int jj = 0; jj < kNT / 2; ++jj) {
                     uint32_t b[4];
-                    Tile::b_frags(b, tile_g(stage, 1), jj, lane);
-                    mma_16816<T>(acc2[2 * jj], pa, b[0], b[1]);
-                    mma_16816<T>(acc2[2 * jj + 1], pa, b[2], b[3]);
+                    Tile::b_frags(b, tile_g(stage, 0), h * (kNT / 2) + jj, lane);
+                    mma_16816<T>(acc1[h][2 * jj], dsa, b[0], b[1]);
+                    mma_16816<T>(acc1[h][2 * jj + 1], dsa, b[2], b[3]);
                 }
+                if constexpr (kDKV) {
+                    // dV = P^T dO with the dropped P of the forward's SpMM
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) pv[x][i] = bcur.drop(pv[x][i], x, i, p.bias);
+                    }
+                    const uint32_t pa[4] = {TypeTraits<T>::pack(pv[0][0], pv[0][1]), TypeTraits<T>::pack(pv[0][2], pv[0][3]),
+                                            TypeTraits<T>::pack(pv[1][0], pv[1][1]), TypeTraits<T>::pack(pv[1][2], pv[1][3])};
+#pragma unroll
+                    for (int jj = 0; jj < kNT / 2; ++jj) {
+                        uint32_t b[4];
+                        Tile::b_frags(b, tile_g(stage, 1), h * (kNT / 2) + jj, lane);
+                        mma_16816<T>(acc2[h][2 * jj], pa, b[0], b[1]);
+                        mma_16816<T>(acc2[h][2 * jj + 1], pa, b[2], b[3]);
+                    }
+                }
+            }
+            if constexpr (kBias && !kDKV) {
+                if (p.bias.grad != nullptr && part == 0) bcur.flush(p.bias.grad, p.bias.num_heads, head0, slots, lane, p.bias);
             }
             if (!has_next) break;
             __syncwarp();   // every lane is done with this stage before it is refilled
@@ -375,53 +412,63 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             bcur = bnxt;
             if constexpr (kDKV) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) cur_st[i] = nxt_st[i];
+                for (int h = 0; h < kG; ++h) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) cur_st[h][i] = nxt_st[h][i];
+                }
             }
             stage ^= 1;
         }
     }
 
-    // Accumulator layout: acc[j][0, 1] = row g, d = 8j + 2t, +1; [2, 3] = row g+8.
+    // Accumulator layout: acc[h][j][0, 1] = row g, d = 8j + 2t, +1; [2, 3] = row g+8.
     const int col0 = part * kDW + 2 * t;
     bool write_out = slot < 0;
     if (!write_out) {
-        const int64_t prow = (static_cast<int64_t>(slot) * H + head) * 16;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int64_t off = (prow + g + 8 * r) * kHeadDim + col0;
+        for (int h = 0; h < kG; ++h) {
+            const int64_t prow = (static_cast<int64_t>(slot) * H + head0 + h) * 16;
 #pragma unroll
-            for (int j = 0; j < kNT; ++j) {
-                store_pair<T>(p.part1_ptr, off + 8 * j, true, acc1[j][2 * r], acc1[j][2 * r + 1]);
-                if constexpr (kDKV) store_pair<T>(p.part2_ptr, off + 8 * j, true, acc2[j][2 * r], acc2[j][2 * r + 1]);
+            for (int r = 0; r < 2; ++r) {
+                const int64_t off = (prow + g + 8 * r) * kHeadDim + col0;
+#pragma unroll
+                for (int j = 0; j < kNT; ++j) {
+                    store_pair<T>(p.part1_ptr, off + 8 * j, true, acc1[h][j][2 * r], acc1[h][j][2 * r + 1]);
+                    if constexpr (kDKV) store_pair<T>(p.part2_ptr, off + 8 * j, true, acc2[h][j][2 * r], acc2[h][j][2 * r + 1]);
+                }
             }
         }
         __threadfence();   // partial visible GPU-wide before the arrival is counted
         team_sync();
         const int4 si = __ldg(reinterpret_cast<const int4*>(p.slots_ptr) + slot);
         const int s0 = si.y, s1 = si.z;
-        const int prev = leader ? atomicAdd(p.counters_ptr + static_cast<int64_t>(s0) * H + head, 1) : 0;
+        // one counter per group (its first head's)
+        const int prev = leader ? atomicAdd(p.counters_ptr + static_cast<int64_t>(s0) * H + head0, 1) : 0;
         write_out = broadcast(prev) == s1 - s0 - 1;   // this team completed the window
         if (write_out) {
             __threadfence();
 #pragma unroll
-            for (int j = 0; j < kNT; ++j) {
-                acc1[j][0] = acc1[j][1] = acc1[j][2] = acc1[j][3] = 0.f;
-                if constexpr (kDKV) acc2[j][0] = acc2[j][1] = acc2[j][2] = acc2[j][3] = 0.f;
-            }
-            for (int sl = s0; sl < s1; ++sl) {
-                const int64_t srow = (static_cast<int64_t>(sl) * H + head) * 16;
+            for (int h = 0; h < kG; ++h) {
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int64_t off = (srow + g + 8 * r) * kHeadDim + col0;
+                for (int j = 0; j < kNT; ++j) {
+                    acc1[h][j][0] = acc1[h][j][1] = acc1[h][j][2] = acc1[h][j][3] = 0.f;
+                    if constexpr (kDKV) acc2[h][j][0] = acc2[h][j][1] = acc2[h][j][2] = acc2[h][j][3] = 0.f;
+                }
+                for (int sl = s0; sl < s1; ++sl) {
+                    const int64_t srow = (static_cast<int64_t>(sl) * H + head0 + h) * 16;
 #pragma unroll
-                    for (int j = 0; j < kNT; ++j) {
-                        const float2 x = __ldcg(reinterpret_cast<const float2*>(p.part1_ptr + off + 8 * j));
-                        acc1[j][2 * r] += x.x;
-                        acc1[j][2 * r + 1] += x.y;
-                        if constexpr (kDKV) {
-                            const float2 y = __ldcg(reinterpret_cast<const float2*>(p.part2_ptr + off + 8 * j));
-                            acc2[j][2 * r] += y.x;
-                            acc2[j][2 * r + 1] += y.y;
+                    for (int r = 0; r < 2; ++r) {
+                        const int64_t off = (srow + g + 8 * r) * kHeadDim + col0;
+#pragma unroll
+                        for (int j = 0; j < kNT; ++j) {
+                            const float2 x = __ldcg(reinterpret_cast<const float2*>(p.part1_ptr + off + 8 * j));
+                            acc1[h][j][2 * r] += x.x;
+                            acc1[h][j][2 * r + 1] += x.y;
+                            if constexpr (kDKV) {
+                                const float2 y = __ldcg(reinterpret_cast<const float2*>(p.part2_ptr + off + 8 * j));
+                                acc2[h][j][2 * r] += y.x;
+                                acc2[h][j][2 * r + 1] += y.y;
+                            }
                         }
                     }
                 }
@@ -430,36 +477,40 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     }
     if (write_out) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = r ? row1 : row0;
-            if (row >= p.num_nodes) continue;
-            const int64_t off = (row * H + head) * kHeadDim + col0;
+        for (int h = 0; h < kG; ++h) {
+            const int head = head0 + h;
 #pragma unroll
-            for (int j = 0; j < kNT; ++j) {
-                store_pair<T>(p.out1_ptr, off + 8 * j, p.grad_fp32, acc1[j][2 * r] * p.scale,
-                              acc1[j][2 * r + 1] * p.scale);
-                if constexpr (kDKV) {
-                    store_pair<T>(p.out2_ptr, off + 8 * j, p.grad_fp32, acc2[j][2 * r], acc2[j][2 * r + 1]);
+            for (int r = 0; r < 2; ++r) {
+                const int row = r ? row1 : row0;
+                if (row >= p.num_nodes) continue;
+                const int64_t off = (row * H + head) * kHeadDim + col0;
+#pragma unroll
+                for (int j = 0; j < kNT; ++j) {
+                    store_pair<T>(p.out1_ptr, off + 8 * j, p.grad_fp32, acc1[h][j][2 * r] * p.scale,
+                                  acc1[h][j][2 * r + 1] * p.scale);
+                    if constexpr (kDKV) {
+                        store_pair<T>(p.out2_ptr, off + 8 * j, p.grad_fp32, acc2[h][j][2 * r], acc2[h][j][2 * r + 1]);
+                    }
                 }
-            }
-            if constexpr (!kDKV) {
-                if (t == 0 && part == 0) p.stats_ptr[row * H + head] = make_float2(row_lse2[r], row_dl[r]);
+                if constexpr (!kDKV) {
+                    if (t == 0 && part == 0) p.stats_ptr[row * H + head] = make_float2(row_lse2[h][r], row_dl[h][r]);
+                }
             }
         }
     }
 }
 
-template <typename T, int kHeadDim, bool kDKV, int kEdges>
+template <typename T, int kHeadDim, bool kDKV, int kEdges, int kG>
 cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t stream) {
-    using Cfg = BwdConfig<kHeadDim, kDKV>;
-    const int64_t work = static_cast<int64_t>(params.num_items) * params.num_heads;
+    using Cfg = BwdConfig<kHeadDim, kDKV, kG>;
+    const int64_t work = static_cast<int64_t>(params.num_items) * (params.num_heads / kG);
     if (work <= 0) return cudaSuccess;
     if (params.num_slots > 0) {
         const size_t bytes = sizeof(int32_t) * static_cast<size_t>(params.num_slots) * params.num_heads;
         const cudaError_t err = cudaMemsetAsync(params.counters_ptr, 0, bytes, stream);
         if (err != cudaSuccess) return err;
     }
-    auto kernel = fused3s_bwd_kernel<T, kHeadDim, kDKV, kEdges>;
+    auto kernel = fused3s_bwd_kernel<T, kHeadDim, kDKV, kEdges, kG>;
     if (Cfg::kSmemBytes > 48 * 1024) {
         const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
         if (err != cudaSuccess) return err;
@@ -468,12 +519,25 @@ cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t
     return cudaGetLastError();
 }
 
+// One pass with the head group the host asked for (params.head_group: 1, or
+// 2 / 4 where max_head_group allows).
+template <typename T, int kHeadDim, bool kDKV, int kEdges>
+cudaError_t launch_fused3s_bwd_group(const Fused3SBwdParams& params, cudaStream_t stream) {
+    if constexpr (max_head_group(kHeadDim) > 1) {
+        if (params.head_group == 2) return launch_fused3s_bwd_pass<T, kHeadDim, kDKV, kEdges, 2>(params, stream);
+        if constexpr (max_head_group(kHeadDim) >= 4) {
+            if (params.head_group == 4) return launch_fused3s_bwd_pass<T, kHeadDim, kDKV, kEdges, 4>(params, stream);
+        }
+    }
+    return launch_fused3s_bwd_pass<T, kHeadDim, kDKV, kEdges, 1>(params, stream);
+}
+
 template <typename T, int kHeadDim, int kEdges>
 cudaError_t run_fused3s_bwd(const Fused3SBwdParams& dq_pass, const Fused3SBwdParams& dkv_pass, cudaStream_t stream) {
     // The dQ pass writes delta, which the dKV pass reads: same stream, in order.
-    const cudaError_t err = launch_fused3s_bwd_pass<T, kHeadDim, false, kEdges>(dq_pass, stream);
+    const cudaError_t err = launch_fused3s_bwd_group<T, kHeadDim, false, kEdges>(dq_pass, stream);
     if (err != cudaSuccess) return err;
-    return launch_fused3s_bwd_pass<T, kHeadDim, true, kEdges>(dkv_pass, stream);
+    return launch_fused3s_bwd_group<T, kHeadDim, true, kEdges>(dkv_pass, stream);
 }
 
 }  // namespace gt_fused3s

@@ -69,6 +69,10 @@ struct Fused3SBwdParams {
 
     int32_t num_nodes;
     int32_t num_heads;
+    // Heads one warp runs (fused3s_bwd_kernel.cuh: head groups): 1, or up to
+    // max_head_group(D) dividing H, with the heads of a1, a2, g1 and g2
+    // adjacent (head stride = D); 0 reads as 1.
+    int32_t head_group;
     float scale;        // s
     float scale_log2;   // s * log2(e)
 

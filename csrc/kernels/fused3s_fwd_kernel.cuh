@@ -18,6 +18,17 @@
 //           bias if the instance has one (loaded one pair ahead, edge_bias.cuh)
 //   SpMM    O[16, D] += [P_a P_b] [16, 16] V[16, D] (P reused from registers)
 // K and V rows of the next pair are loaded while the current pair is computed.
+//
+// Head groups (kG > 1 at head dims 16 and 32, the host's choice: bindings.cpp
+// head_group): one warp runs kG consecutive heads of an item, w = item *
+// (H / kG) + group. The pair's columns, bitmap and loop are then walked once
+// for kG heads instead of once per head, and the kG heads' products are
+// independent chains in flight together; each head keeps its own Q, K, V
+// fragments (K and V still gathered per head, in the head's own 8- or
+// 16-byte pieces: a head's scores sum over its own head dim only), softmax
+// state and O; the edge terms load each non-zero's kG values in one access
+// and place them once for the kG heads (edge_bias.cuh). The occupancy hint is
+// the one of a head dim of kG x D (group_edge_warps with edge terms).
 #pragma once
 
 #include <cstdint>
@@ -65,12 +76,27 @@ constexpr int edge_min_blocks() {
                                       : (!edge_dropout(kEdges) ? (kMinBlocks * 3 + 3) / 4 : (kMinBlocks + 1) / 2);
 }
 
-template <typename T, int kHeadDim, int kEdges>
-__global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads,
-                                  edge_min_blocks<kEdges, FwdConfig<kHeadDim>::kMinBlocks, FwdConfig<kHeadDim>::kDW>())
+// Resident warps an SM of the head-group instances with edge terms: 8 for
+// groups of 4 (255 registers a thread: 12 gave 168, with 92-160 bytes of
+// spills, and forward + weights 1.18 ms against 1.01 on the 200k graph, H = 4,
+// D = 16), 12 for groups of 2 (8 cost them a third of their warps: 2.14 ->
+// 2.86 ms with a bias at H = 8, D = 32). A warp sits in one of an SM's four
+// register partitions, so 9-12 warps all give 168 registers.
+template <int kG>
+constexpr int group_edge_warps() { return kG >= 4 ? 8 : 12; }
+
+template <int kEdges, int kG, int kHeadDim>
+constexpr int fwd_min_blocks() {
+    return kG > 1 ? (kEdges == 0 ? FwdConfig<kHeadDim * kG>::kMinBlocks : group_edge_warps<kG>())
+                  : edge_min_blocks<kEdges, FwdConfig<kHeadDim>::kMinBlocks, FwdConfig<kHeadDim>::kDW>();
+}
+
+template <typename T, int kHeadDim, int kEdges, int kG>
+__global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads, fwd_min_blocks<kEdges, kG, kHeadDim>())
 fused3s_fwd_kernel(const Fused3SParams p) {
     constexpr bool kBias = kEdges > 0;
     using Cfg = FwdConfig<kHeadDim>;
+    static_assert(kG == 1 || (Cfg::kSplit == 1 && kG <= max_head_group(kHeadDim)), "head groups: head dims 16 and 32");
     constexpr int kDW = Cfg::kDW;
     constexpr int kNT = Cfg::kNT;
     constexpr int kSplit = Cfg::kSplit;
@@ -85,7 +111,7 @@ fused3s_fwd_kernel(const Fused3SParams p) {
     __shared__ float s_xchg[2][kSplit][8][32];
     __shared__ int s_bcast;
     // Each warp's places of its pairs' edge terms (edge_bias.cuh: PairSlots).
-    using Bias = PairBias<kBias, false, edge_dropout(kEdges)>;
+    using Bias = PairBias<kBias, false, edge_dropout(kEdges), kG>;
     __shared__ typename Bias::Slots s_slots[kBias ? kSplit : 1];
 
     // Synchronise the warps of the team (a warp alone: __syncwarp).
@@ -108,9 +134,10 @@ fused3s_fwd_kernel(const Fused3SParams p) {
     int buf = 0;   // S exchange double buffer index (D = 256)
 
     {
-        const int w = blockIdx.x;   // work index = item * H + head, heaviest items first
-        const int item_idx = w / p.num_heads;
-        const int head = w - item_idx * p.num_heads;
+        const int w = blockIdx.x;   // work index = item * (H / kG) + group, heaviest items first
+        const int groups = p.num_heads / kG;
+        const int item_idx = w / groups;
+        const int head0 = (w - item_idx * groups) * kG;   // the group's first head
         const int4 it = __ldg(reinterpret_cast<const int4*>(p.items_ptr) + item_idx);
         const int window = it.x, tcb_begin = it.y, tcb_end = it.z, slot = it.w;
         if (window < 0) return;   // an unused item of a schedule at capacity (the whole block)
@@ -119,20 +146,27 @@ fused3s_fwd_kernel(const Fused3SParams p) {
         const int row1 = row0 + 8;
         const bool in0 = row0 < p.num_nodes, in1 = row1 < p.num_nodes;
 
-        const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q_ptr) + head * p.q_head_stride + part * kDW;
-        const uint16_t* k = reinterpret_cast<const uint16_t*>(p.k_ptr) + head * p.k_head_stride + part * kDW;
-        const uint16_t* v = reinterpret_cast<const uint16_t*>(p.v_ptr) + head * p.v_head_stride + part * kDW;
+        const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q_ptr) + head0 * p.q_head_stride + part * kDW;
+        const uint16_t* k = reinterpret_cast<const uint16_t*>(p.k_ptr) + head0 * p.k_head_stride + part * kDW;
+        const uint16_t* v = reinterpret_cast<const uint16_t*>(p.v_ptr) + head0 * p.v_head_stride + part * kDW;
 
-        // [16, kDW] slice of Q in A-fragment registers, never read past row N-1.
-        QFragment<kDW> qf;
-        load_q_fragment<kDW>(qf, q + static_cast<int64_t>(in0 ? row0 : 0) * p.q_row_stride, in0,
-                             q + static_cast<int64_t>(in1 ? row1 : 0) * p.q_row_stride, in1, t);
-
-        float o[kNT][4];
+        // [16, kDW] slice of Q in A-fragment registers per head, never read past row N-1.
+        QFragment<kDW> qf[kG];
 #pragma unroll
-        for (int j = 0; j < kNT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-        SoftmaxState st;
-        softmax_init(st);
+        for (int h = 0; h < kG; ++h) {
+            const uint16_t* qh = q + h * p.q_head_stride;
+            load_q_fragment<kDW>(qf[h], qh + static_cast<int64_t>(in0 ? row0 : 0) * p.q_row_stride, in0,
+                                 qh + static_cast<int64_t>(in1 ? row1 : 0) * p.q_row_stride, in1, t);
+        }
+
+        float o[kG][kNT][4];
+        SoftmaxState st[kG];
+#pragma unroll
+        for (int h = 0; h < kG; ++h) {
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) o[h][j][0] = o[h][j][1] = o[h][j][2] = o[h][j][3] = 0.f;
+            softmax_init(st[h]);
+        }
 
         if (tcb_begin < tcb_end) {
             PairRaw raw;
@@ -143,28 +177,36 @@ fused3s_fwd_kernel(const Fused3SParams p) {
             PairMeta cur = decode_pair(raw, lane);
             Bias bcur, bnxt;
             typename Bias::Slots& slots = s_slots[kBias ? part : 0];
-            bcur.load(raw, ec, p.bias, lane, head);
+            bcur.load(raw, ec, p.bias, lane, head0);
             if (tcb_begin + 2 < tcb_end) load_raw(tcb_begin + 2);
 
-            KFragment<kDW> kf[2];
-            VFragment<kDW> vf;
+            KFragment<kDW> kf[kG][2];
+            VFragment<kDW> vf[kG];
             auto load_k = [&](const PairMeta& m) {
 #pragma unroll
-                for (int x = 0; x < 2; ++x) {
-                    const int c = m.colk[x];
-                    load_k_fragment<kDW>(kf[x], k + static_cast<int64_t>(c < 0 ? 0 : c) * p.k_row_stride, c >= 0, t);
+                for (int h = 0; h < kG; ++h) {
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const int c = m.colk[x];
+                        load_k_fragment<kDW>(kf[h][x],
+                                             k + h * p.k_head_stride + static_cast<int64_t>(c < 0 ? 0 : c) * p.k_row_stride,
+                                             c >= 0, t);
+                    }
                 }
             };
             auto load_v = [&](const PairMeta& m) {
-                const uint16_t* rows[4];
-                bool valid[4];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int c = m.colv[i];
-                    valid[i] = c >= 0;
-                    rows[i] = v + static_cast<int64_t>(c < 0 ? 0 : c) * p.v_row_stride;
+                for (int h = 0; h < kG; ++h) {
+                    const uint16_t* rows[4];
+                    bool valid[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int c = m.colv[i];
+                        valid[i] = c >= 0;
+                        rows[i] = v + h * p.v_head_stride + static_cast<int64_t>(c < 0 ? 0 : c) * p.v_row_stride;
+                    }
+                    load_v_fragment<kDW>(vf[h], rows, valid, g);
                 }
-                load_v_fragment<kDW>(vf, rows, valid, g);
             };
             load_k(cur);
             load_v(cur);
@@ -172,21 +214,22 @@ fused3s_fwd_kernel(const Fused3SParams p) {
             for (int base = tcb_begin;; base += 2) {
                 // this pair's bias (and dropout mask) per score (edge_bias.cuh),
                 // ahead of the product, whose latency hides the places' round trip
-                bcur.expand(p.bias, head, slots, lane);
-                float s[2][4];
-                sddmm_pair<T, kDW>(s, qf, kf);
+                bcur.expand(p.bias, head0, slots, lane);
+                float s[kG][2][4];
+#pragma unroll
+                for (int h = 0; h < kG; ++h) sddmm_pair<T, kDW>(s[h], qf[h], kf[h]);
                 if constexpr (kSplit > 1) {
                     // Sum the partial scores of the team's warps (same order in every
                     // warp, so all of them hold bit-identical S and softmax state).
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) s_xchg[buf][part][i][lane] = s[i >> 2][i & 3];
+                    for (int i = 0; i < 8; ++i) s_xchg[buf][part][i][lane] = s[0][i >> 2][i & 3];
                     __syncthreads();
 #pragma unroll
                     for (int i = 0; i < 8; ++i) {
                         float acc = 0.f;
 #pragma unroll
                         for (int q2 = 0; q2 < kSplit; ++q2) acc += s_xchg[buf][q2][i][lane];
-                        s[i >> 2][i & 3] = acc;
+                        s[0][i >> 2][i & 3] = acc;
                     }
                     buf ^= 1;
                 }
@@ -195,36 +238,46 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                 if (has_next) {
                     nxt = decode_pair(raw, lane);
                     load_k(nxt);   // K of the next pair flies during softmax + SpMM
-                    bnxt.load(raw, ec, p.bias, lane, head);   // its bias too
+                    bnxt.load(raw, ec, p.bias, lane, head0);   // its bias too
                     if (base + 4 < tcb_end) load_raw(base + 4);
                 }
-                uint32_t pa[4];
-                if constexpr (edge_scores(kEdges)) {
-                    // the raw dot products q_i.k_j (the caller adds scale and bias)
-                    if (part == 0) bcur.store_all(p.scores_ptr, p.num_heads, head, s, slots, lane, p.bias);
+#pragma unroll
+                for (int h = 0; h < kG; ++h) {
+                    bcur.select(p.bias, slots, h, lane);   // head h's bias and dropout mask
+                    if constexpr (edge_scores(kEdges)) {
+                        // the raw dot products q_i.k_j (the caller adds scale and bias)
+                        if (part == 0) bcur.stage(slots, h, s[h], lane);
+                    }
+                    uint32_t pa[4];
+                    online_softmax_pair<T, kNT>(s[h], cur.mask, p.scale_log2, bcur, p.bias, st[h], o[h], pa);
+                    spmm_pair<T, kDW>(o[h], pa, vf[h]);
                 }
-                online_softmax_pair<T, kNT>(s, cur.mask, p.scale_log2, bcur, p.bias, st, o, pa);
-                spmm_pair<T, kDW>(o, pa, vf);
+                if constexpr (edge_scores(kEdges)) {
+                    if (part == 0) bcur.flush(p.scores_ptr, p.num_heads, head0, slots, lane, p.bias);
+                }
                 if (!has_next) break;
                 load_v(nxt);       // V of the next pair flies during the next SDDMM
                 cur = nxt;
                 bcur = bnxt;
             }
         }
-        softmax_finish(st);   // st.l: full row sums
+#pragma unroll
+        for (int h = 0; h < kG; ++h) softmax_finish(st[h]);   // st.l: full row sums
 
         const int col0 = part * kDW + t * (kDW / 4);   // first head-dim index this thread holds
         bool write_out = slot < 0;
         if (!write_out) {
-            // Partial of a split window: unnormalised O, m, l in fp32.
-            {
-                const int64_t base_row = (static_cast<int64_t>(slot) * p.num_heads + head) * 16;
+            // Partial of a split window: unnormalised O, m, l in fp32, per head.
+#pragma unroll
+            for (int h = 0; h < kG; ++h) {
+                const int64_t base_row = (static_cast<int64_t>(slot) * p.num_heads + head0 + h) * 16;
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int rw = g + 8 * r;
-                    store_row<T, kNT>(p.part_o_ptr + (base_row + rw) * kHeadDim + col0, true, o, 2 * r, 2 * r + 1, 1.f);
+                    store_row<T, kNT>(p.part_o_ptr + (base_row + rw) * kHeadDim + col0, true, o[h], 2 * r, 2 * r + 1, 1.f);
                     if (t == 0 && part == 0) {
-                        *reinterpret_cast<float2*>(p.part_ml_ptr + (base_row + rw) * 2) = make_float2(st.m[r], st.l[r]);
+                        *reinterpret_cast<float2*>(p.part_ml_ptr + (base_row + rw) * 2) =
+                            make_float2(st[h].m[r], st[h].l[r]);
                     }
                 }
             }
@@ -232,54 +285,60 @@ fused3s_fwd_kernel(const Fused3SParams p) {
             team_sync();
             const int4 si = __ldg(reinterpret_cast<const int4*>(p.slots_ptr) + slot);
             const int s0 = si.y, s1 = si.z;
-            const int prev = leader ? atomicAdd(p.counters_ptr + static_cast<int64_t>(s0) * p.num_heads + head, 1) : 0;
+            // one counter per group (its first head's)
+            const int prev = leader ? atomicAdd(p.counters_ptr + static_cast<int64_t>(s0) * p.num_heads + head0, 1) : 0;
             write_out = broadcast(prev) == s1 - s0 - 1;   // this team completed the window
             if (write_out) {
                 __threadfence();
-                // Merge: out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.
-                float m_ref[2];
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int rw = g + 8 * r;
-                    auto ml_at = [&](int sl) {
-                        return __ldcg(reinterpret_cast<const float2*>(p.part_ml_ptr) +
-                                      ((static_cast<int64_t>(sl) * p.num_heads + head) * 16 + rw));
-                    };
-                    float mx = -INFINITY;
-                    for (int sl = s0 + t; sl < s1; sl += 4) mx = fmaxf(mx, ml_at(sl).x);
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    m_ref[r] = mx == -INFINITY ? 0.f : mx;
-                    float l = 0.f;
-                    for (int sl = s0 + t; sl < s1; sl += 4) {
-                        const float2 ml = ml_at(sl);
-                        l += fast_exp2(ml.x - m_ref[r]) * ml.y;
+                for (int h = 0; h < kG; ++h) {
+                    const int head = head0 + h;
+                    // Merge: out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.
+                    float m_ref[2];
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int rw = g + 8 * r;
+                        auto ml_at = [&](int sl) {
+                            return __ldcg(reinterpret_cast<const float2*>(p.part_ml_ptr) +
+                                          ((static_cast<int64_t>(sl) * p.num_heads + head) * 16 + rw));
+                        };
+                        float mx = -INFINITY;
+                        for (int sl = s0 + t; sl < s1; sl += 4) mx = fmaxf(mx, ml_at(sl).x);
+                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                        m_ref[r] = mx == -INFINITY ? 0.f : mx;
+                        float l = 0.f;
+                        for (int sl = s0 + t; sl < s1; sl += 4) {
+                            const float2 ml = ml_at(sl);
+                            l += fast_exp2(ml.x - m_ref[r]) * ml.y;
+                        }
+                        l += __shfl_xor_sync(0xffffffffu, l, 1);
+                        l += __shfl_xor_sync(0xffffffffu, l, 2);
+                        st[h].m[r] = mx;
+                        st[h].l[r] = l;
                     }
-                    l += __shfl_xor_sync(0xffffffffu, l, 1);
-                    l += __shfl_xor_sync(0xffffffffu, l, 2);
-                    st.m[r] = mx;
-                    st.l[r] = l;
-                }
 #pragma unroll
-                for (int j = 0; j < kNT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+                    for (int j = 0; j < kNT; ++j) o[h][j][0] = o[h][j][1] = o[h][j][2] = o[h][j][3] = 0.f;
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int rw = g + 8 * r;
-                    // 4 slots per step: their loads are independent and in flight together.
+                    for (int r = 0; r < 2; ++r) {
+                        const int rw = g + 8 * r;
+                        // 4 slots per step: their loads are independent and in flight together.
 #pragma unroll 4
-                    for (int sl = s0; sl < s1; ++sl) {
-                        const int64_t prow = (static_cast<int64_t>(sl) * p.num_heads + head) * 16 + rw;
-                        const float wgt = fast_exp2(__ldcg(reinterpret_cast<const float2*>(p.part_ml_ptr) + prow).x - m_ref[r]);
-                        const float4* src = reinterpret_cast<const float4*>(p.part_o_ptr + prow * kHeadDim + col0);
+                        for (int sl = s0; sl < s1; ++sl) {
+                            const int64_t prow = (static_cast<int64_t>(sl) * p.num_heads + head) * 16 + rw;
+                            const float wgt =
+                                fast_exp2(__ldcg(reinterpret_cast<const float2*>(p.part_ml_ptr) + prow).x - m_ref[r]);
+                            const float4* src = reinterpret_cast<const float4*>(p.part_o_ptr + prow * kHeadDim + col0);
 #pragma unroll
-                        for (int e4 = 0; e4 < kNT / 2; ++e4) {   // 2 * kNT floats = kNT / 2 float4
-                            const float4 x = __ldcg(src + e4);
-                            const float xs[4] = {x.x, x.y, x.z, x.w};
+                            for (int e4 = 0; e4 < kNT / 2; ++e4) {   // 2 * kNT floats = kNT / 2 float4
+                                const float4 x = __ldcg(src + e4);
+                                const float xs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-                            for (int i = 0; i < 4; ++i) {
-                                const int e = 4 * e4 + i;
-                                if (e < kNT) o[e][2 * r] += wgt * xs[i];
-                                else o[e - kNT][2 * r + 1] += wgt * xs[i];
+                                for (int i = 0; i < 4; ++i) {
+                                    const int e = 4 * e4 + i;
+                                    if (e < kNT) o[h][e][2 * r] += wgt * xs[i];
+                                    else o[h][e - kNT][2 * r + 1] += wgt * xs[i];
+                                }
                             }
                         }
                     }
@@ -289,21 +348,25 @@ fused3s_fwd_kernel(const Fused3SParams p) {
         if (write_out) {
             // Normalise and write out, lse.
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = r == 0 ? row0 : row1;
-                if (row >= p.num_nodes) continue;
-                // l == 0: no edge (or all scores -inf): 0. A NaN l (a NaN or
-                // Inf among the scores) makes the row and its lse NaN, as in
-                // message passing, instead of 0.
-                const float l = st.l[r];
-                const float inv = l != 0.f ? 1.f / l : 0.f;
-                const int64_t off = static_cast<int64_t>(row) * p.o_row_stride + head * p.o_head_stride + col0;
-                void* dst = p.out_fp32 ? static_cast<void*>(reinterpret_cast<float*>(p.o_ptr) + off)
-                                       : static_cast<void*>(reinterpret_cast<uint16_t*>(p.o_ptr) + off);
-                store_row<T, kNT>(dst, p.out_fp32, o, 2 * r, 2 * r + 1, inv);
-                if (t == 0 && part == 0) {
-                    p.lse_ptr[static_cast<int64_t>(row) * p.lse_row_stride + head * p.lse_head_stride] =
-                        l != 0.f ? (st.m[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+            for (int h = 0; h < kG; ++h) {
+                const int head = head0 + h;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = r == 0 ? row0 : row1;
+                    if (row >= p.num_nodes) continue;
+                    // l == 0: no edge (or all scores -inf): 0. A NaN l (a NaN or
+                    // Inf among the scores) makes the row and its lse NaN, as in
+                    // message passing, instead of 0.
+                    const float l = st[h].l[r];
+                    const float inv = l != 0.f ? 1.f / l : 0.f;
+                    const int64_t off = static_cast<int64_t>(row) * p.o_row_stride + head * p.o_head_stride + col0;
+                    void* dst = p.out_fp32 ? static_cast<void*>(reinterpret_cast<float*>(p.o_ptr) + off)
+                                           : static_cast<void*>(reinterpret_cast<uint16_t*>(p.o_ptr) + off);
+                    store_row<T, kNT>(dst, p.out_fp32, o[h], 2 * r, 2 * r + 1, inv);
+                    if (t == 0 && part == 0) {
+                        p.lse_ptr[static_cast<int64_t>(row) * p.lse_row_stride + head * p.lse_head_stride] =
+                            l != 0.f ? (st[h].m[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+                    }
                 }
             }
         }
@@ -313,13 +376,27 @@ fused3s_fwd_kernel(const Fused3SParams p) {
 template <typename T, int kHeadDim, int kEdges>
 void run_fused3s_fwd(const Fused3SParams& params, cudaStream_t stream) {
     using Cfg = FwdConfig<kHeadDim>;
-    const int64_t work = static_cast<int64_t>(params.num_items) * params.num_heads;
+    const int group = params.head_group > 1 ? params.head_group : 1;   // validated by the host (head_group())
+    const int64_t work = static_cast<int64_t>(params.num_items) * (params.num_heads / group);
     if (work <= 0) return;
     if (params.num_slots > 0) {   // arrival counters of the split windows
         const size_t bytes = sizeof(int32_t) * static_cast<size_t>(params.num_slots) * params.num_heads;
         if (cudaMemsetAsync(params.counters_ptr, 0, bytes, stream) != cudaSuccess) return;   // error stays set
     }
-    fused3s_fwd_kernel<T, kHeadDim, kEdges><<<static_cast<unsigned>(work), Cfg::kThreads, 0, stream>>>(params);
+    const dim3 grid(static_cast<unsigned>(work));
+    if constexpr (max_head_group(kHeadDim) > 1) {
+        if (group == 2) {
+            fused3s_fwd_kernel<T, kHeadDim, kEdges, 2><<<grid, Cfg::kThreads, 0, stream>>>(params);
+            return;
+        }
+        if constexpr (max_head_group(kHeadDim) >= 4) {
+            if (group == 4) {
+                fused3s_fwd_kernel<T, kHeadDim, kEdges, 4><<<grid, Cfg::kThreads, 0, stream>>>(params);
+                return;
+            }
+        }
+    }
+    fused3s_fwd_kernel<T, kHeadDim, kEdges, 1><<<grid, Cfg::kThreads, 0, stream>>>(params);
 }
 
 }  // namespace gt_fused3s

@@ -101,6 +101,10 @@ struct Fused3SParams {
     int32_t num_nodes;   // N
     int32_t num_heads;   // H
     float scale_log2;    // scale * log2(e)
+    // Heads one warp runs (fused3s_fwd_kernel.cuh: head groups): 1, or up to
+    // max_head_group(D) dividing H (the host's head_group() picks it; 0 reads
+    // as 1).
+    int32_t head_group;
 
     // Edge terms (the kernel instance with edge terms reads them; the one
     // without ignores them).
@@ -111,6 +115,10 @@ struct Fused3SParams {
     // P = exp(scale q_i.k_j + bias - lse_i) needs no score pass.
     float* scores_ptr;
 };
+
+// The most heads one warp of the graph kernels runs at this head dim (head
+// groups: as many as fill a head dim of 64).
+__host__ __device__ constexpr int max_head_group(int head_dim) { return head_dim <= 32 ? 64 / head_dim : 1; }
 
 // Zeroes the arrival counters and launches the forward kernel on `stream`.
 // T is __half or __nv_bfloat16; HeadDim in {16, 32, 64, 128, 256}; kEdges:
