@@ -165,11 +165,14 @@ int edge_mode(bool has_edges, double dropout_p) { return has_edges ? (dropout_p 
 // that fit a head dim of 64, divide H and leave the caller's per-edge arrays
 // (`edge_arrays`, [E, H] fp32) aligned for one access per edge, where they
 // were measured faster (H100, README "Head groups"): where a resident group
-// walks at least 100 TCBs (the 200k power-law graph), and where the windows
-// are small and alike (molecule batches: at most 4 TCBs a window on average;
-// with edge terms groups of at most 2 there, 4 measured slower on ZINC);
-// elsewhere a head a warp (cora, pubmed, github at 4 heads: a group runs its
-// longest item's heads in turn, which set those kernels' time). `tcbs` and
+// walks at least 100 TCBs (the 200k power-law graph); where the windows are
+// small and alike (molecule batches: at most 4 TCBs a window on average;
+// with edge terms groups of at most 2 there, 4 measured slower on ZINC); and
+// where an item has at least two groups and a resident group walks at least
+// 10 TCBs (pubmed, github at 8 heads). Elsewhere a head a warp (cora at any
+// heads; pubmed and github with the whole item's heads in one group: the
+// group runs its longest item's heads in turn, which set those kernels'
+// time). `tcbs` and
 // `windows` are the pass's format's (a static plan's TCB capacity reads as
 // more TCBs). GT_FUSED3S_HEAD_GROUP=g asks for up to g heads a warp wherever
 // allowed (1: none), for experiments; it is read at every launch.
@@ -192,7 +195,8 @@ int head_group(int64_t heads, int64_t head_dim, int64_t tcbs, int64_t windows, c
     int& sms = sms_of[dev & 63];
     if (sms == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     const int64_t resident = static_cast<int64_t>(sms) * (g * head_dim <= 32 ? 16 : 12);   // groups an SM holds
-    if (tcbs * (heads / g) >= 100 * resident) return g;
+    const int64_t per_group = tcbs * (heads / g);   // TCBs x groups: the work in group walks
+    if (per_group >= 100 * resident || (heads / g >= 2 && per_group >= 10 * resident)) return g;
     if (tcbs <= 4 * windows) return edge_terms ? std::min(g, 2) : g;
     return 1;
 }
@@ -354,7 +358,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     p.num_nodes = static_cast<int32_t>(Nq);   // rows read and written; windows past them have no edges
     p.num_heads = static_cast<int32_t>(H);
     p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-    p.head_group = head_group(H, D, T, R, q, has_bias, {&edge_bias});
+    // head groups copy a group's K and V rows as one row: only where the heads are adjacent
+    const bool adjacent = H == 1 || (k.stride(1) == D && v.stride(1) == D);
+    p.head_group = adjacent ? head_group(H, D, T, R, q, has_bias, {&edge_bias}) : 1;
     p.bias = edge_args(nnz_offset, slot_edge, slot_pos, H, edge_bias, nullptr, std::nullopt);
     if (has_bias) set_dropout(p.bias, dropout_p, dropout_seed, dropout_seed_t, q);
     p.scores_ptr = return_scores ? scores.data_ptr<float>() : nullptr;

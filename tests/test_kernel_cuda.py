@@ -344,7 +344,7 @@ def test_head_groups_equal_a_head_a_warp(h, d, dtype, monkeypatch):
     """A warp running 2 or 4 heads (head dims 16, 32) computes each head as a
     warp of its own does: out, lse and the gradients of q, k, v bit for bit,
     with a split window, with heads adjacent in memory and not (every other
-    head of a wider tensor: the backward then runs a head a warp), with an
+    head of a wider tensor: the kernels then run a head a warp), with an
     fp32 output; and the forward equals the reference."""
     bsb = _hub_graph(n=5000, hub=77, degree=3000)      # includes a split window
     n = bsb.num_nodes
@@ -410,11 +410,12 @@ def test_head_groups_with_edge_terms(h, d, dropout, dtype, monkeypatch):
 
 
 def test_head_groups_are_chosen_where_they_pay():
-    """The launch rule (bindings.cpp: head_group): groups of 4 for a batch of
-    small molecule-like graphs at 4 heads of 16 (of 2 with an edge bias), of
-    2 at 8 heads of 32, a head a warp for a small citation-like graph and at
-    head dim 64 (the profiler's kernel names carry the group as the last
-    template argument)."""
+    """The launch rule (bindings.cpp: head_group, on a GPU of 100-160 SMs):
+    groups of 4 for a batch of small molecule-like graphs at 4 heads of 16
+    (of 2 with an edge bias), of 2 at 8 heads of 32; for a 30k-node random
+    graph groups at 8 heads (two groups an item), not at 4; a head a warp for
+    a small citation-like graph and at head dim 64 (the profiler's kernel
+    names carry the group as the last template argument)."""
     from torch.profiler import ProfilerActivity, profile
 
     def groups(ei, n, h, d, bias=False):
@@ -439,8 +440,12 @@ def test_head_groups_are_chosen_where_they_pay():
     off = 12 * torch.arange(2000, device=DEV).repeat_interleave(src.numel())
     mol = (torch.stack([src.repeat(2000), dst.repeat(2000)]) + off, 24000)
     citation = (_random_graph(3000, 12000, seed=5).edge_index, 3000)   # ~8 TCBs a window, 190 windows
+    bigger = (_random_graph(30000, 120000, seed=6).edge_index, 30000)  # ~15k TCBs
     assert groups(*mol, 4, 16) == {4}
     assert groups(*mol, 4, 16, bias=True) == {2}
     assert groups(*mol, 8, 32) == {2}
     assert groups(*citation, 4, 16) == {1}
+    assert groups(*citation, 8, 32) == {1}
+    assert groups(*bigger, 8, 16) == {4}
+    assert groups(*bigger, 4, 16) == {1}
     assert groups(*mol, 4, 64) == {1}

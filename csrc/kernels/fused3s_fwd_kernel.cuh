@@ -24,11 +24,15 @@
 // (H / kG) + group. The pair's columns, bitmap and loop are then walked once
 // for kG heads instead of once per head, and the kG heads' products are
 // independent chains in flight together; each head keeps its own Q, K, V
-// fragments (K and V still gathered per head, in the head's own 8- or
-// 16-byte pieces: a head's scores sum over its own head dim only), softmax
-// state and O; the edge terms load each non-zero's kG values in one access
-// and place them once for the kG heads (edge_bias.cuh). The occupancy hint is
-// the one of a head dim of kG x D (group_edge_warps with edge terms).
+// fragments (a head's scores sum over its own head dim only), softmax state
+// and O. A group's K and V rows are copied to shared memory as whole rows of
+// kG x D elements (cp.async, the next pair's during this one's products; the
+// heads adjacent in memory), where a warp per head gathered 32- or 64-byte
+// pieces of each row straight into its fragments, and each head's fragments
+// are read from there in the same layout. The edge terms load each
+// non-zero's kG values in one access and place them once for the kG heads
+// (edge_bias.cuh). The occupancy hint is the one of a head dim of kG x D
+// (group_edge_warps with edge terms).
 #pragma once
 
 #include <cstdint>
@@ -40,6 +44,7 @@
 #include "mma_utils.cuh"
 #include "sddmm_tile.cuh"
 #include "online_softmax.cuh"
+#include "smem_tile.cuh"
 #include "spmm_tile.cuh"
 #include "tcb_pair.cuh"
 
@@ -113,6 +118,11 @@ fused3s_fwd_kernel(const Fused3SParams p) {
     // Each warp's places of its pairs' edge terms (edge_bias.cuh: PairSlots).
     using Bias = PairBias<kBias, false, edge_dropout(kEdges), kG>;
     __shared__ typename Bias::Slots s_slots[kBias ? kSplit : 1];
+    // Head groups: two stages of the pair's K and V rows, kG heads wide.
+    constexpr bool kStaged = kG > 1;
+    using KVTile = RowTile<kStaged ? kDW * kG : 16>;
+    __shared__ alignas(16) uint16_t s_kv[kStaged ? 2 * KVTile::kBytes : 8];   // [stage][K, V] tiles
+    auto kv_tile = [&](int stage, int which) { return s_kv + (2 * stage + which) * (KVTile::kBytes / 2); };
 
     // Synchronise the warps of the team (a warp alone: __syncwarp).
     auto team_sync = [&]() {
@@ -175,6 +185,15 @@ fused3s_fwd_kernel(const Fused3SParams p) {
             if constexpr (kBias) ec.start(p.bias, tcb_begin, tcb_end, lane);
             load_raw(tcb_begin);
             PairMeta cur = decode_pair(raw, lane);
+            auto copy_kv = [&](int stage) {   // (staged) the pair of `raw`: its 16 K and V rows
+                KVTile::load_async(smem_addr(kv_tile(stage, 0)), k, p.k_row_stride, smem_addr(kv_tile(stage, 1)), v,
+                                   p.v_row_stride, raw.c, lane);
+            };
+            int stage = 0;
+            if constexpr (kStaged) {
+                copy_kv(0);
+                cp_async_commit();
+            }
             Bias bcur, bnxt;
             typename Bias::Slots& slots = s_slots[kBias ? part : 0];
             bcur.load(raw, ec, p.bias, lane, head0);
@@ -208,10 +227,38 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                     load_v_fragment<kDW>(vf[h], rows, valid, g);
                 }
             };
-            load_k(cur);
-            load_v(cur);
+            // (staged) head h's fragments from this pair's rows in shared memory
+            auto read_k = [&]() {
+#pragma unroll
+                for (int h = 0; h < kG; ++h) {
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        load_k_fragment_shared<kDW>(kf[h][x], kv_tile(stage, 0) + (8 * x + g) * KVTile::kRowElems + h * kDW, t);
+                    }
+                }
+            };
+            auto read_v = [&](int h, VFragment<kDW>& f) {
+                const uint16_t* rows[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    rows[i] = kv_tile(stage, 1) + (8 * (i >> 1) + 2 * t + (i & 1)) * KVTile::kRowElems + h * kDW;
+                }
+                load_v_fragment_shared<kDW>(f, rows, g);
+            };
+            if constexpr (!kStaged) {
+                load_k(cur);
+                load_v(cur);
+            }
 
             for (int base = tcb_begin;; base += 2) {
+                const bool has_next = base + 2 < tcb_end;
+                if constexpr (kStaged) {
+                    if (has_next) copy_kv(stage ^ 1);   // the next pair's rows fly during this one
+                    cp_async_commit();
+                    cp_async_wait<1>();                  // this pair's rows have landed
+                    __syncwarp();
+                    read_k();
+                }
                 // this pair's bias (and dropout mask) per score (edge_bias.cuh),
                 // ahead of the product, whose latency hides the places' round trip
                 bcur.expand(p.bias, head0, slots, lane);
@@ -233,11 +280,10 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                     }
                     buf ^= 1;
                 }
-                const bool has_next = base + 2 < tcb_end;
                 PairMeta nxt;
                 if (has_next) {
                     nxt = decode_pair(raw, lane);
-                    load_k(nxt);   // K of the next pair flies during softmax + SpMM
+                    if constexpr (!kStaged) load_k(nxt);   // K of the next pair flies during softmax + SpMM
                     bnxt.load(raw, ec, p.bias, lane, head0);   // its bias too
                     if (base + 4 < tcb_end) load_raw(base + 4);
                 }
@@ -250,13 +296,19 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                     }
                     uint32_t pa[4];
                     online_softmax_pair<T, kNT>(s[h], cur.mask, p.scale_log2, bcur, p.bias, st[h], o[h], pa);
+                    if constexpr (kStaged) read_v(h, vf[h]);
                     spmm_pair<T, kDW>(o[h], pa, vf[h]);
                 }
                 if constexpr (edge_scores(kEdges)) {
                     if (part == 0) bcur.flush(p.scores_ptr, p.num_heads, head0, slots, lane, p.bias);
                 }
                 if (!has_next) break;
-                load_v(nxt);       // V of the next pair flies during the next SDDMM
+                if constexpr (kStaged) {
+                    __syncwarp();   // every lane is done with this stage before it is refilled
+                    stage ^= 1;
+                } else {
+                    load_v(nxt);       // V of the next pair flies during the next SDDMM
+                }
                 cur = nxt;
                 bcur = bnxt;
             }

@@ -106,6 +106,26 @@ __device__ __forceinline__ void load_words(uint32_t (&dst)[kWords], const void* 
     }
 }
 
+// kWords 32-bit words from shared memory (a staged copy, zeros where a
+// row was padding: no predicate), `ptr` aligned to the vector.
+template <int kWords>
+__device__ __forceinline__ void shared_words(uint32_t (&dst)[kWords], const void* ptr) {
+    static_assert(kWords == 1 || kWords == 2 || kWords % 4 == 0, "unsupported vector width");
+    if constexpr (kWords % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < kWords / 4; ++i) {
+            const uint4 x = reinterpret_cast<const uint4*>(ptr)[i];
+            dst[4 * i + 0] = x.x; dst[4 * i + 1] = x.y;
+            dst[4 * i + 2] = x.z; dst[4 * i + 3] = x.w;
+        }
+    } else if constexpr (kWords == 2) {
+        const uint2 x = *reinterpret_cast<const uint2*>(ptr);
+        dst[0] = x.x; dst[1] = x.y;
+    } else {
+        dst[0] = *reinterpret_cast<const uint32_t*>(ptr);
+    }
+}
+
 // at[0] += a, at[1] += b (8-byte aligned): one vector atomic where the
 // device has it (sm_90), two otherwise.
 __device__ __forceinline__ void add_pair(float* at, float a, float b) {

@@ -64,15 +64,14 @@ __device__ __forceinline__ void load_q_fragment(QFragment<kDW>& qf, const uint16
     }
 }
 
-// k_row: pointer to d = 0 of the warp's slice in the K row of this thread's TCB
-// column (g); valid false (padding column -1) -> zeros, no load.
-template <int kDW>
-__device__ __forceinline__ void load_k_fragment(KFragment<kDW>& kf, const uint16_t* k_row, bool valid, int t) {
+// The B fragments of one K row, its words read by load(words, pointer).
+template <int kDW, typename Load>
+__device__ __forceinline__ void k_fragment_from(KFragment<kDW>& kf, const uint16_t* k_row, int t, const Load& load) {
     using L = SddmmLayout<kDW>;
 #pragma unroll
     for (int u = 0; u < L::kChunks; ++u) {
         uint32_t w[L::kWordsPerChunk];
-        load_words<L::kWordsPerChunk>(w, k_row + L::offset(u, t), valid);
+        load(w, k_row + L::offset(u, t));
 #pragma unroll
         for (int s = 0; s < L::kStepsPerChunk; ++s) {
             const int step = u * L::kStepsPerChunk + s;
@@ -80,6 +79,23 @@ __device__ __forceinline__ void load_k_fragment(KFragment<kDW>& kf, const uint16
             kf.b[step][1] = w[2 * s + 1];
         }
     }
+}
+
+// k_row: pointer to d = 0 of the warp's slice in the K row of this thread's TCB
+// column (g); valid false (padding column -1) -> zeros, no load.
+template <int kDW>
+__device__ __forceinline__ void load_k_fragment(KFragment<kDW>& kf, const uint16_t* k_row, bool valid, int t) {
+    k_fragment_from<kDW>(kf, k_row, t, [&](uint32_t (&w)[SddmmLayout<kDW>::kWordsPerChunk], const uint16_t* p) {
+        load_words<SddmmLayout<kDW>::kWordsPerChunk>(w, p, valid);
+    });
+}
+
+// The same from a shared-memory copy of the row (zeros for padding).
+template <int kDW>
+__device__ __forceinline__ void load_k_fragment_shared(KFragment<kDW>& kf, const uint16_t* k_row, int t) {
+    k_fragment_from<kDW>(kf, k_row, t, [](uint32_t (&w)[SddmmLayout<kDW>::kWordsPerChunk], const uint16_t* p) {
+        shared_words<SddmmLayout<kDW>::kWordsPerChunk>(w, p);
+    });
 }
 
 // S for two TCBs at once (two independent accumulation chains for ILP).

@@ -42,6 +42,13 @@ __device__ __forceinline__ void load_v_fragment(VFragment<kDW>& vf, const uint16
     }
 }
 
+// The same from shared-memory copies of the rows (zeros for padding).
+template <int kDW>
+__device__ __forceinline__ void load_v_fragment_shared(VFragment<kDW>& vf, const uint16_t* const (&v_row)[4], int g) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) shared_words<SpmmLayout<kDW>::kRowWords>(vf.w[i], v_row[i] + SpmmLayout<kDW>::offset(g));
+}
+
 // o[j] += P * V for every n-tile j.
 template <typename T, int kDW>
 __device__ __forceinline__ void spmm_pair(float (&o)[SpmmLayout<kDW>::kNT][4], const uint32_t (&p)[4],
