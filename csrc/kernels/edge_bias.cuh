@@ -39,8 +39,8 @@
 // format's order changed nothing (same run). Then each thread's ranks of its
 // 8 bits (16 popcounts a pair) and a shuffle per element were: 1.72 -> 1.49x
 // and 1.45 -> 1.32x at H = 4 and 1 with the places (README: the places of
-// the non-zeros). Head groups cut a bias call's kernels 10-16% on the 200k
-// graph at 4 and 8 heads, less than the plain attention's 17-20%, so the
+// the non-zeros). Head groups cut a bias call's kernels 15-17% on the 200k
+// graph at 4 and 8 heads, less than the plain attention's 17-31%, so the
 // ratio rose there (README: head groups).
 #pragma once
 
