@@ -3,7 +3,8 @@
 //
 // Work decomposition as in the forward: a block is a warp-team (one warp, two
 // for D = 256, each owning half of the head dim) running one (chunk of a row
-// window, head) work item from the same heaviest-first schedule; chunks of a
+// window, head or head group) work item from the same heaviest-first
+// schedule; chunks of a
 // split window add their fp32 partials and the last one to finish writes.
 //
 // Per TCB pair (a, b), with the window's 16 rows as the mma M dimension:

@@ -1,9 +1,10 @@
 // Fused 3S forward: SDDMM + online softmax + SpMM per row window, on tensor cores.
 //
 // Work decomposition. A work item is (chunk of consecutive TCBs of one row
-// window, head); one thread block (a warp-team: one warp, two for D = 256)
-// runs one item. The host-side schedule lists chunks heaviest first and block
-// b runs work index w = b = item * H + head, so the hardware block scheduler
+// window, head, or a group of kG heads: head groups, below); one thread block
+// (a warp-team: one warp, two for D = 256) runs one item. The host-side
+// schedule lists chunks heaviest first and block b runs work index w = b =
+// item * (H / kG) + group, so the hardware block scheduler
 // starts items in decreasing order of work on whichever SM slot frees up
 // (greedy LPT at the granularity of one team). A chunk covering a whole window
 // writes the normalised output and lse directly; the chunks of a split (heavy)

@@ -8,8 +8,8 @@
 namespace gt_fused3s {
 
 // One work item of the forward kernel: a chunk of consecutive TCBs of one row
-// window. Items are listed heaviest first; warp-teams take work indices
-// w = item * num_heads + head in that order from an atomic counter.
+// window. Items are listed heaviest first; block b runs work index w = b =
+// item * (num_heads / head_group) + group (the heads head_group x group ..).
 //   window     : row window r (rows 16r .. 16r+15); -1: an unused item of a
 //                schedule built at capacity, which the kernels skip
 //   tcb_begin  : first TCB of the chunk (global TCB index)
