@@ -172,10 +172,10 @@ int edge_mode(bool has_edges, double dropout_p) { return has_edges ? (dropout_p 
 // 10 TCBs (pubmed, github at 8 heads). Elsewhere a head a warp (cora at any
 // heads; pubmed and github with the whole item's heads in one group: the
 // group runs its longest item's heads in turn, which set those kernels'
-// time). `tcbs` and
-// `windows` are the pass's format's (a static plan's TCB capacity reads as
-// more TCBs). GT_FUSED3S_HEAD_GROUP=g asks for up to g heads a warp wherever
-// allowed (1: none), for experiments; it is read at every launch.
+// time). `tcbs` and `windows` are the pass's format's (a static plan's TCB
+// capacity reads as more TCBs). GT_FUSED3S_HEAD_GROUP=g asks for up to g
+// heads a warp wherever allowed (1: none), for experiments; it is read at
+// every launch.
 int head_group(int64_t heads, int64_t head_dim, int64_t tcbs, int64_t windows, const at::Tensor& on, bool edge_terms,
                std::initializer_list<const std::optional<at::Tensor>*> edge_arrays) {
     if (heads == 1) return 1;
