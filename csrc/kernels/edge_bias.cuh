@@ -41,7 +41,14 @@
 // and 1.45 -> 1.32x at H = 4 and 1 with the places (README: the places of
 // the non-zeros). Head groups cut a bias call's kernels 15-17% on the 200k
 // graph at 4 and 8 heads, less than the plain attention's 17-31%, so the
-// ratio rose there (README: head groups).
+// ratio rose there (README: head groups). Then the bias's scaling to log2
+// units and the packing of the places, done where they were loaded, made
+// the warp wait for those loads in the same iteration (Nsight Compute,
+// forward at H = 4, D = 16: 1.16 long-scoreboard stalls an instruction,
+// 0.46 without a bias); done where used, a pair later: forward with a bias
+// 0.79 -> 0.65 ms (1.97 -> 1.64x the plain one), 1.87 -> 1.65 ms at H = 8,
+// D = 32, 0.47 -> 0.42 ms at H = 1, D = 64; the backward 3% faster to 3%
+// slower (docs/edge_attention_h100_*.csv).
 #pragma once
 
 #include <cstdint>
@@ -60,14 +67,14 @@ namespace gt_fused3s {
 struct EdgeCursor {
     int32_t off, end;   // the next pair's first non-zero; the item's end
     int32_t le[2];      // slot_edge[off + lane], [off + lane + 32] (-1 past end), in flight
-    uint32_t lp;        // their slot_pos, bytes 0 and 1 (one register: the bias instances are at their limit)
+    uint32_t lp[2];     // their slot_pos, in flight (combined into one register by PairBias::load,
+                        // a pair later: an operation on them here would wait for the loads)
     __device__ __forceinline__ void fetch(const EdgeBiasArgs& eb, int lane) {
-        lp = 0u;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int j = off + lane + 32 * h;
             le[h] = j < end ? __ldg(eb.slot_edge + j) : -1;
-            if (j < end) lp |= static_cast<uint32_t>(__ldg(eb.slot_pos + j)) << (8 * h);
+            lp[h] = j < end ? __ldg(eb.slot_pos + j) : 0u;
         }
     }
     __device__ __forceinline__ void start(const EdgeBiasArgs& eb, int tcb_begin, int tcb_end, int lane) {
@@ -168,7 +175,7 @@ template <bool kEdges, bool kDpBias = false, bool kDrop = false, int kG = 1>
 struct PairBias {
     using Slots = PairSlots<kDpBias, kDrop, kG>;
     // Loaded: the run [off, off + n); lane l's non-zeros l and l + 32 (edge
-    // id, -1 past n; places; bias log2e; dP bias), per head.
+    // id, -1 past n; places; bias as given; dP bias), per head.
     int32_t off, n;
     int32_t le[2];
     uint32_t lp;   // places, bytes 0 and 1
@@ -190,7 +197,7 @@ struct PairBias {
         off = ec.off;
 #pragma unroll
         for (int k = 0; k < 2; ++k) le[k] = lane + 32 * k < n ? ec.le[k] : -1;
-        lp = ec.lp;
+        lp = ec.lp[0] | (ec.lp[1] << 8);
         ec.off += n;
         ec.fetch(eb, lane);
 #pragma unroll
@@ -198,11 +205,9 @@ struct PairBias {
             const int64_t at = static_cast<int64_t>(le[k]) * eb.num_heads + head0;
 #pragma unroll
             for (int h = 0; h < kG; ++h) lb[k][h] = 0.f;
-            if (le[k] >= 0 && eb.bias != nullptr) {
-                load_heads<kG>(eb.bias, at, lb[k]);
-#pragma unroll
-                for (int h = 0; h < kG; ++h) lb[k][h] *= 1.4426950408889634f;
-            }
+            // (scaled to log2 units where placed: an operation here would
+            // wait for the load within this iteration)
+            if (le[k] >= 0 && eb.bias != nullptr) load_heads<kG>(eb.bias, at, lb[k]);
             if constexpr (kDpBias) {
 #pragma unroll
                 for (int h = 0; h < kG; ++h) lc[k][h] = 0.f;
@@ -211,12 +216,13 @@ struct PairBias {
         }
     }
 
-    // Non-zero `edge`'s terms into its place, every head (dropped: flag 1).
+    // Non-zero `edge`'s terms into its place, every head: the bias in log2
+    // units (dropped: flag 1).
     __device__ __forceinline__ void put(Slots& sl, const EdgeBiasArgs& eb, int head0, int32_t edge, uint32_t at,
                                         const float (&b)[kG], const float (&cv)[kG]) const {
 #pragma unroll
         for (int h = 0; h < kG; ++h) {
-            sl.bias[h][at] = b[h];
+            sl.bias[h][at] = b[h] * 1.4426950408889634f;
             if (kDpBias && eb.dp_bias != nullptr) sl.dp[h][at] = cv[h];
             if constexpr (kDrop) {
                 if (dropout_hash(eb, head0 + h, edge) < eb.drop_threshold) sl.drop[h][at] = 1u;
@@ -250,11 +256,7 @@ struct PairBias {
             const int32_t e = __ldg(eb.slot_edge + off + r);
             const int64_t at = static_cast<int64_t>(e) * eb.num_heads + head0;
             float b[kG] = {}, cv[kG] = {};
-            if (eb.bias != nullptr) {
-                load_heads<kG>(eb.bias, at, b);
-#pragma unroll
-                for (int h = 0; h < kG; ++h) b[h] *= 1.4426950408889634f;
-            }
+            if (eb.bias != nullptr) load_heads<kG>(eb.bias, at, b);
             if (kDpBias && eb.dp_bias != nullptr) load_heads<kG>(eb.dp_bias, at, cv);
             put(sl, eb, head0, e, __ldg(eb.slot_pos + off + r), b, cv);
         }

@@ -139,17 +139,25 @@ __device__ __forceinline__ float row_delta(const Fused3SBwdParams& p, int row, i
 // registers a thread, 8 give 255; at kG x D = 64 the tiles and the edge
 // terms' places of 10 warps fill its shared memory).
 constexpr int kBwdGroupEdgeWarps = 8;
+// The dQ pass of groups of 2 runs 10 (168 registers, no spills at sm_90a;
+// the shared memory of 10 needs the largest carveout, prefer_max_shared):
+// 6-8% faster with a bias than at 8 (H = 8, D = 32 on the 200k power-law
+// graph, github and zinc x1024, H100); groups of 4 spill 52-64 bytes at 168
+// registers and measured 15-24% slower at 10; the dK/dV pass spills 232 bytes.
+template <bool kDKV, int kG>
+constexpr int bwd_group_edge_warps() { return (!kDKV && kG == 2) ? 10 : kBwdGroupEdgeWarps; }
 
-template <int kEdges, int kMinBlocks, int kDW, int kG = 1>
+template <int kEdges, int kMinBlocks, int kDW, int kG = 1, bool kDKV = false>
 constexpr int bwd_min_blocks() {
-    return kG > 1 ? (kEdges == 0 ? kMinBlocks : (kMinBlocks < kBwdGroupEdgeWarps ? kMinBlocks : kBwdGroupEdgeWarps))
+    constexpr int kEdgeWarps = bwd_group_edge_warps<kDKV, kG>();
+    return kG > 1 ? (kEdges == 0 ? kMinBlocks : (kMinBlocks < kEdgeWarps ? kMinBlocks : kEdgeWarps))
                   : ((kEdges == 0 || (kEdges == 1 && kDW == 16)) ? kMinBlocks : (kMinBlocks * 3 + 3) / 4);
 }
 
 template <typename T, int kHeadDim, bool kDKV, int kEdges, int kG>
 __global__ void __launch_bounds__(BwdConfig<kHeadDim, kDKV, kG>::kThreads,
                                   bwd_min_blocks<kEdges, BwdConfig<kHeadDim, kDKV, kG>::kMinBlocks,
-                                                 BwdConfig<kHeadDim, kDKV, kG>::kDW, kG>())
+                                                 BwdConfig<kHeadDim, kDKV, kG>::kDW, kG, kDKV>())
 fused3s_bwd_kernel(const Fused3SBwdParams p) {
     constexpr bool kBias = kEdges > 0;
     using Cfg = BwdConfig<kHeadDim, kDKV, kG>;
@@ -514,6 +522,10 @@ cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t
     auto kernel = fused3s_bwd_kernel<T, kHeadDim, kDKV, kEdges, kG>;
     if (Cfg::kSmemBytes > 48 * 1024) {
         const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+        if (err != cudaSuccess) return err;
+    }
+    if (kG > 1 && kEdges > 0 && bwd_group_edge_warps<kDKV, kG>() > kBwdGroupEdgeWarps) {   // their shared memory
+        const cudaError_t err = prefer_max_shared(kernel);
         if (err != cudaSuccess) return err;
     }
     kernel<<<static_cast<unsigned>(work), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
