@@ -596,15 +596,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         return half ? launch_bwd_for_head_dim<__half, kEdges>(D, dq_pass, dkv_pass, stream)
                     : launch_bwd_for_head_dim<__nv_bfloat16, kEdges>(D, dq_pass, dkv_pass, stream);
     };
-    const int mode = edge_mode(has_edges, dropout_p);
+    // the instances with a dP bias are kEdges 3, 4 (edge terms, and dropout)
+    const int mode = edge_mode(has_edges, dropout_p) + (has_edges && dp_bias.has_value() ? 2 : 0);
     // head groups copy a group's heads as one row: only where they are adjacent
     bool adjacent = true;
     for (const at::Tensor* t : {&q, &k, &v, &dout}) adjacent = adjacent && (H == 1 || t->stride(1) == D);
     dq_pass.head_group = adjacent ? head_group(H, D, bitmap.size(0), (Nq + 15) / 16, q, has_edges, {&edge_bias, &dp_bias}) : 1;
     dkv_pass.head_group = adjacent ? head_group(H, D, t_bitmap.size(0), (N + 15) / 16, q, has_edges, {&edge_bias, &dp_bias}) : 1;
-    const cudaError_t err = mode == 0 ? launch(std::integral_constant<int, 0>{})
-                            : mode == 1 ? launch(std::integral_constant<int, 1>{})
-                                        : launch(std::integral_constant<int, 2>{});
+    cudaError_t err = cudaSuccess;
+    switch (mode) {
+        case 0: err = launch(std::integral_constant<int, 0>{}); break;
+        case 1: err = launch(std::integral_constant<int, 1>{}); break;
+        case 2: err = launch(std::integral_constant<int, 2>{}); break;
+        case 3: err = launch(std::integral_constant<int, 3>{}); break;
+        default: err = launch(std::integral_constant<int, 4>{});
+    }
     C10_CUDA_CHECK(err);
     return {dq, dk, dv, grad_bias};
 }

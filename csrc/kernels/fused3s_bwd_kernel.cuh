@@ -127,7 +127,10 @@ __device__ __forceinline__ float row_delta(const Fused3SBwdParams& p, int row, i
     return acc;
 }
 
-// kEdges: 0 none, 1 edge terms, 2 edge terms and attention dropout.
+// kEdges: 0 none, 1 edge terms, 2 edge terms and attention dropout; 3 and
+// 4: 1 and 2 with a dP bias (dp_bias: edge features, returned weights). The
+// dP bias is an instance of its own: a bias alone then carries none of its
+// registers and places (the dQ pass of groups of 4 fits 168 registers).
 // Instances with edge terms ask for 3/4 of the plain kernel's resident
 // blocks (all of them at D = 16 without dropout): the most without spills
 // (ptxas, sm_90a; but 4 bytes of stack in the D = 64 dK/dV instances) since
@@ -142,16 +145,22 @@ constexpr int kBwdGroupEdgeWarps = 8;
 // The dQ pass of groups of 2 runs 10 (168 registers, no spills at sm_90a;
 // the shared memory of 10 needs the largest carveout, prefer_max_shared):
 // 6-8% faster with a bias than at 8 (H = 8, D = 32 on the 200k power-law
-// graph, github and zinc x1024, H100); groups of 4 spill 52-64 bytes at 168
-// registers and measured 15-24% slower at 10; the dK/dV pass spills 232 bytes.
-template <bool kDKV, int kG>
-constexpr int bwd_group_edge_warps() { return (!kDKV && kG == 2) ? 10 : kBwdGroupEdgeWarps; }
+// graph, github and zinc x1024, H100). Groups of 4 run 10 without a dP bias
+// (4 bytes of spills); with one they spill 52-64 bytes at 168 registers and
+// measured 15-24% slower at 10. The dK/dV pass spills 232 bytes at 168.
+__host__ __device__ constexpr bool bwd_dropout(int kEdges) { return kEdges == 2 || kEdges == 4; }
+__host__ __device__ constexpr bool bwd_dp_bias(int kEdges) { return kEdges >= 3; }
+
+template <bool kDKV, int kG, int kEdges>
+constexpr int bwd_group_edge_warps() {
+    return (!kDKV && (kG == 2 || !bwd_dp_bias(kEdges))) ? 10 : kBwdGroupEdgeWarps;
+}
 
 template <int kEdges, int kMinBlocks, int kDW, int kG = 1, bool kDKV = false>
 constexpr int bwd_min_blocks() {
-    constexpr int kEdgeWarps = bwd_group_edge_warps<kDKV, kG>();
+    constexpr int kEdgeWarps = bwd_group_edge_warps<kDKV, kG, kEdges>();
     return kG > 1 ? (kEdges == 0 ? kMinBlocks : (kMinBlocks < kEdgeWarps ? kMinBlocks : kEdgeWarps))
-                  : ((kEdges == 0 || (kEdges == 1 && kDW == 16)) ? kMinBlocks : (kMinBlocks * 3 + 3) / 4);
+                  : ((kEdges == 0 || (!bwd_dropout(kEdges) && kDW == 16)) ? kMinBlocks : (kMinBlocks * 3 + 3) / 4);
 }
 
 template <typename T, int kHeadDim, bool kDKV, int kEdges, int kG>
@@ -174,7 +183,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     __shared__ float s_xchg[kSplit > 1 ? 2 * kSplit * 16 * 32 : 1];
     __shared__ int s_bcast;
     // Each warp's places of its pairs' edge terms (edge_bias.cuh: PairSlots).
-    using Bias = PairBias<kBias, kBias, kEdges == 2, kG>;
+    using Bias = PairBias<kBias, bwd_dp_bias(kEdges), bwd_dropout(kEdges), kG>;
     __shared__ typename Bias::Slots s_slots[kBias ? kSplit : 1];
 
     const int lane = threadIdx.x & 31;
@@ -524,7 +533,7 @@ cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t
         const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
         if (err != cudaSuccess) return err;
     }
-    if (kG > 1 && kEdges > 0 && bwd_group_edge_warps<kDKV, kG>() > kBwdGroupEdgeWarps) {   // their shared memory
+    if (kG > 1 && kEdges > 0 && bwd_group_edge_warps<kDKV, kG, kEdges>() > kBwdGroupEdgeWarps) {   // their shared memory
         const cudaError_t err = prefer_max_shared(kernel);
         if (err != cudaSuccess) return err;
     }
