@@ -147,13 +147,18 @@ constexpr int kBwdGroupEdgeWarps = 8;
 // 6-8% faster with a bias than at 8 (H = 8, D = 32 on the 200k power-law
 // graph, github and zinc x1024, H100). Groups of 4 run 10 without a dP bias
 // (4 bytes of spills); with one they spill 52-64 bytes at 168 registers and
-// measured 15-24% slower at 10. The dK/dV pass spills 232 bytes at 168.
+// measured 15-24% slower at 10. The dK/dV pass of groups of 2 runs 10 too
+// (0-12 bytes of spills at D = 16, 8-64 at D = 32): 2-6% faster with a dP bias
+// on zinc and molhiv x1024, 3% with a bias at H = 8, D = 32 on the 200k
+// graph, 1-2% slower on github there (docs/bwd_group_warps_ab_h100_aa6f350.csv);
+// groups of 4 spill 40-72 bytes there and stay at 8.
 __host__ __device__ constexpr bool bwd_dropout(int kEdges) { return kEdges == 2 || kEdges == 4; }
 __host__ __device__ constexpr bool bwd_dp_bias(int kEdges) { return kEdges >= 3; }
 
 template <bool kDKV, int kG, int kEdges>
 constexpr int bwd_group_edge_warps() {
-    return (!kDKV && (kG == 2 || !bwd_dp_bias(kEdges))) ? 10 : kBwdGroupEdgeWarps;
+    const bool fits = kG == 2 || (!kDKV && !bwd_dp_bias(kEdges));
+    return fits ? 10 : kBwdGroupEdgeWarps;
 }
 
 template <int kEdges, int kMinBlocks, int kDW, int kG = 1, bool kDKV = false>
