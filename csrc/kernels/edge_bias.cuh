@@ -47,8 +47,8 @@
 // forward at H = 4, D = 16: 1.16 long-scoreboard stalls an instruction,
 // 0.46 without a bias); done where used, a pair later: forward with a bias
 // 0.79 -> 0.65 ms (1.97 -> 1.64x the plain one), 1.87 -> 1.65 ms at H = 8,
-// D = 32, 0.47 -> 0.42 ms at H = 1, D = 64; the backward 3% faster to 3%
-// slower (docs/edge_attention_h100_*.csv).
+// D = 32, 0.47 -> 0.42 ms at H = 1, D = 64; the backward 3% faster to 4%
+// slower (docs/bias_loads_ab_h100_fa2e58e.csv).
 #pragma once
 
 #include <cstdint>

@@ -86,10 +86,11 @@ constexpr int edge_min_blocks() {
 // groups of 4 (255 registers a thread: 12 gave 168, with 92-160 bytes of
 // spills, and forward + weights 1.18 ms against 1.01 on the 200k graph, H = 4,
 // D = 16, when each head's K and V were gathered into registers; with the
-// staged rows 12 compile without spills but their shared memory needs the
-// largest carveout, prefer_max_shared, which left them 5-9% faster with a
-// bias on the 200k graph at H = 4 and 8, D = 16, and 17% slower on github
-// at H = 8: not switched), 12 for groups of 2 (8 cost them a third of their
+// staged rows 12 compile without spills (4 bytes in the dropout-and-scores
+// instance), but their shared memory needs the largest carveout,
+// prefer_max_shared, which left them 5-9% faster with a bias on the 200k
+// graph at H = 4 and 8, D = 16, and 17% slower on github at H = 8: not
+// switched), 12 for groups of 2 (8 cost them a third of their
 // warps: 2.14 -> 2.86 ms with a bias at H = 8, D = 32). A warp sits in one of
 // an SM's four register partitions, so 9-12 warps all give 168 registers.
 template <int kG>
