@@ -71,23 +71,22 @@ __device__ __forceinline__ void store_vec(float* dst, const float (&src)[V]) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // out[e, h] = <X[idx[e], h, :], a[e, :]>: a thread per edge and group of
-// up to kDotHeads heads (hpt of them: run_edge_dot), reading a's row once
+// up to kHeads heads (1 or kDotHeads: run_edge_dot), reading a's row once
 // for its heads. kVec: F is a multiple of 4 and the rows are 16-byte
 // aligned (float4 loads). I: the flat index type.
 constexpr int kDotHeads = 4;
 constexpr int64_t kDotGroupEdges = int64_t(1) << 19;   // run_edge_dot
-template <bool kVec, typename I>
+template <int kHeads, bool kVec, typename I>
 __global__ void __launch_bounds__(kThreads)
 edge_dot_kernel(const float* __restrict__ x, const float* __restrict__ a,
-                const int64_t* __restrict__ idx, float* __restrict__ out, EdgeTermsShape s, FastDiv by_groups,
-                int hpt) {
+                const int64_t* __restrict__ idx, float* __restrict__ out, EdgeTermsShape s, FastDiv by_groups) {
     const int groups = static_cast<int>(by_groups.d);
     const I total = static_cast<I>(s.num_edges * groups);
     const int F = s.features, H = s.heads;
     for (I t = blockIdx.x * I(kThreads) + threadIdx.x; t < total; t += I(gridDim.x) * kThreads) {
         const I e = by_groups.div(t);
-        const int h0 = static_cast<int>(t - e * static_cast<I>(groups)) * hpt;
-        const int nh = H - h0 < hpt ? H - h0 : hpt;
+        const int h0 = static_cast<int>(t - e * static_cast<I>(groups)) * kHeads;
+        const int nh = H - h0 < kHeads ? H - h0 : kHeads;
         float* o = out + static_cast<int64_t>(e) * H + h0;
         const int64_t n = idx[e];
         if (!node_ok(n, s.num_nodes)) {
@@ -96,13 +95,13 @@ edge_dot_kernel(const float* __restrict__ x, const float* __restrict__ a,
         }
         const float* xr = x + (n * H + h0) * F;
         const float* ar = a + static_cast<int64_t>(e) * F;
-        float acc[kDotHeads] = {};
+        float acc[kHeads] = {};
         // (guards, no breaks, in the head loops: they unroll, acc stays in registers)
         if constexpr (kVec) {
             for (int f = 0; f < F; f += 4) {
                 const float4 av = *reinterpret_cast<const float4*>(ar + f);
 #pragma unroll
-                for (int j = 0; j < kDotHeads; ++j) {
+                for (int j = 0; j < kHeads; ++j) {
                     if (j < nh) {
                         const float4 xv = *reinterpret_cast<const float4*>(xr + j * F + f);
                         acc[j] = fmaf(xv.x, av.x, acc[j]);
@@ -116,12 +115,12 @@ edge_dot_kernel(const float* __restrict__ x, const float* __restrict__ a,
             for (int f = 0; f < F; ++f) {
                 const float av = ar[f];
 #pragma unroll
-                for (int j = 0; j < kDotHeads; ++j)
+                for (int j = 0; j < kHeads; ++j)
                     if (j < nh) acc[j] = fmaf(xr[j * F + f], av, acc[j]);
             }
         }
 #pragma unroll
-        for (int j = 0; j < kDotHeads; ++j)
+        for (int j = 0; j < kHeads; ++j)
             if (j < nh) o[j] = acc[j];
     }
 }
@@ -395,17 +394,19 @@ cudaError_t run_edge_dot(const float* x, const float* a, const int64_t* idx, flo
     // times over (H100: the 200k power-law graph's two calls of a layer step
     // 0.62 -> 0.47 ms, github's 0.062 -> 0.056), one where they do not (ZINC
     // x1024, 51k edges: 0.0105 ms with a head a thread, 0.0148 with four)
-    const int hpt = s.num_edges >= kDotGroupEdges ? kDotHeads : 1;
-    const FastDiv by_groups((s.heads + hpt - 1) / hpt);
+    const bool grouped = s.num_edges >= kDotGroupEdges;
+    const FastDiv by_groups(grouped ? (s.heads + kDotHeads - 1) / kDotHeads : s.heads);
     const int64_t threads = s.num_edges * by_groups.d;
     const dim3 grid(static_cast<unsigned>(blocks_for(threads)));
+#define GT_DOT(K, VEC, I) edge_dot_kernel<K, VEC, I><<<grid, kThreads, 0, stream>>>(x, a, idx, out, s, by_groups)
     if (narrow(threads)) {
-        if (vec) edge_dot_kernel<true, uint32_t><<<grid, kThreads, 0, stream>>>(x, a, idx, out, s, by_groups, hpt);
-        else edge_dot_kernel<false, uint32_t><<<grid, kThreads, 0, stream>>>(x, a, idx, out, s, by_groups, hpt);
+        if (grouped) { if (vec) GT_DOT(kDotHeads, true, uint32_t); else GT_DOT(kDotHeads, false, uint32_t); }
+        else { if (vec) GT_DOT(1, true, uint32_t); else GT_DOT(1, false, uint32_t); }
     } else {
-        if (vec) edge_dot_kernel<true, int64_t><<<grid, kThreads, 0, stream>>>(x, a, idx, out, s, by_groups, hpt);
-        else edge_dot_kernel<false, int64_t><<<grid, kThreads, 0, stream>>>(x, a, idx, out, s, by_groups, hpt);
+        if (grouped) { if (vec) GT_DOT(kDotHeads, true, int64_t); else GT_DOT(kDotHeads, false, int64_t); }
+        else { if (vec) GT_DOT(1, true, int64_t); else GT_DOT(1, false, int64_t); }
     }
+#undef GT_DOT
     return cudaGetLastError();
 }
 
