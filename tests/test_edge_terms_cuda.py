@@ -55,8 +55,11 @@ def _close(got, want, what, dtype):
     assert err <= tol * scale, f"{what}: max abs error {err:.3g} (scale {scale:.3g})"
 
 
+# (5000, 2000) and (1500, 600): fewer than 4 edges a node (edge_scatter's
+# two lanes a node), the first with hubs
 @pytest.mark.parametrize("E,N,H,F", [(5000, 400, 4, 16), (1000, 97, 1, 16), (3000, 211, 8, 5),
-                                     (700, 50, 3, 1), (0, 10, 2, 4), (6000, 700, 8, 5), (4500, 900, 3, 12)])
+                                     (700, 50, 3, 1), (0, 10, 2, 4), (6000, 700, 8, 5), (4500, 900, 3, 12),
+                                     (5000, 2000, 4, 16), (1500, 600, 3, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_products_and_gradients(E, N, H, F, dtype):
     idx, X, a, w = _operands(E, N, H, F, seed=E + F)
@@ -159,18 +162,19 @@ def test_edge_probs(H):
 
 
 @pytest.mark.parametrize("F", [16, 5])
-def test_edge_scatter_bad_edge_id_gives_nan_rows(F):
+@pytest.mark.parametrize("N", [400, 2000])          # 12.5 and 2.5 edges a node (eight lanes a node, two)
+def test_edge_scatter_bad_edge_id_gives_nan_rows(F, N):
     """An edge id outside [0, E) in the grouping gives NaN in its node's
     rows only, for a hub (a block per node) and for a plain node."""
-    idx, X, a, w = (t.cuda() for t in _operands(5000, 400, 3, F, seed=2))
-    rowptr, order = node_csr(idx, 400)
+    idx, X, a, w = (t.cuda() for t in _operands(5000, N, 3, F, seed=2))
+    rowptr, order = node_csr(idx, N)
     order = order.clone()
-    for node in (200, 5):                             # 3000 edges (a hub); 256 (not one)
+    for node in (N // 2, 5):                          # 3000 edges (a hub); 256 (not one)
         assert rowptr[node + 1] > rowptr[node]
         order[rowptr[node + 1] - 1] = 5000
     out = torch.ops.gt_fused3s.edge_scatter(w.float(), a.float(), rowptr, order)
     nan = out.isnan().flatten(1)
-    assert nan[200].all() and nan[5].all() and nan.any(1).sum() == 2
+    assert nan[N // 2].all() and nan[5].all() and nan.any(1).sum() == 2
 
 
 @pytest.mark.parametrize("case", ["duplicates", "random_1003", "empty_rows"])

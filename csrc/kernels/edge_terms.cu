@@ -165,13 +165,16 @@ edge_rows_kernel(const float* __restrict__ w, const float* __restrict__ x, const
 }
 
 // out[n, h, f] = sum over the edges e of node n of w[e, h] a[e, f].
-// kSplit threads (adjacent lanes) share one output group, (node, up to
+// kLanes threads (adjacent lanes) share one output group, (node, up to
 // kHeadsPerThread heads, V consecutive f): lane s takes the node's edges s,
-// s + kSplit, ..., and the lanes' sums are added by shuffles in a fixed
+// s + kLanes, ..., and the lanes' sums are added by shuffles in a fixed
 // tree, so the result is the same every run. One thread per output walked a
 // high-degree node's edges alone (4,204 edges on the 200k power-law graph:
 // that tail set the kernel's time). a[e, f..f+V) is read once for the heads
-// of a thread, w[e, h] once for its V features.
+// of a thread, w[e, h] once for its V features. kLanes is kSplit, or
+// kSparseSplit where the nodes average fewer than kSparseDegree edges (a
+// molecule batch's 2: six of eight lanes had no edge; ZINC x1024, H100,
+// 0.0155 -> see README per call).
 //
 // Nodes of more than kHubDegree edges are left to the first hub_blocks
 // blocks of the same grid, a whole block per node (scatter_hubs): eight lanes
@@ -181,6 +184,8 @@ edge_rows_kernel(const float* __restrict__ w, const float* __restrict__ x, const
 // the rest.
 constexpr int kHeadsPerThread = 4;
 constexpr int kSplit = 8;
+constexpr int kSparseSplit = 2;
+constexpr int64_t kSparseDegree = 4;
 constexpr int kUnroll = 4;
 constexpr int64_t kHubDegree = 256;
 // Hub blocks: enough that each scans at most one node per thread (the scan
@@ -310,12 +315,13 @@ __device__ void scatter_hubs(const float* __restrict__ w, const float* __restric
     }
 }
 
-template <typename I, int V>
+template <typename I, int V, int kLanes>
 __global__ void __launch_bounds__(kThreads)
 edge_scatter_kernel(const float* __restrict__ w, const float* __restrict__ a,
                     const int64_t* __restrict__ rowptr, const int64_t* __restrict__ order,
                     float* __restrict__ out, EdgeTermsShape s, FastDiv by_chunks, FastDiv by_groups,
                     int hub_blocks) {
+    static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "lanes: a power of 2 in a warp");
     if (static_cast<int>(blockIdx.x) < hub_blocks) {
         scatter_hubs<V>(w, a, rowptr, order, out, s, hub_blocks);
         return;
@@ -323,29 +329,30 @@ edge_scatter_kernel(const float* __restrict__ w, const float* __restrict__ a,
     const int64_t hub_degree = hub_blocks > 0 ? kHubDegree : INT64_MAX;
     const int F = s.features, H = s.heads, C = F / V;
     const int groups = static_cast<int>(by_groups.d);
-    const I total = static_cast<I>(s.num_nodes * groups * C * kSplit);   // a multiple of kSplit
+    const I total = static_cast<I>(s.num_nodes * groups * C * kLanes);   // a multiple of kLanes
     const int lane = threadIdx.x & 31;
-    const unsigned mask = 0xFFu << (lane & ~(kSplit - 1));         // this output's kSplit lanes
+    // this output's kLanes lanes
+    const unsigned mask = static_cast<unsigned>((uint64_t(1) << kLanes) - 1) << (lane & ~(kLanes - 1));
     const I blocks = static_cast<I>(gridDim.x - hub_blocks);
     for (I t = (blockIdx.x - hub_blocks) * I(kThreads) + threadIdx.x; t < total; t += blocks * kThreads) {
-        const int split = static_cast<int>(t % kSplit);
-        const I ngc = t / kSplit;
+        const int split = static_cast<int>(t % kLanes);
+        const I ngc = t / kLanes;
         const I ng = by_chunks.div(ngc);
         const int f = static_cast<int>(ngc - ng * static_cast<I>(C)) * V;
         const int64_t n = by_groups.div(ng);
         const int h0 = static_cast<int>(ng - static_cast<I>(n) * static_cast<I>(groups)) * kHeadsPerThread;
         const int nh = H - h0 < kHeadsPerThread ? H - h0 : kHeadsPerThread;
         const int64_t begin = rowptr[n], end = rowptr[n + 1];
-        if (end - begin > hub_degree) continue;       // a hub block's node (the kSplit lanes agree)
+        if (end - begin > hub_degree) continue;       // a hub block's node (the kLanes lanes agree)
         float acc[kHeadsPerThread][V] = {};
-        bool bad = !sum_edges<V>(acc, w, a, order, begin + split, end, kSplit, f, h0, nh, s);
+        bool bad = !sum_edges<V>(acc, w, a, order, begin + split, end, kLanes, f, h0, nh, s);
 #pragma unroll
-        for (int off = 1; off < kSplit; off <<= 1) {
-            bad |= __shfl_xor_sync(mask, static_cast<int>(bad), off, kSplit) != 0;
+        for (int off = 1; off < kLanes; off <<= 1) {
+            bad |= __shfl_xor_sync(mask, static_cast<int>(bad), off, kLanes) != 0;
 #pragma unroll
             for (int j = 0; j < kHeadsPerThread; ++j)
 #pragma unroll
-                for (int c = 0; c < V; ++c) acc[j][c] += __shfl_xor_sync(mask, acc[j][c], off, kSplit);
+                for (int c = 0; c < V; ++c) acc[j][c] += __shfl_xor_sync(mask, acc[j][c], off, kLanes);
         }
         if (split == 0) store_group<V>(out + (n * H + h0) * F + f, acc, nh, F, bad);
     }
@@ -440,14 +447,25 @@ cudaError_t run_edge_scatter(const float* w, const float* a, const int64_t* rowp
     const bool vec = s.features % 4 == 0 && aligned16(a) && aligned16(out);
     const int64_t chunks = vec ? s.features / 4 : s.features;
     const int64_t groups = (s.heads + kHeadsPerThread - 1) / kHeadsPerThread;
-    const int64_t total = s.num_nodes * groups * chunks * kSplit;
+    const bool sparse = s.num_edges < kSparseDegree * s.num_nodes;
+    const int64_t total = s.num_nodes * groups * chunks * (sparse ? kSparseSplit : kSplit);
     if (total == 0) return cudaSuccess;
     const FastDiv by_chunks(chunks), by_groups(groups);
     // hub blocks (scatter_hubs) where a block's threads cover a row's chunks
     const int64_t want = (s.num_nodes + kThreads - 1) / kThreads;
     const int hub_blocks = chunks <= kThreads ? static_cast<int>(want < kMaxHubBlocks ? want : kMaxHubBlocks) : 0;
-    GT_EDGE_LAUNCH(edge_scatter_kernel, vec, total, hub_blocks, w, a, rowptr, order, out, s, by_chunks,
-                   by_groups, hub_blocks);
+    const dim3 grid(static_cast<unsigned>(blocks_for(total) + hub_blocks));
+#define GT_SCATTER(I, V, L) edge_scatter_kernel<I, V, L><<<grid, kThreads, 0, stream>>>( \
+        w, a, rowptr, order, out, s, by_chunks, by_groups, hub_blocks)
+    // 32-bit indices where `total` allows, V = 4 where the rows allow
+    if (narrow(total)) {
+        if (sparse) { if (vec) GT_SCATTER(uint32_t, 4, kSparseSplit); else GT_SCATTER(uint32_t, 1, kSparseSplit); }
+        else { if (vec) GT_SCATTER(uint32_t, 4, kSplit); else GT_SCATTER(uint32_t, 1, kSplit); }
+    } else {
+        if (sparse) { if (vec) GT_SCATTER(int64_t, 4, kSparseSplit); else GT_SCATTER(int64_t, 1, kSparseSplit); }
+        else { if (vec) GT_SCATTER(int64_t, 4, kSplit); else GT_SCATTER(int64_t, 1, kSplit); }
+    }
+#undef GT_SCATTER
     return cudaGetLastError();
 }
 
