@@ -212,6 +212,21 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     const uint32_t warp_smem = smem_addr(smem) + part * Cfg::kWarpSmem;
     const uint32_t tile_a1 = warp_smem, tile_a2 = warp_smem + Tile::kBytes;
     auto tile_g = [&](int stage, int which) { return warp_smem + (2 + 2 * stage + which) * Tile::kBytes; };
+    // acc += V B: V [16, 16] a pair's two TCBs in the mma C layout (rows g,
+    // g + 8; columns 2t, 2t + 1 of TCB a, then of TCB b) packed as the A
+    // operand (k 0..7 = TCB a's columns, k 8..15 = TCB b's), B head h's
+    // slice of the staged tile at `tile`.
+    auto pair_product = [&](float (&acc)[Cfg::kNT][4], const float (&v)[2][4], uint32_t tile, int h) {
+        const uint32_t va[4] = {TypeTraits<T>::pack(v[0][0], v[0][1]), TypeTraits<T>::pack(v[0][2], v[0][3]),
+                                TypeTraits<T>::pack(v[1][0], v[1][1]), TypeTraits<T>::pack(v[1][2], v[1][3])};
+#pragma unroll
+        for (int jj = 0; jj < Cfg::kNT / 2; ++jj) {
+            uint32_t b[4];
+            Tile::b_frags(b, tile, h * (Cfg::kNT / 2) + jj, lane);
+            mma_16816<T>(acc[2 * jj], va, b[0], b[1]);
+            mma_16816<T>(acc[2 * jj + 1], va, b[2], b[3]);
+        }
+    };
 
     const int w = blockIdx.x;   // work index = item * (H / kG) + group, heaviest items first
     const int groups = p.num_heads / kG;
@@ -398,16 +413,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
                     // d loss / d bias_e = dS_ij: each edge is one score of one chunk, written once.
                     if (p.bias.grad != nullptr && part == 0) bcur.stage(slots, h, ds, lane);   // warp-uniform
                 }
-                // As A operands [16, 16]: k 0..7 = TCB a's columns, k 8..15 = TCB b's.
-                const uint32_t dsa[4] = {TypeTraits<T>::pack(ds[0][0], ds[0][1]), TypeTraits<T>::pack(ds[0][2], ds[0][3]),
-                                         TypeTraits<T>::pack(ds[1][0], ds[1][1]), TypeTraits<T>::pack(ds[1][2], ds[1][3])};
-#pragma unroll
-                for (int jj = 0; jj < kNT / 2; ++jj) {
-                    uint32_t b[4];
-                    Tile::b_frags(b, tile_g(stage, 0), h * (kNT / 2) + jj, lane);
-                    mma_16816<T>(acc1[h][2 * jj], dsa, b[0], b[1]);
-                    mma_16816<T>(acc1[h][2 * jj + 1], dsa, b[2], b[3]);
-                }
+                pair_product(acc1[h], ds, tile_g(stage, 0), h);     // dQ = dS K (dK = dS^T Q)
                 if constexpr (kDKV) {
                     // dV = P^T dO with the dropped P of the forward's SpMM
 #pragma unroll
@@ -415,15 +421,7 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) pv[x][i] = bcur.drop(pv[x][i], x, i, p.bias);
                     }
-                    const uint32_t pa[4] = {TypeTraits<T>::pack(pv[0][0], pv[0][1]), TypeTraits<T>::pack(pv[0][2], pv[0][3]),
-                                            TypeTraits<T>::pack(pv[1][0], pv[1][1]), TypeTraits<T>::pack(pv[1][2], pv[1][3])};
-#pragma unroll
-                    for (int jj = 0; jj < kNT / 2; ++jj) {
-                        uint32_t b[4];
-                        Tile::b_frags(b, tile_g(stage, 1), h * (kNT / 2) + jj, lane);
-                        mma_16816<T>(acc2[h][2 * jj], pa, b[0], b[1]);
-                        mma_16816<T>(acc2[h][2 * jj + 1], pa, b[2], b[3]);
-                    }
+                    pair_product(acc2[h], pv, tile_g(stage, 1), h);
                 }
             }
             if constexpr (kBias && !kDKV) {
