@@ -184,6 +184,24 @@ def test_large_scores_equal_reference(name, dtype):
     check(out[0], q[0], k[0], v[0], MASKS[name], [0, L], dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mask", [Local(600), Local(150, right=700), Local(900, causal=True)],
+                         ids=["local600", "asym", "causal900"])
+def test_long_band_runs_equal_reference(mask, dtype):
+    """Bands long enough for runs of many full tiles (the forward's pipelined
+    band loop on Hopper: seq_fwd_kernel.cuh, band_run), in documents of
+    lengths that start the runs on either stage and end them anywhere, with
+    larger scores so that the lazy reference point moves inside a run."""
+    torch.manual_seed(10)
+    lens = [2900, 1, 1500, 777, 64, 1201]
+    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+    H, D = 2, 64
+    q, k, v = (torch.randn(cu[-1], H, D, device="cuda") * 2 for _ in range(3))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out = sequence_attention(q, k, v, mask, cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.int32))
+    check(out, q, k, v, mask, cu, dtype)
+
+
 @pytest.mark.parametrize("name", ["local-wider", "bigbird"])
 def test_negative_scale_equals_reference(name):
     """A negative scale (the kernel folds the scale into its exponent after a
