@@ -59,10 +59,11 @@ struct SeqBwdKeysConfig {
     static constexpr int kLdBox = 2 * (kSeqTileKeys + 2);             // floats
     static constexpr int kLdBytes = (kLdBox * 4 + 127) / 128 * 128;
     // dQ of a tile (fp32) on its way to global memory by TMA: two halves of
-    // 32 columns, 128-byte swizzled
+    // 32 columns, 128-byte swizzled; two buffers, so that a tile's need not
+    // wait for the last tile's reduction to have read its buffer
     static constexpr int kDqBytes = 64 * 64 * 4;
-    // K, V, dS^T (1024-byte aligned, 128-byte swizzled), 2 stages, dQ, then lse / delta
-    static constexpr int kSmemBytes = 3 * kTileBytes + 2 * kStageBytes + kDqBytes + 2 * kLdBytes + 1024 - 16;
+    // K, V, dS^T (1024-byte aligned, 128-byte swizzled), 2 stages, 2 dQ, then lse / delta
+    static constexpr int kSmemBytes = 3 * kTileBytes + 2 * kStageBytes + 2 * kDqBytes + 2 * kLdBytes + 1024 - 16;
     static constexpr int kMinBlocks = 2;
 };
 
@@ -98,7 +99,8 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
     auto q_slice = [&](int stage, int sl) { return smem0 + (3 + 2 * stage) * Cfg::kTileBytes + sl * Tile::kBytes; };
     auto do_slice = [&](int stage, int sl) { return smem0 + (4 + 2 * stage) * Cfg::kTileBytes + sl * Tile::kBytes; };
     const uint32_t dq_tile = smem0 + 3 * Cfg::kTileBytes + 2 * Cfg::kStageBytes;
-    const uint32_t ld0 = dq_tile + Cfg::kDqBytes;
+    const uint32_t ld0 = dq_tile + 2 * Cfg::kDqBytes;
+    uint32_t dq_buf = 0u;   // the dQ buffer of the next bulk tile
     const float2* ld_s = reinterpret_cast<const float2*>(smem + (ld0 - smem_addr(smem)));
     const uint32_t desc_lo = wgmma_desc_sw128_lo(smem0);
     auto desc = [&](uint32_t addr) { return wgmma_desc_sw128_at(desc_lo, addr - smem0); };
@@ -245,13 +247,8 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
             const int m = lane >> 3;
             stmatrix_x4(ds_tile + Tile::at(16 * warp + 8 * (m & 1) + (lane & 7), 16 * sl + 8 * (m >> 1)), dsa[sl]);
         }
-        // dK += dS^T Q
-        wgmma_fence();
-#pragma unroll
-        for (int sl = 0; sl < kSlices; ++sl) wgmma_m64n64k16<T, true>(dk, dsa[sl], desc(q_slice(stage, sl)), true);
-        wgmma_commit();
         fence_proxy_async_shared();   // dS^T, stored by every warp, read by wgmma
-        if (threadIdx.x == 0) tma_wait_read();   // the last tile's dQ reduction has read its shared tile
+        if (threadIdx.x == 0) tma_wait_read<1>();   // the reduction before the last has read its buffer
         __syncthreads();
         // dQ [64 queries, 64] = dS K: A = (dS^T)^T and B = K, both with rows = keys (k-step kk: keys 16 kk ..)
         float dq[32];
@@ -262,9 +259,12 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
                                              kk > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        // dK += dS^T Q after dQ: it runs while dQ is stored (waited for before the stage can be refilled)
+#pragma unroll
+        for (int sl = 0; sl < kSlices; ++sl) wgmma_m64n64k16<T, true>(dk, dsa[sl], desc(q_slice(stage, sl)), true);
+        wgmma_commit();
+        wgmma_wait<1>();
         wgmma_fence_operands(dq);
-        wgmma_fence_operands(dk);
         wgmma_fence_operands(dv);
         // dQ rows: queries 16 warp + g (+ 8) of the tile, d = 8j + 2t, 2t + 1. A
         // TMA tile's 64 consecutive rows: into the shared tile (half j / 4,
@@ -272,24 +272,28 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         // reduction into dQ thread 0 starts after the block's barrier (one
         // bulk operation, in flight while the next tile computes); other tiles by atomics.
         if (bulk_tile(cur)) {
+            const uint32_t dq_at = dq_tile + dq_buf * Cfg::kDqBytes;
+            dq_buf ^= 1u;
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = 16 * warp + g + 8 * r;
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    const uint32_t at = dq_tile + (j >> 2) * (Cfg::kDqBytes / 2) + row * 128 +
+                    const uint32_t at = dq_at + (j >> 2) * (Cfg::kDqBytes / 2) + row * 128 +
                                         (((2 * (j & 3) + (t >> 1)) ^ (row & 7)) << 4) + 8 * (t & 1);
                     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(p.scale * dq[4 * j + 2 * r]),
                                  "f"(p.scale * dq[4 * j + 2 * r + 1])
                                  : "memory");
                 }
             }
+            wgmma_wait<0>();              // dK: its reads of the stage
+            wgmma_fence_operands(dk);
             fence_proxy_async_shared();   // read by the bulk reduction
             __syncthreads();              // (also every warp's last read of the stage: the walk's barrier)
             if (threadIdx.x == 0) {
                 const int32_t row = first_query(cur);
-                tma_reduce_add_rows(maps.dq, 0, head, row, dq_tile);
-                tma_reduce_add_rows(maps.dq, 32, head, row, dq_tile + Cfg::kDqBytes / 2);
+                tma_reduce_add_rows(maps.dq, 0, head, row, dq_at);
+                tma_reduce_add_rows(maps.dq, 32, head, row, dq_at + Cfg::kDqBytes / 2);
                 tma_commit();
             }
             return true;
@@ -303,6 +307,8 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
 #pragma unroll
             for (int j = 0; j < 8; ++j) add_pair(dqr + 8 * j, p.scale * dq[4 * j + 2 * r], p.scale * dq[4 * j + 2 * r + 1]);
         }
+        wgmma_wait<0>();   // dK: its reads of the stage, before the walk's barrier
+        wgmma_fence_operands(dk);
         return false;
     };
     seq_walk_tiles<true, kBandRuns>(mk, blk, Cfg::kRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {

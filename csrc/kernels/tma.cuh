@@ -198,10 +198,12 @@ __device__ __forceinline__ void tma_commit() {
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 #endif
 }
-// Until this thread's bulk groups have read their shared-memory sources.
+// Until this thread's bulk groups but the newest kPending have read their
+// shared-memory sources.
+template <int kPending = 0>
 __device__ __forceinline__ void tma_wait_read() {
 #if GT_WGMMA
-    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
 // Until this thread's bulk groups have completed (their writes made).
