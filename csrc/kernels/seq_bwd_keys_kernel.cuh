@@ -62,8 +62,9 @@ struct SeqBwdKeysConfig {
     // 32 columns, 128-byte swizzled; two buffers, so that a tile's need not
     // wait for the last tile's reduction to have read its buffer
     static constexpr int kDqBytes = 64 * 64 * 4;
-    // K, V, dS^T (1024-byte aligned, 128-byte swizzled), 2 stages, 2 dQ, then lse / delta
-    static constexpr int kSmemBytes = 3 * kTileBytes + 2 * kStageBytes + 2 * kDqBytes + 2 * kLdBytes + 1024 - 16;
+    // K, V, 2 dS^T (1024-byte aligned, 128-byte swizzled), 2 stages, 2 dQ,
+    // then lse / delta (the second dS^T: a band's run, below)
+    static constexpr int kSmemBytes = 4 * kTileBytes + 2 * kStageBytes + 2 * kDqBytes + 2 * kLdBytes + 1024 - 16;
     static constexpr int kMinBlocks = 2;
 };
 
@@ -96,9 +97,9 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
 
     const uint32_t smem0 = (smem_addr(smem) + 1023u) & ~1023u;
     const uint32_t k_tile = smem0, v_tile = smem0 + Cfg::kTileBytes, ds_tile = smem0 + 2 * Cfg::kTileBytes;
-    auto q_slice = [&](int stage, int sl) { return smem0 + (3 + 2 * stage) * Cfg::kTileBytes + sl * Tile::kBytes; };
-    auto do_slice = [&](int stage, int sl) { return smem0 + (4 + 2 * stage) * Cfg::kTileBytes + sl * Tile::kBytes; };
-    const uint32_t dq_tile = smem0 + 3 * Cfg::kTileBytes + 2 * Cfg::kStageBytes;
+    auto q_slice = [&](int stage, int sl) { return smem0 + (4 + 2 * stage) * Cfg::kTileBytes + sl * Tile::kBytes; };
+    auto do_slice = [&](int stage, int sl) { return smem0 + (5 + 2 * stage) * Cfg::kTileBytes + sl * Tile::kBytes; };
+    const uint32_t dq_tile = smem0 + 4 * Cfg::kTileBytes + 2 * Cfg::kStageBytes;
     const uint32_t ld0 = dq_tile + 2 * Cfg::kDqBytes;
     uint32_t dq_buf = 0u;   // the dQ buffer of the next bulk tile
     const float2* ld_s = reinterpret_cast<const float2*>(smem + (ld0 - smem_addr(smem)));
@@ -149,16 +150,17 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
                        valid);
         }
     };
+    auto bulk_copy = [&](const SeqTile& c, int stage) {   // one thread
+        const uint32_t bar = smem_addr(&qdo_bar[stage]);
+        const int32_t row = first_query(c);
+        mbar_expect_tx(bar, 2 * kTmaTileBytes + Cfg::kLdBox * 4);
+        tma_load_rows(q_slice(stage, 0), maps.q, head, row, bar);
+        tma_load_rows(do_slice(stage, 0), maps.dout, head, row, bar);
+        tma_load_2d(ld0 + stage * Cfg::kLdBytes, maps.ld, 2 * (row & ~1), head, bar);
+    };
     auto load_tile = [&](const SeqTile& c, int stage) {
         if (bulk_tile(c)) {
-            if (threadIdx.x == 0) {
-                const uint32_t bar = smem_addr(&qdo_bar[stage]);
-                const int32_t row = first_query(c);
-                mbar_expect_tx(bar, 2 * kTmaTileBytes + Cfg::kLdBox * 4);
-                tma_load_rows(q_slice(stage, 0), maps.q, head, row, bar);
-                tma_load_rows(do_slice(stage, 0), maps.dout, head, row, bar);
-                tma_load_2d(ld0 + stage * Cfg::kLdBytes, maps.ld, 2 * (row & ~1), head, bar);
-            }
+            if (threadIdx.x == 0) bulk_copy(c, stage);
             cp_async_commit();   // an empty group: the walk counts one group per tile
             return true;
         }
@@ -176,10 +178,17 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
 #pragma unroll
     for (int i = 0; i < 32; ++i) dk[i] = dv[i] = 0.f;
 
+    // A band's run (band_run below): the tile whose dQ waits in its shared
+    // buffer for thread 0's reduction (-1: none), and the dS^T buffer
+    int32_t dq_pending = -1;
+    uint32_t ds_buf = 0u;
     // One tile; a full one (the inside of a band: every key of the block
-    // sees every query of the tile) takes no mask bits.
-    auto tile_step = [&](auto full_tag, const SeqTile& cur, int stage) {
+    // sees every query of the tile) takes no mask bits. kRun: a tile of a
+    // band's run, which ends without a block barrier (band_run below).
+    auto tile_step = [&](auto full_tag, const SeqTile& cur, int stage, auto run_tag) {
         constexpr bool kFull = decltype(full_tag)::value;
+        constexpr bool kRun = decltype(run_tag)::value;
+        const uint32_t ds_at = kRun ? ds_tile + ds_buf * Cfg::kTileBytes : ds_tile;
         constexpr int kSlices = kSeqTileKeys / 16;
         uint32_t bits[kSlices];
         if constexpr (!kFull) seq_tile_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, bits);
@@ -245,17 +254,31 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
 #pragma unroll
         for (int sl = 0; sl < kSlices; ++sl) {
             const int m = lane >> 3;
-            stmatrix_x4(ds_tile + Tile::at(16 * warp + 8 * (m & 1) + (lane & 7), 16 * sl + 8 * (m >> 1)), dsa[sl]);
+            stmatrix_x4(ds_at + Tile::at(16 * warp + 8 * (m & 1) + (lane & 7), 16 * sl + 8 * (m >> 1)), dsa[sl]);
         }
         fence_proxy_async_shared();   // dS^T, stored by every warp, read by wgmma
-        if (threadIdx.x == 0) tma_wait_read<1>();   // the reduction before the last has read its buffer
-        __syncthreads();
+        if (threadIdx.x == 0) {
+            // the reduction before the last has read its buffer (a run's last
+            // one is not yet issued)
+            if constexpr (kRun) tma_wait_read<0>();
+            else tma_wait_read<1>();
+        }
+        __syncthreads();   // a run's: every warp also done with the last tile
+        if constexpr (kRun) {
+            if (threadIdx.x == 0 && dq_pending >= 0) {   // the last tile's dQ, stored by every warp
+                const uint32_t at = dq_tile + (dq_buf ^ 1u) * Cfg::kDqBytes;
+                tma_reduce_add_rows(maps.dq, 0, head, dq_pending, at);
+                tma_reduce_add_rows(maps.dq, 32, head, dq_pending, at + Cfg::kDqBytes / 2);
+                tma_commit();
+            }
+            ds_buf ^= 1u;
+        }
         // dQ [64 queries, 64] = dS K: A = (dS^T)^T and B = K, both with rows = keys (k-step kk: keys 16 kk ..)
         float dq[32];
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            wgmma_m64n64k16_ss<T, true, true>(dq, desc(ds_tile + kk * Tile::kBytes), desc(k_tile + kk * Tile::kBytes),
+            wgmma_m64n64k16_ss<T, true, true>(dq, desc(ds_at + kk * Tile::kBytes), desc(k_tile + kk * Tile::kBytes),
                                              kk > 0);
         }
         wgmma_commit();
@@ -289,6 +312,10 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
             wgmma_wait<0>();              // dK: its reads of the stage
             wgmma_fence_operands(dk);
             fence_proxy_async_shared();   // read by the bulk reduction
+            if constexpr (kRun) {         // reduced after the next tile's (or the run's last) barrier
+                dq_pending = first_query(cur);
+                return true;
+            }
             __syncthreads();              // (also every warp's last read of the stage: the walk's barrier)
             if (threadIdx.x == 0) {
                 const int32_t row = first_query(cur);
@@ -311,9 +338,60 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         wgmma_fence_operands(dk);
         return false;
     };
-    seq_walk_tiles<true, kBandRuns>(mk, blk, Cfg::kRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {
-        return full ? tile_step(std::true_type{}, cur, stage) : tile_step(std::false_type{}, cur, stage);
-    }, wait_bulk);
+    auto body = [&](const SeqTile& cur, int stage, bool full) {
+        return full ? tile_step(std::true_type{}, cur, stage, std::false_type{})
+                    : tile_step(std::false_type{}, cur, stage, std::false_type{});
+    };
+    if constexpr (kBandRuns) {
+        // A band's run of full tiles without the block barrier at each
+        // tile's end (one of the two a tile): each warp, done with a stage,
+        // counts itself in, and the fourth to finish tile t copies tile t + 2
+        // into that stage; tile t's dQ is reduced by thread 0 after tile
+        // t + 1's barrier (every warp has stored it by then), and dS^T
+        // alternates between two buffers (a warp may store tile t + 1's
+        // while another's dQ MMA still reads tile t's).
+        __shared__ uint32_t stage_done[2];
+        if (threadIdx.x == 0) stage_done[0] = stage_done[1] = 0u;   // (the walk's first barrier comes before a run)
+        auto band_run = [&](const SeqTile& first, int stage0, int32_t end) {
+            const int32_t a = first.tile;
+            if (threadIdx.x == 0) bulk_copy(SeqTile{first.part, a + 1, first.ks}, stage0 ^ 1);
+            auto step = [&](auto stage_c, int32_t tile) {   // in stage kS (a constant: uniform descriptors)
+                constexpr int kS = decltype(stage_c)::value;
+                wait_bulk(kS);
+                tile_step(std::true_type{}, SeqTile{first.part, tile, first.ks}, kS, std::true_type{});
+                if (tile + 2 < end && lane == 0) {
+                    // counts of a stage are in fours: tile + 2's come after its copy, after tile's fourth
+                    uint32_t before;
+                    asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;\n"
+                                 : "=r"(before) : "r"(smem_addr(&stage_done[kS])) : "memory");
+                    if ((before & 3u) == 3u) bulk_copy(SeqTile{first.part, tile + 2, first.ks}, kS);
+                }
+            };
+            int32_t tile = a;
+            bool odd = stage0 == 1;
+            while (tile < end) {
+                if (!odd) {
+                    step(std::integral_constant<int, 0>{}, tile);
+                    if (++tile >= end) break;
+                }
+                odd = false;
+                step(std::integral_constant<int, 1>{}, tile);
+                ++tile;
+            }
+            __syncthreads();   // every warp done with both stages and dS^T buffers, the last dQ stored
+            if (threadIdx.x == 0) {
+                const uint32_t at = dq_tile + (dq_buf ^ 1u) * Cfg::kDqBytes;
+                tma_reduce_add_rows(maps.dq, 0, head, dq_pending, at);
+                tma_reduce_add_rows(maps.dq, 32, head, dq_pending, at + Cfg::kDqBytes / 2);
+                tma_commit();
+            }
+            dq_pending = -1;
+            ds_buf = 0u;
+        };
+        seq_walk_tiles<true, true>(mk, blk, Cfg::kRows, load_tile, body, wait_bulk, band_run);
+    } else {
+        seq_walk_tiles<true, false>(mk, blk, Cfg::kRows, load_tile, body, wait_bulk);
+    }
 
     if (threadIdx.x == 0) tma_wait_all();   // the last reductions done before the block's shared memory goes
 

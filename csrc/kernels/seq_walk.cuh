@@ -70,15 +70,36 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
 // cursor's bookkeeping or cp.async groups. The kernels instantiate it for
 // masks of local windows only (seq_mask_local_only): its copies of the
 // body cost the other masks' instruction cache more than they gain.
-template <bool kAsyncReads = false, bool kBulkRuns = false, typename LoadKV, typename Body, typename WaitBulk>
+//
+// band_run (optional, with kBulkRuns): the caller's own loop over such a run,
+// band_run(tile, stage, end) for tiles tile.tile .. end - 1 (full, whole in
+// their segment, brought in bulk), the first loading into `stage` on entry;
+// it returns with every stage free and no copy in flight. The backward by
+// key blocks runs such tiles without a block barrier at their end there
+// (seq_bwd_keys_kernel.cuh).
+struct SeqNoBandRun {};
+
+template <bool kAsyncReads = false, bool kBulkRuns = false, typename LoadKV, typename Body, typename WaitBulk,
+          typename BandRun = SeqNoBandRun>
 __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindow& blk, int32_t rows, LoadKV&& load_kv,
-                                               Body&& body, WaitBulk&& wait_bulk) {
+                                               Body&& body, WaitBulk&& wait_bulk, BandRun&& band_run = BandRun{}) {
+    constexpr bool kOwnRuns = !std::is_same_v<std::decay_t<BandRun>, SeqNoBandRun>;
+    static_assert(kBulkRuns || !kOwnRuns, "band_run takes runs of bulk tiles");
     SeqTileCursor cur;
     bool more = cur.first(mk, blk);
     bool bulk = more && load_kv(cur.at(), 0);
     int stage = 0;
     while (more) {
-        if constexpr (kBulkRuns) {
+        if constexpr (kOwnRuns) {
+            const int32_t end = min(cur.full_hi, cur.ks.count / kSeqTileKeys);   // full and whole: bulk copies
+            if (bulk && cur.full_known && blk.rows == rows && cur.tile >= cur.full_lo && cur.tile + 1 < end) {
+                band_run(cur.at(), stage, end);
+                cur.tile = end - 1;
+                more = cur.next(mk, blk);
+                bulk = more && load_kv(cur.at(), stage);
+                continue;
+            }
+        } else if constexpr (kBulkRuns) {
             // invariant, as in the loop below: cur's tile is loading into `stage` (in bulk when `bulk`)
             auto run_step = [&](auto stage_c) {   // one tile of the run; false: the run ended
                 constexpr int kStage = decltype(stage_c)::value;
