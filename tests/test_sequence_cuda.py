@@ -188,18 +188,23 @@ def test_large_scores_equal_reference(name, dtype):
 @pytest.mark.parametrize("mask", [Local(600), Local(150, right=700), Local(900, causal=True)],
                          ids=["local600", "asym", "causal900"])
 def test_long_band_runs_equal_reference(mask, dtype):
-    """Bands long enough for runs of many full tiles (the forward's pipelined
-    band loop on Hopper: seq_fwd_kernel.cuh, band_run), in documents of
-    lengths that start the runs on either stage and end them anywhere, with
-    larger scores so that the lazy reference point moves inside a run."""
+    """Bands long enough for runs of many full tiles (on Hopper the band's
+    own loops: the forward's, and the backward by key blocks' without a
+    barrier at each tile's end: seq_bwd_keys_kernel.cuh, band_run), in
+    documents of lengths that start the runs on either stage and end them
+    anywhere, with larger scores so that the lazy reference point moves
+    inside a run; output and gradients."""
     torch.manual_seed(10)
     lens = [2900, 1, 1500, 777, 64, 1201]
     cu = [0] + torch.tensor(lens).cumsum(0).tolist()
     H, D = 2, 64
     q, k, v = (torch.randn(cu[-1], H, D, device="cuda") * 2 for _ in range(3))
-    q, k, v = (t.to(dtype) for t in (q, k, v))
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
     out = sequence_attention(q, k, v, mask, cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.int32))
-    check(out, q, k, v, mask, cu, dtype)
+    check(out.detach(), q.detach(), k.detach(), v.detach(), mask, cu, dtype)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    check_grads(got, q.detach(), k.detach(), v.detach(), g, mask, cu, dtype)
 
 
 @pytest.mark.parametrize("name", ["local-wider", "bigbird"])
