@@ -67,7 +67,8 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
 // full tiles in bulk when it brought the one before in bulk: the TMA of
 // both sequence kernels on Hopper): a run of such tiles takes a loop of its
 // own, unrolled over the two stages (constant stage offsets), without the
-// cursor's bookkeeping or cp.async groups. The kernels instantiate it for
+// cursor's bookkeeping or cp.async groups: the walk's below (the forward),
+// or the caller's band_run (the backward by key blocks). The kernels instantiate it for
 // masks of local windows only (seq_mask_local_only): its copies of the
 // body cost the other masks' instruction cache more than they gain.
 //
