@@ -44,6 +44,7 @@
 #include "mma_utils.cuh"
 #include "smem_tile.cuh"
 #include "tcb_pair.cuh"
+#include "team.cuh"
 
 // Widest head-dim slice one warp owns (a tuning knob, -DGT_FUSED3S_BWD_SLICE=64
 // to try). Measured on an H100 (kernel time, dQ + dKV pass, D = 128): slices
@@ -195,19 +196,6 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     const int part = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const bool leader = lane == 0 && part == 0;
-    auto team_sync = [&]() {
-        if constexpr (kSplit > 1) __syncthreads();
-        else __syncwarp();
-    };
-    auto broadcast = [&](int x) -> int {
-        if constexpr (kSplit == 1) {
-            return __shfl_sync(0xffffffffu, x, 0);
-        } else {
-            if (leader) s_bcast = x;
-            __syncthreads();
-            return s_bcast;
-        }
-    };
 
     const uint32_t warp_smem = smem_addr(smem) + part * Cfg::kWarpSmem;
     const uint32_t tile_a1 = warp_smem, tile_a2 = warp_smem + Tile::kBytes;
@@ -280,6 +268,23 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
     // pass, with two accumulators, reads K and V from shared memory per pair.
     constexpr bool kARegs = !kDKV;
     uint32_t a1f[kARegs ? kG * kSteps : 1][4], a2f[kARegs ? kG * kSteps : 1][4];
+    // acc += A B^T for k-step `step` of a pair's two TCBs: A the window's 16
+    // rows (from registers `af` with kARegs, else from the tile at `tile_a`),
+    // B^T the pair's 16 staged rows at `tile_b`.
+    auto step_product = [&](float (&acc)[2][4], const uint32_t (&af)[kARegs ? kG * kSteps : 1][4], uint32_t tile_a,
+                            uint32_t tile_b, int step) {
+        uint32_t a[4], b[4];
+        if constexpr (kARegs) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = af[step][i];
+        } else {
+            Tile::a_frag(a, tile_a, step, lane);
+        }
+        Tile::bt_frags(b, tile_b, step, lane);
+        mma_16816<T>(acc[0], a, b[0], b[1]);
+        mma_16816<T>(acc[1], a, b[2], b[3]);
+    };
+    // the products' accumulators per head: dQ (dQ pass), dK and dV (dKV pass)
     float acc1[kG][kNT][4];
     float acc2[kG][kDKV ? kNT : 1][4];
 #pragma unroll
@@ -350,25 +355,8 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
 #pragma unroll
                 for (int hs = 0; hs < kSteps; ++hs) {
                     const int step = h * kSteps + hs;
-                    uint32_t a[4], b[4];
-                    if constexpr (kARegs) {
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) a[i] = a1f[step][i];
-                    } else {
-                        Tile::a_frag(a, tile_a1, step, lane);
-                    }
-                    Tile::bt_frags(b, tile_g(stage, 0), step, lane);
-                    mma_16816<T>(s[0], a, b[0], b[1]);
-                    mma_16816<T>(s[1], a, b[2], b[3]);
-                    if constexpr (kARegs) {
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) a[i] = a2f[step][i];
-                    } else {
-                        Tile::a_frag(a, tile_a2, step, lane);
-                    }
-                    Tile::bt_frags(b, tile_g(stage, 1), step, lane);
-                    mma_16816<T>(dp[0], a, b[0], b[1]);
-                    mma_16816<T>(dp[1], a, b[2], b[3]);
+                    step_product(s, a1f, tile_a1, tile_g(stage, 0), step);    // S = Q K^T
+                    step_product(dp, a2f, tile_a2, tile_g(stage, 1), step);   // dP = dO V^T
                 }
                 if constexpr (kSplit > 1) {
                     // Sum the team's partial dot products (same order in every warp).
@@ -460,12 +448,12 @@ fused3s_bwd_kernel(const Fused3SBwdParams p) {
             }
         }
         __threadfence();   // partial visible GPU-wide before the arrival is counted
-        team_sync();
+        team_sync<kSplit>();
         const int4 si = __ldg(reinterpret_cast<const int4*>(p.slots_ptr) + slot);
         const int s0 = si.y, s1 = si.z;
         // one counter per group (its first head's)
         const int prev = leader ? atomicAdd(p.counters_ptr + static_cast<int64_t>(s0) * H + head0, 1) : 0;
-        write_out = broadcast(prev) == s1 - s0 - 1;   // this team completed the window
+        write_out = team_broadcast<kSplit>(prev, leader, s_bcast) == s1 - s0 - 1;   // this team completed the window
         if (write_out) {
             __threadfence();
 #pragma unroll

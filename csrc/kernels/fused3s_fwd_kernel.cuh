@@ -48,6 +48,7 @@
 #include "smem_tile.cuh"
 #include "spmm_tile.cuh"
 #include "tcb_pair.cuh"
+#include "team.cuh"
 
 namespace gt_fused3s {
 
@@ -129,22 +130,6 @@ fused3s_fwd_kernel(const Fused3SParams p) {
     using KVTile = RowTile<kStaged ? kDW * kG : 16>;
     __shared__ alignas(16) uint16_t s_kv[kStaged ? 2 * KVTile::kBytes : 8];   // [stage][K, V] tiles
     auto kv_tile = [&](int stage, int which) { return s_kv + (2 * stage + which) * (KVTile::kBytes / 2); };
-
-    // Synchronise the warps of the team (a warp alone: __syncwarp).
-    auto team_sync = [&]() {
-        if constexpr (kSplit > 1) __syncthreads();
-        else __syncwarp();
-    };
-    // The leader's value to every thread of the team.
-    auto broadcast = [&](int x) -> int {
-        if constexpr (kSplit == 1) {
-            return __shfl_sync(0xffffffffu, x, 0);
-        } else {
-            if (leader) s_bcast = x;
-            __syncthreads();
-            return s_bcast;
-        }
-    };
 
     const uint4* bitmap = reinterpret_cast<const uint4*>(p.bitmap_ptr);
     int buf = 0;   // S exchange double buffer index (D = 256)
@@ -340,12 +325,12 @@ fused3s_fwd_kernel(const Fused3SParams p) {
                 }
             }
             __threadfence();   // partial visible GPU-wide before the arrival is counted
-            team_sync();
+            team_sync<kSplit>();
             const int4 si = __ldg(reinterpret_cast<const int4*>(p.slots_ptr) + slot);
             const int s0 = si.y, s1 = si.z;
             // one counter per group (its first head's)
             const int prev = leader ? atomicAdd(p.counters_ptr + static_cast<int64_t>(s0) * p.num_heads + head0, 1) : 0;
-            write_out = broadcast(prev) == s1 - s0 - 1;   // this team completed the window
+            write_out = team_broadcast<kSplit>(prev, leader, s_bcast) == s1 - s0 - 1;   // this team completed the window
             if (write_out) {
                 __threadfence();
 #pragma unroll
