@@ -264,6 +264,18 @@ void launch_for_head_dim(int64_t d, const Fused3SParams& params, cudaStream_t st
     }
 }
 
+// q, k, v of a launch [rows, heads, D] (the graph's or the sequence's
+// params): pointers, and row and head strides in elements.
+template <typename Params>
+void set_qkv(Params& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    p.q_ptr = q.data_ptr();
+    p.k_ptr = k.data_ptr();
+    p.v_ptr = v.data_ptr();
+    p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
+    p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
+    p.v_row_stride = v.stride(0); p.v_head_stride = v.stride(1);
+}
+
 // The forward: out, lse and (return_scores, which needs the edge slots)
 // each edge's raw dot product q_i.k_j [E, H] fp32 in the caller's edge order
 // (else an empty tensor).
@@ -335,12 +347,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     }
 
     Fused3SParams p{};
-    p.q_ptr = q.data_ptr();
-    p.k_ptr = k.data_ptr();
-    p.v_ptr = v.data_ptr();
-    p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
-    p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
-    p.v_row_stride = v.stride(0); p.v_head_stride = v.stride(1);
+    set_qkv(p, q, k, v);
     p.o_ptr = out.data_ptr();
     p.o_row_stride = out.stride(0); p.o_head_stride = out.stride(1);
     p.out_fp32 = out_fp32;
@@ -970,12 +977,7 @@ SeqFwdParams seq_params(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& cu_seqlens, const at::Tensor& cu_windows, c10::IntArrayRef mask_code,
                         double scale, int64_t num_windows, int64_t block_rows) {
     SeqFwdParams p{};
-    p.q_ptr = q.data_ptr();
-    p.k_ptr = k.data_ptr();
-    p.v_ptr = v.data_ptr();
-    p.q_row_stride = q.stride(0); p.q_head_stride = q.stride(1);
-    p.k_row_stride = k.stride(0); p.k_head_stride = k.stride(1);
-    p.v_row_stride = v.stride(0); p.v_head_stride = v.stride(1);
+    set_qkv(p, q, k, v);
     p.lse_ptr = const_cast<float*>(lse.data_ptr<float>());
     p.lse_row_stride = lse.stride(0); p.lse_head_stride = lse.stride(1);
     p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
