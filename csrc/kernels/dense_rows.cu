@@ -363,12 +363,6 @@ constexpr int bwd_smem_bytes() {
            2 * kMaxG * 4;
 }
 
-// A kernel's dynamic shared memory, opted in past 48 KB.
-template <typename Kernel>
-cudaError_t set_smem(Kernel kernel, int bytes) {
-    if (bytes <= 48 * 1024) return cudaSuccess;
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-}
 
 }  // namespace
 
@@ -376,7 +370,7 @@ template <typename T, int HeadDim>
 cudaError_t run_dense_rows_fwd(const DenseRowsParams& p, cudaStream_t stream) {
     if (p.keys <= 0 || p.queries <= 0 || p.batch <= 0 || p.heads <= 0) return cudaSuccess;
     constexpr int kSmem = fwd_smem_bytes<HeadDim>();
-    const cudaError_t e = set_smem(dense_rows_fwd_kernel<T, HeadDim>, kSmem);
+    const cudaError_t e = set_max_dynamic_smem<dense_rows_fwd_kernel<T, HeadDim>>(kSmem);
     if (e != cudaSuccess) return e;
     const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys, p.chunk_keys)), static_cast<unsigned>(p.batch * p.heads));
     dense_rows_fwd_kernel<T, HeadDim><<<grid, kThreads, kSmem, stream>>>(p);
@@ -389,7 +383,7 @@ template <typename T, int HeadDim>
 cudaError_t run_dense_rows_bwd(const DenseRowsParams& p, cudaStream_t stream) {
     if (p.keys <= 0 || p.queries <= 0 || p.batch <= 0 || p.heads <= 0) return cudaSuccess;
     constexpr int kSmem = bwd_smem_bytes<HeadDim>();
-    const cudaError_t e = set_smem(dense_rows_bwd_kernel<T, HeadDim>, kSmem);
+    const cudaError_t e = set_max_dynamic_smem<dense_rows_bwd_kernel<T, HeadDim>>(kSmem);
     if (e != cudaSuccess) return e;
     const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys, p.chunk_keys)), static_cast<unsigned>(p.batch * p.heads));
     dense_rows_bwd_kernel<T, HeadDim><<<grid, kThreads, kSmem, stream>>>(p);

@@ -519,13 +519,11 @@ cudaError_t launch_fused3s_bwd_pass(const Fused3SBwdParams& params, cudaStream_t
         const cudaError_t err = cudaMemsetAsync(params.counters_ptr, 0, bytes, stream);
         if (err != cudaSuccess) return err;
     }
-    auto kernel = fused3s_bwd_kernel<T, kHeadDim, kDKV, kEdges, kG>;
-    if (Cfg::kSmemBytes > 48 * 1024) {
-        const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-        if (err != cudaSuccess) return err;
-    }
+    constexpr auto kernel = fused3s_bwd_kernel<T, kHeadDim, kDKV, kEdges, kG>;
+    cudaError_t err = set_max_dynamic_smem<kernel>(Cfg::kSmemBytes);
+    if (err != cudaSuccess) return err;
     if (kG > 1 && kEdges > 0 && bwd_group_edge_warps<kDKV, kG, kEdges>() > kBwdGroupEdgeWarps) {   // their shared memory
-        const cudaError_t err = prefer_max_shared(kernel);
+        err = prefer_max_shared<kernel>();
         if (err != cudaSuccess) return err;
     }
     kernel<<<static_cast<unsigned>(work), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);

@@ -312,9 +312,7 @@ template <typename T, int kHeadDim>
 void run_seq_bwd(const SeqBwdParams& params, cudaStream_t stream) {
     using Cfg = SeqBwdConfig<kHeadDim>;
     if (params.fwd.num_windows <= 0 || params.fwd.num_heads <= 0) return;
-    if constexpr (Cfg::kSmemBytes > 48 * 1024) {   // opt in to more than 48 KB, on this device
-        cudaFuncSetAttribute(seq_bwd_kernel<T, kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    }
+    set_max_dynamic_smem<seq_bwd_kernel<T, kHeadDim>>(Cfg::kSmemBytes);   // (an error shows at the launch)
     const dim3 grid(static_cast<unsigned>(params.fwd.num_windows), static_cast<unsigned>(params.fwd.num_heads));
     seq_bwd_kernel<T, kHeadDim><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
 }

@@ -442,12 +442,13 @@ void run_seq_bwd_keys(const SeqBwdKeysParams& params, cudaStream_t stream) {
               tma_encode_f32_halves(&maps.dq, params.dq_ptr, f.num_tokens, f.num_heads, params.grad_row_stride,
                                     params.grad_head_stride);
     const dim3 grid(static_cast<unsigned>(f.num_windows), static_cast<unsigned>(f.num_heads));
-    auto launch = [&](auto kernel) {
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    auto launch = [&](auto band_runs) {
+        constexpr auto kernel = seq_bwd_keys_kernel<T, decltype(band_runs)::value>;
+        set_max_dynamic_smem<kernel>(Cfg::kSmemBytes);   // (an error shows at the launch)
         kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params, maps);
     };
-    if (seq_mask_local_only(f.mask)) launch(seq_bwd_keys_kernel<T, true>);   // the band's loop
-    else launch(seq_bwd_keys_kernel<T, false>);
+    if (seq_mask_local_only(f.mask)) launch(std::true_type{});   // the band's loop
+    else launch(std::false_type{});
 }
 
 }  // namespace gt_fused3s

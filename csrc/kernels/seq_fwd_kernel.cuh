@@ -347,16 +347,15 @@ void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream) {
                   tma_encode_rows(&maps.v, params.v_ptr, tokens, heads, params.v_row_stride, params.v_head_stride);
     }
     const dim3 grid(static_cast<unsigned>(params.num_windows), static_cast<unsigned>(params.num_heads));
-    auto launch = [&](auto kernel) {
-        if (smem > 48 * 1024) {   // opt in to more than 48 KB (D = 128), on this device
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        }
+    auto launch = [&](auto band_runs) {
+        constexpr auto kernel = seq_fwd_kernel<T, kHeadDim, decltype(band_runs)::value>;
+        set_max_dynamic_smem<kernel>(smem);   // D = 128 (an error shows at the launch)
         kernel<<<grid, Cfg::kThreads, smem, stream>>>(params, maps);
     };
     if constexpr (kHeadDim == 64) {   // masks of local windows only: the kernel with the band's loop
-        if (seq_mask_local_only(params.mask)) return launch(seq_fwd_kernel<T, kHeadDim, true>);
+        if (seq_mask_local_only(params.mask)) return launch(std::true_type{});
     }
-    launch(seq_fwd_kernel<T, kHeadDim, false>);
+    launch(std::false_type{});
 }
 
 }  // namespace gt_fused3s

@@ -7,6 +7,7 @@
 // 16-byte bank groups for every kDW in {16, 32, 64, 128}.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cuda_runtime.h>
 
@@ -16,14 +17,37 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Attribute kAttr of kernel kKernel set to `value` (the same at every call
+// on a device) once per device: an attribute is the current device's, and
+// cudaFuncSetAttribute at every launch was host time on every call, whose
+// pace the host sets on small graphs. Host side, before a launch.
+template <auto kKernel, cudaFuncAttribute kAttr>
+cudaError_t set_kernel_attribute(int value) {
+    static std::atomic<uint64_t> done{0};   // bit d: set on device d (devices past 63: every call)
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0u;
+    if ((done.load(std::memory_order_relaxed) & bit) != 0u) return cudaSuccess;
+    err = cudaFuncSetAttribute(kKernel, kAttr, value);
+    if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_relaxed);
+    return err;
+}
+
+// Dynamic shared memory past the default 48 KB, opted in.
+template <auto kKernel>
+cudaError_t set_max_dynamic_smem(int bytes) {
+    if (bytes <= 48 * 1024) return cudaSuccess;
+    return set_kernel_attribute<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(bytes);
+}
+
 // Ask for the largest shared-memory share of the L1/shared split for a kernel
 // whose resident warps need more than the driver's default choice gives
 // (Nsight Compute: a grouped forward with edge terms built for 12 warps got
-// 135 KB, room for 9). Host side, before each launch (the attribute is the
-// current device's).
-template <typename Kernel>
-cudaError_t prefer_max_shared(Kernel kernel) {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+// 135 KB, room for 9).
+template <auto kKernel>
+cudaError_t prefer_max_shared() {
+    return set_kernel_attribute<kKernel, cudaFuncAttributePreferredSharedMemoryCarveout>(cudaSharedmemCarveoutMaxShared);
 }
 
 // 16-byte global -> shared copy; valid == false writes 16 zero bytes and reads nothing.
