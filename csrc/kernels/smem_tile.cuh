@@ -20,7 +20,9 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // Attribute kAttr of kernel kKernel set to `value` (the same at every call
 // on a device) once per device: an attribute is the current device's, and
 // cudaFuncSetAttribute at every launch was host time on every call, whose
-// pace the host sets on small graphs. Host side, before a launch.
+// pace the host sets on small graphs. Host side, before a launch. (A
+// cudaDeviceReset would clear them; nothing in the library or torch's
+// normal use resets a device.)
 template <auto kKernel, cudaFuncAttribute kAttr>
 cudaError_t set_kernel_attribute(int value) {
     static std::atomic<uint64_t> done{0};   // bit d: set on device d (devices past 63: every call)
