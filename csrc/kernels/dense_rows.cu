@@ -363,7 +363,6 @@ constexpr int bwd_smem_bytes() {
            2 * kMaxG * 4;
 }
 
-
 }  // namespace
 
 template <typename T, int HeadDim>
