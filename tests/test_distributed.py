@@ -216,6 +216,7 @@ def test_partition_stats_and_errors():
         local_graph(ei, n, part, 0, parts=2)
 
 
+@pytest.mark.filterwarnings("error::DeprecationWarning")   # pymetis's API as the installed version wants it
 def test_metis_partition_balances_in_edges_and_cuts_less():
     pytest.importorskip("pymetis")
     ei, n, _ = _graph("random")

@@ -54,8 +54,11 @@ def partition_nodes(edge_index: Tensor, num_nodes: int, parts: int, method: str 
     # vertices weighted by their in-edges + 1: the attention work of a part
     # is its in-edges, so METIS balances those (unweighted it balances nodes)
     weights = torch.bincount(dst, minlength=num_nodes) + 1
-    _, membership = pymetis.part_graph(parts, xadj=xadj.numpy(), adjncy=b.numpy(),
-                                       vweights=weights.numpy())
+    # pymetis >= 2025.2 takes the CSR arrays as one CSRAdjacency (xadj= and
+    # adjncy= warn there, to be removed in 2027); older ones only as those
+    graph = (dict(adjacency=pymetis.CSRAdjacency(xadj.numpy(), b.numpy())) if hasattr(pymetis, "CSRAdjacency")
+             else dict(xadj=xadj.numpy(), adjncy=b.numpy()))
+    _, membership = pymetis.part_graph(parts, **graph, vweights=weights.numpy())
     return torch.as_tensor(membership, dtype=torch.long, device=edge_index.device)
 
 
