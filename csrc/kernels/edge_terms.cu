@@ -419,9 +419,9 @@ cudaError_t run_edge_dot(const float* x, const float* a, const int64_t* idx, flo
 
 // Launches `kernel<I, V>` with 32-bit indices where `total` allows, V = 4
 // where the rows allow.
-#define GT_EDGE_LAUNCH(kernel, vec, total, extra_blocks, ...)                                        \
+#define GT_EDGE_LAUNCH(kernel, vec, total, ...)                                                      \
     do {                                                                                             \
-        const dim3 grid(static_cast<unsigned>(blocks_for(total) + (extra_blocks)));                  \
+        const dim3 grid(static_cast<unsigned>(blocks_for(total)));                                   \
         if (narrow(total)) {                                                                         \
             if (vec) kernel<uint32_t, 4><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                \
             else kernel<uint32_t, 1><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                    \
@@ -437,7 +437,7 @@ cudaError_t run_edge_rows(const float* w, const float* x, const float* w2, const
     const int64_t total = s.num_edges * (vec ? s.features / 4 : s.features);
     if (total == 0) return cudaSuccess;
     const FastDiv by_chunks(vec ? s.features / 4 : s.features);
-    GT_EDGE_LAUNCH(edge_rows_kernel, vec, total, 0, w, x, w2, x2, idx, out, s, by_chunks);
+    GT_EDGE_LAUNCH(edge_rows_kernel, vec, total, w, x, w2, x2, idx, out, s, by_chunks);
     return cudaGetLastError();
 }
 
