@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gt_fused3s.reference import sequence_reference
-from gt_fused3s.sequence import Local, sequence_attention
+from gt_fused3s.sequence import BlockDilated, Dilated, Global, Local, sequence_attention
 
 from test_sequence import MASKS
 
@@ -184,16 +184,11 @@ def test_large_scores_equal_reference(name, dtype):
     check(out[0], q[0], k[0], v[0], MASKS[name], [0, L], dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("mask", [Local(600), Local(150, right=700), Local(900, causal=True)],
-                         ids=["local600", "asym", "causal900"])
-def test_long_band_runs_equal_reference(mask, dtype):
-    """Bands long enough for runs of many full tiles (on Hopper the band's
-    own loops: the forward's, and the backward by key blocks' without a
-    barrier at each tile's end: seq_bwd_keys_kernel.cuh, band_run), in
-    documents of lengths that start the runs on either stage and end them
+def long_documents_case(mask, dtype):
+    """Output and gradients against the reference on documents of lengths
+    that start a segment's runs of whole tiles on either stage and end them
     anywhere, with larger scores so that the lazy reference point moves
-    inside a run; output and gradients."""
+    inside a run."""
     torch.manual_seed(10)
     lens = [2900, 1, 1500, 777, 64, 1201]
     cu = [0] + torch.tensor(lens).cumsum(0).tolist()
@@ -205,6 +200,27 @@ def test_long_band_runs_equal_reference(mask, dtype):
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
     check_grads(got, q.detach(), k.detach(), v.detach(), g, mask, cu, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mask", [Local(600), Local(150, right=700), Local(900, causal=True)],
+                         ids=["local600", "asym", "causal900"])
+def test_long_band_runs_equal_reference(mask, dtype):
+    """Bands long enough for runs of many full tiles (on Hopper the band's
+    own loops: the forward's, and the backward by key blocks' without a
+    barrier at each tile's end: seq_bwd_keys_kernel.cuh, band_run)."""
+    long_documents_case(mask, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mask", [Dilated(300, 2), Dilated(200, 3, causal=True), BlockDilated(1024, 4, offset=1),
+                                  Dilated(300, 2) | Global([0, 5, 2000])],
+                         ids=["dilated300x2", "causal200x3", "block1024x4", "dilated+global"])
+def test_long_dilated_segments_equal_reference(mask, dtype):
+    """Compacted dilated segments with many whole tiles of keys the mask's
+    row stride apart (on Hopper: by TMA, tma_encode_rows with a step, in the
+    forward and the backward by key blocks; global keys beside them)."""
+    long_documents_case(mask, dtype)
 
 
 @pytest.mark.parametrize("name", ["local-wider", "bigbird"])
