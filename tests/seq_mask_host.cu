@@ -9,7 +9,10 @@
 // transposed mask, seq_mask_transpose; printed as (query, key) all the same). Built by the test with nvcc (the header is host + device code).
 // stderr: counts of the forward walk's tiles (per warp pair: computed, full;
 // per block tile: full, and where the walk's per-segment interval,
-// seq_cursor_full, disagreed with seq_tile_full).
+// seq_cursor_full, disagreed with seq_tile_full; per warp tile: those a
+// band's closed form gives, seq_band_tile_bits, and its bits that differ
+// from the per-pair tests' or lie in a pair it skips; lanes of a warp whose
+// computed pairs differ: mma.sync needs them warp-uniform).
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -54,6 +57,8 @@ int main() {
 
     // tiles: pairs a warp computes (not skipped), full: those without per-entry tests
     long long start = 0, full_tiles = 0, tiles = 0, block_full = 0, block_full_mismatches = 0;
+    long long band_tiles = 0, band_mismatches = 0;   // seq_band_tile_bits: warp tiles, and bits unlike seq_pair_bits
+    long long nonuniform_pairs = 0;                  // lanes whose computed pairs differ from lane 0's
     for (long long len : lens) {
         const int s = mk.row_stride;
         const int blocks = s * (((len + s - 1) / s + block_rows - 1) / block_rows);
@@ -91,13 +96,31 @@ int main() {
                 }
                 for (int w = 0; w < block_rows / 16; ++w) {
                     const SeqWindow win = seq_sub_window(blk, w);
+                    // a band's tile by its closed form against the per-pair tests
+                    for (int lane = 0; lane < 32; ++lane) {
+                        uint32_t fast[kSeqTileKeys / 16], on;
+                        if (!seq_band_tile_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, fast, on)) {
+                            break;
+                        }
+                        band_tiles += lane == 0;
+                        for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {
+                            uint32_t bits;
+                            if (!seq_pair_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys + 16 * sl, lane, bits)) {
+                                bits = 0u;
+                            }
+                            band_mismatches += bits != fast[sl] || (bits != 0u && !((on >> sl) & 1u));
+                        }
+                    }
                     for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {
                         const int32_t n0 = cur.tile * kSeqTileKeys + 16 * sl;
                         bool computed = false, full = true;
+                        uint32_t on0 = 0u;
                         for (int lane = 0; lane < 32; ++lane) {
                             uint32_t tile_bits[kSeqTileKeys / 16];
                             const uint32_t on = seq_tile_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys, lane,
                                                               tile_bits);
+                            if (lane == 0) on0 = on;
+                            nonuniform_pairs += on != on0;   // mma.sync needs the warp's pairs uniform
                             if (!((on >> sl) & 1u)) continue;
                             const uint32_t bits = tile_bits[sl];
                             computed = true;
@@ -122,7 +145,8 @@ int main() {
         }
         start += len;
     }
-    std::fprintf(stderr, "tiles %lld full %lld block_full %lld block_full_mismatches %lld\n", tiles, full_tiles,
-                 block_full, block_full_mismatches);
+    std::fprintf(stderr, "tiles %lld full %lld block_full %lld block_full_mismatches %lld band_tiles %lld "
+                 "band_mismatches %lld nonuniform_pairs %lld\n", tiles, full_tiles, block_full, block_full_mismatches,
+                 band_tiles, band_mismatches, nonuniform_pairs);
     return 0;
 }

@@ -130,6 +130,24 @@ def test_walk_full_tiles_by_segment_equal_tile_test(seq_host, name, lens, block_
     _, stats = kernel_pairs(seq_host, MASKS[name], lens, block_rows)
     counts = walk_counts(stats)
     assert counts["block_full_mismatches"] == 0, counts
+    assert counts["nonuniform_pairs"] == 0, counts   # a warp's pairs to compute: the same in every lane
+
+
+@pytest.mark.parametrize("mask", [Local(300), Local(40), Local(200, right=20), Local(300, causal=True),
+                                  Dilated(150, 3), Dilated(40, 2, causal=True), Local(300) | Global(2),
+                                  Local(100) | Global([0, 700]) | RandomBlocks(64, 2, seed=4),
+                                  Dilated(60, 2) | Global(3)], ids=str)
+@pytest.mark.parametrize("block_rows", [64, 128])
+def test_band_tile_bits_equal_pair_tests(seq_host, mask, block_rows):
+    """The edges of a band (the first part's whole tiles over 16 valid rows)
+    take their mask bits from one closed form (seq_band_tile_bits): equal,
+    bit for bit, to the per-pair tests on every such tile of the walk, and
+    used (not vacuous); the key-set tests above cover the rest."""
+    _, stats = kernel_pairs(seq_host, mask, [3000, 1, 777, 64, 130], block_rows)
+    counts = walk_counts(stats)
+    assert counts["band_tiles"] > 0, counts
+    assert counts["band_mismatches"] == 0, counts
+    assert counts["nonuniform_pairs"] == 0, counts
 
 
 def test_walk_full_tiles_by_segment_on_long_bands(seq_host):
