@@ -3,6 +3,7 @@
 #include "edge_terms.h"
 
 #include <cmath>
+#include <type_traits>
 
 namespace gt_fused3s {
 namespace {
@@ -69,6 +70,25 @@ __device__ __forceinline__ void store_vec(float* dst, const float (&src)[V]) {
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Calls launch(index, vec, flag) with three run-time choices made
+// compile-time ones, so that each kernel's instances are picked in one
+// place: the index type (uint32_t{} where `total` flat indices are narrow,
+// else int64_t{}), the rows' 16-byte vectors and one flag of the caller's
+// (std::true_type or std::false_type each).
+template <typename Launch>
+void launch_instance(int64_t total, bool vec, bool flag, Launch&& launch) {
+    auto by_flag = [&](auto index, auto v) {
+        if (flag) launch(index, v, std::true_type{});
+        else launch(index, v, std::false_type{});
+    };
+    auto by_vec = [&](auto index) {
+        if (vec) by_flag(index, std::true_type{});
+        else by_flag(index, std::false_type{});
+    };
+    if (narrow(total)) by_vec(uint32_t{});
+    else by_vec(int64_t{});
+}
 
 // out[e, h] = <X[idx[e], h, :], a[e, :]>: a thread per edge and group of
 // up to kHeads heads (1 or kDotHeads: run_edge_dot), reading a's row once
@@ -383,11 +403,9 @@ cudaError_t run_edge_probs(const float* scores, const float* bias, const float* 
     if (total == 0) return cudaSuccess;
     const dim3 grid(static_cast<unsigned>(blocks_for(total)));
     const FastDiv by_heads(s.heads);
-    if (narrow(total)) {
-        edge_probs_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(scores, bias, lse, idx, scale, out, s, by_heads);
-    } else {
-        edge_probs_kernel<int64_t><<<grid, kThreads, 0, stream>>>(scores, bias, lse, idx, scale, out, s, by_heads);
-    }
+    launch_instance(total, false, false, [&](auto index, auto, auto) {
+        edge_probs_kernel<decltype(index)><<<grid, kThreads, 0, stream>>>(scores, bias, lse, idx, scale, out, s, by_heads);
+    });
     return cudaGetLastError();
 }
 
@@ -405,31 +423,13 @@ cudaError_t run_edge_dot(const float* x, const float* a, const int64_t* idx, flo
     const FastDiv by_groups(grouped ? (s.heads + kDotHeads - 1) / kDotHeads : s.heads);
     const int64_t threads = s.num_edges * by_groups.d;
     const dim3 grid(static_cast<unsigned>(blocks_for(threads)));
-#define GT_DOT(K, VEC, I) edge_dot_kernel<K, VEC, I><<<grid, kThreads, 0, stream>>>(x, a, idx, out, s, by_groups)
-    if (narrow(threads)) {
-        if (grouped) { if (vec) GT_DOT(kDotHeads, true, uint32_t); else GT_DOT(kDotHeads, false, uint32_t); }
-        else { if (vec) GT_DOT(1, true, uint32_t); else GT_DOT(1, false, uint32_t); }
-    } else {
-        if (grouped) { if (vec) GT_DOT(kDotHeads, true, int64_t); else GT_DOT(kDotHeads, false, int64_t); }
-        else { if (vec) GT_DOT(1, true, int64_t); else GT_DOT(1, false, int64_t); }
-    }
-#undef GT_DOT
+    launch_instance(threads, vec, grouped, [&](auto index, auto v, auto head_groups) {
+        constexpr int kHeads = decltype(head_groups)::value ? kDotHeads : 1;
+        edge_dot_kernel<kHeads, decltype(v)::value, decltype(index)><<<grid, kThreads, 0, stream>>>(x, a, idx, out, s,
+                                                                                                  by_groups);
+    });
     return cudaGetLastError();
 }
-
-// Launches `kernel<I, V>` with 32-bit indices where `total` allows, V = 4
-// where the rows allow.
-#define GT_EDGE_LAUNCH(kernel, vec, total, ...)                                                      \
-    do {                                                                                             \
-        const dim3 grid(static_cast<unsigned>(blocks_for(total)));                                   \
-        if (narrow(total)) {                                                                         \
-            if (vec) kernel<uint32_t, 4><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                \
-            else kernel<uint32_t, 1><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                    \
-        } else {                                                                                     \
-            if (vec) kernel<int64_t, 4><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                 \
-            else kernel<int64_t, 1><<<grid, kThreads, 0, stream>>>(__VA_ARGS__);                     \
-        }                                                                                            \
-    } while (0)
 
 cudaError_t run_edge_rows(const float* w, const float* x, const float* w2, const float* x2, const int64_t* idx,
                           float* out, const EdgeTermsShape& s, cudaStream_t stream) {
@@ -437,7 +437,11 @@ cudaError_t run_edge_rows(const float* w, const float* x, const float* w2, const
     const int64_t total = s.num_edges * (vec ? s.features / 4 : s.features);
     if (total == 0) return cudaSuccess;
     const FastDiv by_chunks(vec ? s.features / 4 : s.features);
-    GT_EDGE_LAUNCH(edge_rows_kernel, vec, total, w, x, w2, x2, idx, out, s, by_chunks);
+    const dim3 grid(static_cast<unsigned>(blocks_for(total)));
+    launch_instance(total, vec, false, [&](auto index, auto v, auto) {
+        edge_rows_kernel<decltype(index), decltype(v)::value ? 4 : 1><<<grid, kThreads, 0, stream>>>(
+            w, x, w2, x2, idx, out, s, by_chunks);
+    });
     return cudaGetLastError();
 }
 
@@ -455,20 +459,12 @@ cudaError_t run_edge_scatter(const float* w, const float* a, const int64_t* rowp
     const int64_t want = (s.num_nodes + kThreads - 1) / kThreads;
     const int hub_blocks = chunks <= kThreads ? static_cast<int>(want < kMaxHubBlocks ? want : kMaxHubBlocks) : 0;
     const dim3 grid(static_cast<unsigned>(blocks_for(total) + hub_blocks));
-#define GT_SCATTER(I, V, L) edge_scatter_kernel<I, V, L><<<grid, kThreads, 0, stream>>>( \
-        w, a, rowptr, order, out, s, by_chunks, by_groups, hub_blocks)
-    // 32-bit indices where `total` allows, V = 4 where the rows allow
-    if (narrow(total)) {
-        if (sparse) { if (vec) GT_SCATTER(uint32_t, 4, kSparseSplit); else GT_SCATTER(uint32_t, 1, kSparseSplit); }
-        else { if (vec) GT_SCATTER(uint32_t, 4, kSplit); else GT_SCATTER(uint32_t, 1, kSplit); }
-    } else {
-        if (sparse) { if (vec) GT_SCATTER(int64_t, 4, kSparseSplit); else GT_SCATTER(int64_t, 1, kSparseSplit); }
-        else { if (vec) GT_SCATTER(int64_t, 4, kSplit); else GT_SCATTER(int64_t, 1, kSplit); }
-    }
-#undef GT_SCATTER
+    launch_instance(total, vec, sparse, [&](auto index, auto v, auto sparse_rows) {
+        constexpr int kLanes = decltype(sparse_rows)::value ? kSparseSplit : kSplit;
+        edge_scatter_kernel<decltype(index), decltype(v)::value ? 4 : 1, kLanes><<<grid, kThreads, 0, stream>>>(
+            w, a, rowptr, order, out, s, by_chunks, by_groups, hub_blocks);
+    });
     return cudaGetLastError();
 }
-
-#undef GT_EDGE_LAUNCH
 
 }  // namespace gt_fused3s
