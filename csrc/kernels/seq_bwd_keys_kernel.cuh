@@ -192,6 +192,8 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
     // buffer for thread 0's reduction (-1: none), and the dS^T buffer
     int32_t dq_pending = -1;
     uint32_t ds_buf = 0u;
+    // thread 0: the pending tile's reduction (its dQ waits in the buffer before the next one's)
+    auto reduce_pending = [&]() { reduce_dq(dq_pending, dq_tile + (dq_buf ^ 1u) * Cfg::kDqBytes); };
     // One tile; a full one (the inside of a band: every key of the block
     // sees every query of the tile) takes no mask bits. kRun: a tile of a
     // band's run, which ends without a block barrier (band_run below).
@@ -275,9 +277,7 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         }
         __syncthreads();   // a run's: every warp also done with the last tile
         if constexpr (kRun) {
-            if (threadIdx.x == 0 && dq_pending >= 0) {   // the last tile's dQ, stored by every warp
-                reduce_dq(dq_pending, dq_tile + (dq_buf ^ 1u) * Cfg::kDqBytes);
-            }
+            if (threadIdx.x == 0 && dq_pending >= 0) reduce_pending();   // the last tile's dQ, stored by every warp
             ds_buf ^= 1u;
         }
         // dQ [64 queries, 64] = dS K: A = (dS^T)^T and B = K, both with rows = keys (k-step kk: keys 16 kk ..)
@@ -381,7 +381,7 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
                 ++tile;
             }
             __syncthreads();   // every warp done with both stages and dS^T buffers, the last dQ stored
-            if (threadIdx.x == 0) reduce_dq(dq_pending, dq_tile + (dq_buf ^ 1u) * Cfg::kDqBytes);
+            if (threadIdx.x == 0) reduce_pending();
             dq_pending = -1;
             ds_buf = 0u;
         };
