@@ -218,8 +218,10 @@ def test_long_band_runs_equal_reference(mask, dtype):
                          ids=["dilated300x2", "causal200x3", "block1024x4", "dilated+global"])
 def test_long_dilated_segments_equal_reference(mask, dtype):
     """Compacted dilated segments with many whole tiles of keys the mask's
-    row stride apart (on Hopper: by TMA, tma_encode_rows with a step, in the
-    forward and the backward by key blocks; global keys beside them)."""
+    row stride apart, whose band edges take the closed-form mask bits
+    (seq_mask.cuh: seq_band_tile_bits), one with global keys beside them;
+    output and gradients (on Hopper the backward by key blocks, except with
+    the global keys)."""
     long_documents_case(mask, dtype)
 
 

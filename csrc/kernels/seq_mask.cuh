@@ -489,10 +489,10 @@ GT_SEQ_HD bool seq_cursor_full(const SeqMask& mk, const SeqWindow& win, int32_t 
 // an unsigned range test per element on the offsets' progression, key - row
 // = ks.start - win.base + s (n0 + 16 sl + 8b + 2t + (i & 1) - g - 8 (i >> 1))
 // for bit 4b + i of pair sl, with no per-part tests; `on`: the pairs whose
-// offsets can reach [lo, hi] (warp-uniform: mma.sync skips the others). False
-// (no bits) for any other tile. The edges of a band: probed on an H100 (every mask bit set,
-// the kernel's output then wrong), the tests before this one took 10% of the
-// local 1M forward (1.179 -> 1.065 ms) and a third of a 65-key band's.
+// offsets can reach [lo, hi] (warp-uniform: mma.sync skips the others).
+// False (no bits) for any other tile. Probed on an H100 (every mask bit set,
+// the output then wrong), the per-part tests took 10% of the local 1M
+// forward (1.179 -> 1.065 ms) and a third of a 65-key band's (README).
 GT_SEQ_HD bool seq_band_tile_bits(const SeqMask& mk, const SeqWindow& win, int part, const KeySeg& ks, int32_t n0,
                                   int lane, uint32_t (&bits)[kSeqTileKeys / 16], uint32_t& on) {
     int32_t lo, hi;
