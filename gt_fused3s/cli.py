@@ -1,5 +1,6 @@
 """The ``gt-fused3s`` command line. Subcommands live in their own modules
-(``gt_fused3s.bench.*``); this file only wires them up.
+(``gt_fused3s.drivers.infer``, ``.drivers.train``, ``.bench.plot``); this
+file only wires them up.
 
     gt-fused3s infer --config configs/default.yaml [--backends fused3s pyg]
                      [--device cuda] [--csv out.csv] [--plot out.png] [--quick]
@@ -14,7 +15,8 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import infer, plot, train
+    from .bench import plot
+    from .drivers import infer, train
 
     parser = argparse.ArgumentParser(prog="gt-fused3s", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -4,7 +4,7 @@ and a stream of batches needs only a few shapes."""
 import pytest
 import torch
 
-from gt_fused3s.bench.train import compute_loss
+from gt_fused3s.drivers.train import compute_loss
 from gt_fused3s.data.bucket import Bucket, Buckets, pad_arrays
 from gt_fused3s.models import GraphTransformer
 

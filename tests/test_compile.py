@@ -258,7 +258,7 @@ def test_runs_expand_per_device():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         expand_runs(["pyg@compile"], cpu, eager=False, compiled_runs=False)
     # train compiles on the CPU too; CUDA graphs (reduce-overhead's included) need a GPU
-    from gt_fused3s.bench.train import CPU_MODES
+    from gt_fused3s.drivers.train import CPU_MODES
     assert expand_runs(["fused3s@compile", "pyg"], cpu, eager=False, compiled_runs=True,
                        cpu_modes=CPU_MODES) == ["fused3s@compile", "pyg"]
     for mode in ("graph", "reduce-overhead", "compile-graph"):

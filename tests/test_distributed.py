@@ -232,7 +232,7 @@ def test_metis_partition_balances_in_edges_and_cuts_less():
 
 # --------------------------------------------------------------- data parallel
 def _train_cfg(tmp, **extra):
-    from gt_fused3s.bench import train
+    from gt_fused3s.drivers import train
     cfg = {"device": "cpu", "steps": 5, "warmup": 1, "lr": 0.003, "seed": 0, "backends": ["fused3s", "pyg"],
            "model": {"hidden": 16, "layers": 2, "edge_features": True},
            "dataset": {"name": "mols", "kind": "molecules",
@@ -247,7 +247,7 @@ def _train_rank(rank, world, port, cfg, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        from gt_fused3s.bench import train
+        from gt_fused3s.drivers import train
         rows, curve, _ = train.run(cfg, progress=False, log=lambda m: None)
         results.put((rank, [r["status"] for r in rows], [(p["backend"], p["loss"]) for p in curve],
                      [r.get("note", "") for r in rows]))
@@ -355,7 +355,7 @@ def test_graph_transformer_on_a_partitioned_graph_equals_one_process():
 
 
 def _single_graph_cfg(**extra):
-    from gt_fused3s.bench import train
+    from gt_fused3s.drivers import train
     cfg = {"device": "cpu", "steps": 4, "warmup": 1, "lr": 0.003, "seed": 0, "backends": ["fused3s", "pyg"],
            "model": {"hidden": 16, "layers": 2, "edge_features": True},
            "dataset": {"name": "plaw", "kind": "powerlaw",
@@ -369,7 +369,7 @@ def test_training_a_partitioned_graph_equals_one_process():
     the nodes are partitioned, each rank trains its rows with the halo
     exchange, gradients are summed; the losses of fused3s and pyg equal the
     whole graph's in one process."""
-    from gt_fused3s.bench import train
+    from gt_fused3s.drivers import train
     got = _train_under_torchrun(_single_graph_cfg(), 2)
     _, one, _ = train.run(_single_graph_cfg(), progress=False, log=lambda m: None)
     for backend in ("fused3s", "pyg"):
@@ -411,7 +411,7 @@ def _scaling_rank(rank, world, init, path):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))     # train.run reads torchrun's env
     from gt_fused3s.bench import distributed as bench
-    from gt_fused3s.bench import train
+    from gt_fused3s.drivers import train
     cfg = train.validate_config({
         "device": "cpu", "steps": 3, "warmup": 1, "backends": ["fused3s"],
         "model": {"hidden": 16, "layers": 2, "heads": 2}, "target": "structure",

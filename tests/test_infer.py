@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from gt_fused3s.bench import infer
+from gt_fused3s.drivers import infer
 from gt_fused3s.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 def _settings(world: int, rank: int):
     """infer's settings of an fp32 CPU run on ``world`` ranks (eager, no timing)."""
-    from gt_fused3s.bench import infer
+    from gt_fused3s.drivers import infer
     cfg = infer.validate_config({"device": "cpu", "warmup": 0, "repeats": 1,
                                  "datasets": [{"name": "g", "kind": "powerlaw"}]})
     return infer._Settings(cfg, torch.device("cpu"), infer.autocast(torch.device("cpu"), torch.float32),
@@ -40,7 +40,7 @@ def _check_partitioned(rank, world, case, dtype):
     the model on the whole graph in one process, for three backends."""
     from torch_geometric.data import Data
 
-    from gt_fused3s.bench import infer
+    from gt_fused3s.drivers import infer
     from gt_fused3s.distributed import partition, single_graph
     from gt_fused3s.models import GraphTransformer
     ei, n, part = _graph(case)
@@ -101,7 +101,7 @@ def test_merge_ranks(monkeypatch):
     """The rows of the ranks as one: the slowest rank's times, the largest
     peak and difference, summed graphs/s; a failure on any rank fails the
     run and names the rank; idle ranks count for nothing."""
-    from gt_fused3s.bench import infer
+    from gt_fused3s.drivers import infer
     per_rank = [
         [{"backend": "a", "status": "ok", "note": "", "ms_median": 2.0, "ms_std": 0.1, "timing": "eager",
           "peak_mem_mb": 10.0, "max_abs_diff": 1e-7, "graphs_per_s": 100.0},

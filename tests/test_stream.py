@@ -1,9 +1,9 @@
-"""The batch stream of batched inference (gt_fused3s.bench.stream): on a CPU
+"""The batch stream of batched inference (gt_fused3s.drivers.stream): on a CPU
 prefetch stages inline, and the stream yields what the plain path gives."""
 import pytest
 import torch
 
-from gt_fused3s.bench.stream import _tensors, num_graphs, pin, stage, stream_batches
+from gt_fused3s.drivers.stream import _tensors, num_graphs, pin, stage, stream_batches
 from gt_fused3s.data import molecules_dataset
 from gt_fused3s.models import GraphTransformer
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from gt_fused3s.bench import train
+from gt_fused3s.drivers import train
 from gt_fused3s.cli import main
 from gt_fused3s.data import molecules_dataset, power_law_dataset, structural_task
 from gt_fused3s.data.targets import degree_bucket, graph_target, in_degree

@@ -376,7 +376,7 @@ def load_batches(ds, limit: int | None, device: torch.device | str, *,
 def describe_dataset(ds, kind: str, batches: list) -> tuple[dict, str]:
     """Columns saying what a run's data is (real or synthetic structure, its
     source and fallback, sizes per forward) and a line for the log."""
-    from .stream import num_graphs
+    from ..drivers.stream import num_graphs
 
     source = str(ds.info.get("source", kind))
     if "fallback_reason" in ds.info:

@@ -185,7 +185,7 @@ def run_scaling(cfg: dict, nodes: list[int], log, on_row=None) -> list[dict]:
     """``gt-fused3s train`` of ``cfg``'s single graph at each node count
     (partitioned over the ranks under torchrun), one row per size;
     ``on_row(rows)`` after each size (to save what ran so far)."""
-    from . import train
+    from ..drivers import train
     world = dist.get_world_size() if dist.is_initialized() else 1
     params = cfg["dataset"]["params"]
     degree = params.get("avg_degree")
@@ -260,8 +260,8 @@ def global_batch_losses(cfg: dict, world: int, device, dtype=None) -> list[float
     """What data-parallel training over ``world`` ranks computes, in one
     process: each step is the mean loss of ``world`` batches (rank r's batch
     of step s: ``order[s * world + r]``), one Adam step on it."""
-    from . import train
-    from .stream import num_graphs
+    from ..drivers import train
+    from ..drivers.stream import num_graphs
     task = train.load_task(cfg, device)
     model = train.build_model(task, cfg, device)
     model.backend = common.parse_run(cfg["backends"][0])[0]
@@ -290,7 +290,7 @@ def global_batch_losses(cfg: dict, world: int, device, dtype=None) -> list[float
 def run_ddp_losses(cfg: dict, device, log) -> list[dict]:
     """Each run of ``cfg`` under the process group against
     :func:`global_batch_losses` (computed on rank 0)."""
-    from . import train
+    from ..drivers import train
     world = dist.get_world_size()
     rows, curve, _ = train.run(cfg, progress=False, log=log)
     dtype = common.resolve_dtype(cfg["dtype"], device, cuda_default=torch.bfloat16)
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "report":
         print(scaling_report(args.files))
         return 0
-    from . import train
+    from ..drivers import train
     from ..distributed import data_parallel
     cfg = train.load_config(args.config) if args.config else None
     if cfg is not None and args.quick:

@@ -69,7 +69,7 @@ def speedup_groups(rows: list[dict], backend: str = "fused3s"):
 def plot_speedups(rows: list[dict], path: str | Path, backend: str = "fused3s",
                   title: str | None = None) -> Path:
     """Draw the speedups of ``backend`` over every other backend in ``rows``
-    (the rows of :func:`gt_fused3s.bench.infer.run`, or read from its CSV)
+    (the rows of :func:`gt_fused3s.drivers.infer.run`, or read from its CSV)
     to the PNG ``path``."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, NullFormatter

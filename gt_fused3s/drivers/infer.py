@@ -21,7 +21,7 @@ eval mode under ``torch.inference_mode`` (fp16 or bf16 autocast on a GPU):
   batch to the device and builds its format (a new batch is a new graph),
   so ``ms/fwd`` *includes* the build (``fmt ms`` says how much). With
   ``prefetch`` the next batch is copied and built on a side CUDA stream while
-  the current one computes (:mod:`gt_fused3s.bench.stream`). The timed run
+  the current one computes (:mod:`gt_fused3s.drivers.stream`). The timed run
   streams ``max(repeats, batches)`` forwards (batch ``r % batches`` for forward
   ``r``); a forward's time is the interval between the ends of consecutive
   forwards (CUDA events), so a wait for the next batch counts.
@@ -119,7 +119,7 @@ from ..data.bucket import Buckets
 from ..distributed import data_parallel, single_graph
 from ..distributed.partition import LocalGraph
 from ..models import GraphTransformer
-from .common import (
+from ..bench.common import (
     INTERRUPTED_EXIT,
     REFERENCE_PATH_NOTE,
     add_run_arguments,
@@ -157,10 +157,10 @@ from .common import (
     sync,
     text_table,
 )
-from .common import resolve_config_path as _resolve_config_path
-from .common import write_csv as _write_csv
+from ..bench.common import resolve_config_path as _resolve_config_path
+from ..bench.common import write_csv as _write_csv
 from .stream import Staged, num_graphs, pin, stage, stream_batches, to_device
-from .timing import Clock, kernel_time, time_forwards
+from ..bench.timing import Clock, kernel_time, time_forwards
 
 DEFAULT_CONFIG = shipped_config("default.yaml")
 
@@ -934,7 +934,7 @@ def main(args) -> int:
         print("no plot: fused3s has no speedups in these rows (on a CPU it runs the reference path); "
               "gt-fused3s plot CSV PNG --backend pyg draws pyg's", file=sys.stderr)
     elif args.plot:
-        from .plot import plot_speedups
+        from ..bench.plot import plot_speedups
         save_plot(lambda: plot_speedups(rows, args.plot), args.plot,
                   f"draw it from the CSV where matplotlib is installed: "
                   f"gt-fused3s plot CSV {args.plot}")

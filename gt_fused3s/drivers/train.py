@@ -136,9 +136,9 @@ from ..data.bucket import Buckets
 from ..data.targets import STRUCTURAL_TARGETS
 from ..distributed import data_parallel, single_graph
 from ..models import GraphTransformer
-from . import common
+from ..bench import common
 from .stream import num_graphs
-from .timing import kernel_time
+from ..bench.timing import kernel_time
 
 DEFAULT_CONFIG = common.shipped_config("train.yaml")
 #: the backend the speed and memory ratios compare with
@@ -834,7 +834,7 @@ def format_footer(rows: list[dict], task: Task) -> str:
 
 
 def plot_curves(curve: list[dict], path: str | Path, title: str) -> Path:
-    from .plot import plot_loss_curves
+    from ..bench.plot import plot_loss_curves
 
     series: dict[str, tuple[list, list]] = {}
     for p in curve:
