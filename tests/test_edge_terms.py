@@ -1,8 +1,14 @@
 """The edge-feature products (gt_fused3s/edge_terms.py) on the CPU: the
 grouping of edges by node, and the kernel path (through the CPU stand-ins of
 the edge-term ops, which read the grouping as the kernel does) against the
-PyTorch path in float64, values and gradients."""
+PyTorch path in float64, values and gradients; and which kernel instance
+each launcher of csrc/kernels/edge_terms.cu picks (tests/edge_launch_host.cu,
+built with nvcc, no GPU)."""
 from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +23,8 @@ try:
     from graph_cases import GRAPH_CASES
 except ImportError:  # tests/ collected as a package
     from tests.graph_cases import GRAPH_CASES
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("case", sorted(GRAPH_CASES))
@@ -216,3 +224,72 @@ def test_reference_path_draws_one_seed_for_both_terms():
     seed = draw_dropout_seed()
     want, _ = edge_feature_attention(q, k, v, ei, a, w_e, 0.3, dropout_p=0.4, dropout_seed=seed)
     torch.testing.assert_close(out, want)
+
+
+@pytest.fixture(scope="module")
+def edge_launches(tmp_path_factory):
+    """tests/edge_launch_host.cu built with nvcc and run (no GPU: the launch
+    entry points are wrapped): the tuning constants and a line per launch."""
+    nvcc = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found: the launchers' choices are tested where it is installed")
+    exe = tmp_path_factory.mktemp("edgelaunch") / "edge_launch_host"
+    wraps = [a for w in ("__cudaGetKernel", "__cudaLaunchKernel", "cudaLaunchKernel")
+             for a in ("-Xlinker", f"--wrap={w}")]
+    subprocess.run([nvcc, "-std=c++17", "-O1", "-I", str(ROOT / "csrc" / "kernels"), "-x", "cu", *wraps,
+                    str(ROOT / "tests" / "edge_launch_host.cu"), "-o", str(exe)], check=True)
+    lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()
+    words = lines[0].split()
+    assert words[0] == "constants", lines[0]
+    return {k: int(v) for k, v in zip(words[1::2], words[2::2])}, [ln.split() for ln in lines[1:]]
+
+
+def expected_launch(c: dict, launcher: str, E: int, N: int, H: int, F: int, aligned: bool) -> tuple:
+    """(kernel, index bits, V or K, flag, grid) that edge_terms.cu must pick:
+    32-bit flat indices only where the flat count stays below 2^31, 16-byte
+    rows only where F % 4 == 0 and the rows are aligned, dot products of
+    several heads a thread from dot_group_edges edges on, the scatter's
+    sparse split below sparse_degree edges a node; ("none", ...) for no work."""
+    def blocks(total):
+        return min((total + c["threads"] - 1) // c["threads"], c["max_blocks"])
+
+    def bits(total):
+        return 32 if total < 2 ** 31 else 64
+
+    vec = F % 4 == 0 and aligned
+    if launcher == "edge_dot":
+        grouped = E >= c["dot_group_edges"]
+        k = c["dot_heads"] if grouped else 1
+        threads = E * (-(-H // k))
+        return ("dot", bits(threads), k, int(vec), blocks(threads)) if E * H else ("none", 0, 0, 0, 0)
+    if launcher in ("edge_rows", "edge_rows2"):
+        total = E * (F // 4 if vec else F)
+        return ("rows", bits(total), 4 if vec else 1, 0, blocks(total)) if total else ("none", 0, 0, 0, 0)
+    if launcher == "edge_probs":
+        total = E * H
+        return ("probs", bits(total), 1, 0, blocks(total)) if total else ("none", 0, 0, 0, 0)
+    assert launcher == "edge_scatter", launcher
+    chunks = F // 4 if vec else F
+    sparse = E < c["sparse_degree"] * N
+    total = N * -(-H // c["heads_per_thread"]) * chunks * (c["sparse_split"] if sparse else c["split"])
+    if not total:
+        return ("none", 0, 0, 0, 0)
+    hubs = min(-(-N // c["threads"]), c["max_hub_blocks"]) if chunks <= c["threads"] else 0
+    return ("scatter", bits(total), 4 if vec else 1, int(sparse), blocks(total) + hubs)
+
+
+def test_edge_launchers_pick_the_instance_each_shape_needs(edge_launches):
+    """Each launcher of edge_terms.cu, for edges up to 3 x 2^30, nodes,
+    heads up to 8192, features and aligned or offset rows (3,600 launches),
+    launches the instance and grid its contract gives (expected_launch), and
+    every one of the 22 instances is reached."""
+    constants, launches = edge_launches
+    assert len(launches) == 3600
+    seen = set()
+    for ln in launches:
+        launcher, E, N, H, F, aligned = ln[0], *map(int, ln[1:6])
+        got = (ln[6], *map(int, ln[7:11]))
+        assert got[0] != "unknown", ln
+        assert got == expected_launch(constants, launcher, E, N, H, F, bool(aligned)), ln
+        seen.add(got[:4])
+    assert len(seen - {("none", 0, 0, 0)}) == 22, sorted(seen)
