@@ -1,5 +1,8 @@
 """Fixtures shared by the test files."""
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 # Every plan of a test groups its per-edge arrays by destination where its
 # edges come in another order (plan.edge_grouping; by default only plans of
@@ -64,3 +67,21 @@ def schedule_builds(monkeypatch):
         return schedule(*args)
     monkeypatch.setattr(plan_mod, "work_schedule", recording)
     return builds
+
+
+@pytest.fixture(scope="session")
+def host_program(tmp_path_factory):
+    """build(source, *flags): tests/<source> (a host program over the kernels'
+    headers in csrc/kernels) built with nvcc; its path. Skips where nvcc is
+    not installed."""
+    root = Path(__file__).resolve().parents[1]
+    nvcc = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
+
+    def build(source: str, *flags: str) -> Path:
+        if nvcc is None:
+            pytest.skip(f"nvcc not found: {source} is built and run where it is installed")
+        exe = tmp_path_factory.mktemp("host") / Path(source).stem
+        subprocess.run([nvcc, "-std=c++17", "-O1", "-I", str(root / "csrc" / "kernels"), "-x", "cu", *flags,
+                        str(root / "tests" / source), "-o", str(exe)], check=True)
+        return exe
+    return build

@@ -6,9 +6,7 @@ each launcher of csrc/kernels/edge_terms.cu picks (tests/edge_launch_host.cu,
 built with nvcc, no GPU)."""
 from __future__ import annotations
 
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +21,6 @@ try:
     from graph_cases import GRAPH_CASES
 except ImportError:  # tests/ collected as a package
     from tests.graph_cases import GRAPH_CASES
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("case", sorted(GRAPH_CASES))
@@ -227,17 +223,12 @@ def test_reference_path_draws_one_seed_for_both_terms():
 
 
 @pytest.fixture(scope="module")
-def edge_launches(tmp_path_factory):
+def edge_launches(host_program):
     """tests/edge_launch_host.cu built with nvcc and run (no GPU: the launch
     entry points are wrapped): the tuning constants and a line per launch."""
-    nvcc = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found: the launchers' choices are tested where it is installed")
-    exe = tmp_path_factory.mktemp("edgelaunch") / "edge_launch_host"
     wraps = [a for w in ("__cudaGetKernel", "__cudaLaunchKernel", "cudaLaunchKernel")
              for a in ("-Xlinker", f"--wrap={w}")]
-    subprocess.run([nvcc, "-std=c++17", "-O1", "-I", str(ROOT / "csrc" / "kernels"), "-x", "cu", *wraps,
-                    str(ROOT / "tests" / "edge_launch_host.cu"), "-o", str(exe)], check=True)
+    exe = host_program("edge_launch_host.cu", *wraps)
     lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()
     words = lines[0].split()
     assert words[0] == "constants", lines[0]

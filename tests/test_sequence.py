@@ -11,9 +11,7 @@
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +20,6 @@ from gt_fused3s.sequence import (BlockDilated, Dilated, Global, Local, RandomBlo
                                  sequence_attention)
 from gt_fused3s.sequence.masks import candidate_keys
 from gt_fused3s.reference import sequence_reference
-
-ROOT = Path(__file__).resolve().parents[1]
 
 MASKS = {
     "local": Local(5),
@@ -67,14 +63,8 @@ def dense_truth(mask, lens: list[int]) -> set[tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def seq_host(tmp_path_factory):
-    nvcc = shutil.which("nvcc") or (shutil.which("/usr/local/cuda/bin/nvcc"))
-    if nvcc is None:
-        pytest.skip("nvcc not found: the kernel's key-set policy is tested where it is installed")
-    exe = tmp_path_factory.mktemp("seqhost") / "seq_mask_host"
-    subprocess.run([nvcc, "-std=c++17", "-O1", "-I", str(ROOT / "csrc" / "kernels"), "-x", "cu",
-                    str(ROOT / "tests" / "seq_mask_host.cu"), "-o", str(exe)], check=True)
-    return exe
+def seq_host(host_program):
+    return host_program("seq_mask_host.cu")
 
 
 WALKS = {"forward": 0, "backward": 1, "keys": 2}   # seq_mask_host.cu's line 4
