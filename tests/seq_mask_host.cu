@@ -58,6 +58,7 @@ int main() {
     // tiles: pairs a warp computes (not skipped), full: those without per-entry tests
     long long start = 0, full_tiles = 0, tiles = 0, block_full = 0, block_full_mismatches = 0;
     long long band_tiles = 0, band_mismatches = 0;   // seq_band_tile_bits: warp tiles, and bits unlike seq_pair_bits
+    long long global_tiles = 0;                      // seq_global_tile_bits' (their mismatches counted with the band's)
     long long nonuniform_pairs = 0;                  // lanes whose computed pairs differ from lane 0's
     for (long long len : lens) {
         const int s = mk.row_stride;
@@ -96,13 +97,17 @@ int main() {
                 }
                 for (int w = 0; w < block_rows / 16; ++w) {
                     const SeqWindow win = seq_sub_window(blk, w);
-                    // a band's tile by its closed form against the per-pair tests
+                    // a band's or the global keys' tile by its closed form against the per-pair tests
                     for (int lane = 0; lane < 32; ++lane) {
                         uint32_t fast[kSeqTileKeys / 16], on;
-                        if (!seq_band_tile_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys, lane, fast, on)) {
+                        const int32_t n0 = cur.tile * kSeqTileKeys;
+                        if (seq_band_tile_bits(mk, win, cur.part, cur.ks, n0, lane, fast, on)) {
+                            band_tiles += lane == 0;
+                        } else if (seq_global_tile_bits(mk, win, cur.part, cur.ks, n0, lane, fast, on)) {
+                            global_tiles += lane == 0;
+                        } else {
                             break;
                         }
-                        band_tiles += lane == 0;
                         for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {
                             uint32_t bits;
                             if (!seq_pair_bits(mk, win, cur.part, cur.ks, cur.tile * kSeqTileKeys + 16 * sl, lane, bits)) {
@@ -146,7 +151,7 @@ int main() {
         start += len;
     }
     std::fprintf(stderr, "tiles %lld full %lld block_full %lld block_full_mismatches %lld band_tiles %lld "
-                 "band_mismatches %lld nonuniform_pairs %lld\n", tiles, full_tiles, block_full, block_full_mismatches,
-                 band_tiles, band_mismatches, nonuniform_pairs);
+                 "band_mismatches %lld nonuniform_pairs %lld global_tiles %lld\n", tiles, full_tiles, block_full,
+                 block_full_mismatches, band_tiles, band_mismatches, nonuniform_pairs, global_tiles);
     return 0;
 }

@@ -138,6 +138,8 @@ def test_band_tile_bits_equal_pair_tests(seq_host, mask, block_rows):
     assert counts["band_tiles"] > 0, counts
     assert counts["band_mismatches"] == 0, counts
     assert counts["nonuniform_pairs"] == 0, counts
+    if any(isinstance(p, Global) for p in mask.parts()):   # the global keys' tiles far from the band
+        assert counts["global_tiles"] > 0, counts
 
 
 def test_walk_full_tiles_by_segment_on_long_bands(seq_host):

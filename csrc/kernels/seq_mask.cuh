@@ -522,6 +522,37 @@ GT_SEQ_HD bool seq_band_tile_bits(const SeqMask& mk, const SeqWindow& win, int p
     return true;
 }
 
+// The bits of a tile of the global list's keys that no earlier part can
+// reach for the sub-window's rows (most row blocks: the global keys lie far
+// from their band): every valid entry, key n0 + kc < count and row < rows,
+// since the global part gives its keys to every query. `on`: the pairs with
+// keys (warp-uniform). False (no bits) for any other tile, which then takes
+// the per-entry tests of the earlier parts.
+GT_SEQ_HD bool seq_global_tile_bits(const SeqMask& mk, const SeqWindow& win, int part, const KeySeg& ks, int32_t n0,
+                                    int lane, uint32_t (&bits)[kSeqTileKeys / 16], uint32_t& on) {
+    const int32_t valid = seq_min(kSeqTileKeys, ks.count - n0);
+    if (ks.step != 0 || win.rows <= 0 || valid <= 0) return false;   // step 0: the global list's segment
+    const int32_t jlo = mk.global_idx[n0], jhi = mk.global_idx[n0 + valid - 1];   // (sorted)
+    for (int q = 0; q < part; ++q) {
+        if (seq_part_may_reach(mk, mk.parts[q], win, jlo, jhi)) return false;
+    }
+    const int g = lane >> 2, t = lane & 3;
+    on = 0u;
+#pragma unroll
+    for (int sl = 0; sl < kSeqTileKeys / 16; ++sl) {
+        const int32_t keys = valid - 16 * sl;   // of this pair
+        on |= static_cast<uint32_t>(keys > 0) << sl;
+        uint32_t b = 0u;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int kc = 8 * (e >> 2) + 2 * t + (e & 1), qr = g + 8 * ((e >> 1) & 1);
+            b |= static_cast<uint32_t>(kc < keys && qr < win.rows) << e;
+        }
+        bits[sl] = b;
+    }
+    return true;
+}
+
 // The bits of the tile's four pairs (keys n0 .. n0+63) for sub-window win:
 // bits[sl] of pair sl (0 for pairs the warp skips); returns the pairs the
 // warp computes (bit sl). A full tile (seq_tile_full) takes one test instead
@@ -531,6 +562,7 @@ GT_SEQ_HD uint32_t seq_tile_bits(const SeqMask& mk, const SeqWindow& win, int pa
     constexpr int kPairs = kSeqTileKeys / 16;
     uint32_t on;
     if (seq_band_tile_bits(mk, win, part, ks, n0, lane, bits, on)) return on;
+    if (seq_global_tile_bits(mk, win, part, ks, n0, lane, bits, on)) return on;
     if (seq_tile_full(mk, win, 16, part, ks, n0)) {
 #pragma unroll
         for (int sl = 0; sl < kPairs; ++sl) bits[sl] = 0xFFu;
