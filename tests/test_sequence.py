@@ -38,6 +38,9 @@ MASKS = {
     "bigbird": Local(16) | Global(2) | RandomBlocks(64, 2, seed=3),
     "overlap": Local(3) | Dilated(2, 3) | Global([5, 70]) | RandomBlocks(64, 1, seed=1),
     "random-16": RandomBlocks(16, 3, seed=2),
+    # half of a document's blocks per query block: the walk's step wraps past
+    # nb within a query block many times (SeqTileCursor's incremental walk)
+    "random-many": RandomBlocks(16, 9, seed=5),
     "bigbird-32": Local(5) | Global(1) | RandomBlocks(32, 2, seed=9),
     "two-block-dilated": BlockDilated(32, 2, 0) | BlockDilated(32, 2, 1),
     # windows wide enough for whole tiles inside the band for a block of 64

@@ -385,9 +385,9 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
             dq_pending = -1;
             ds_buf = 0u;
         };
-        seq_walk_tiles<true, true>(mk, blk, Cfg::kRows, load_tile, body, wait_bulk, band_run);
+        seq_walk_tiles<true, true, false>(mk, blk, Cfg::kRows, load_tile, body, wait_bulk, band_run);
     } else {
-        seq_walk_tiles<true, false>(mk, blk, Cfg::kRows, load_tile, body, wait_bulk);
+        seq_walk_tiles<true, false, false>(mk, blk, Cfg::kRows, load_tile, body, wait_bulk);
     }
 
     if (threadIdx.x == 0) tma_wait_all();   // the last reductions done before the block's shared memory goes

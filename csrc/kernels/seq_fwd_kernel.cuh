@@ -301,7 +301,7 @@ seq_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ S
             }
         }
     };
-    seq_walk_tiles<Cfg::kWgmma, Cfg::kWgmma && kBandRuns>(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {
+    seq_walk_tiles<Cfg::kWgmma, Cfg::kWgmma && kBandRuns, !kBandRuns>(mk, blk, Cfg::kBlockRows, load_tile, [&](const SeqTile& cur, int stage, bool full) {
         if (full) tile_step(std::true_type{}, cur, stage);
         else tile_step(std::false_type{}, cur, stage);
     }, wait_bulk);

@@ -131,9 +131,10 @@ GT_SEQ_HD void seq_random_walk(const SeqMaskPart& pt, int32_t qb, int32_t nb, in
     }
 }
 
-// Segment `sg` of part `pt` for the window (count 0: nothing).
+// Segment `sg` of part `pt` for the window (count 0: nothing). Random
+// blocks: also the query block's step (random_step, where given).
 GT_SEQ_HD KeySeg seq_segment(const SeqMask& mk, const SeqMaskPart& pt, int32_t sg,
-                                              const SeqWindow& win) {
+                                              const SeqWindow& win, int32_t* random_step = nullptr) {
     KeySeg ks{0, 1, 0, -1};
     if (win.rows == 0) return ks;
     const int32_t L = win.len;
@@ -178,6 +179,7 @@ GT_SEQ_HD KeySeg seq_segment(const SeqMask& mk, const SeqMaskPart& pt, int32_t s
             ks.qb = win.rmin / pt.a + sg / per;
             int32_t start, step;
             seq_random_walk(pt, ks.qb, nb, start, step);
+            if (random_step != nullptr) *random_step = step;
             const int32_t kb =
                 static_cast<int32_t>((static_cast<int64_t>(start) + static_cast<int64_t>(sg % per) * step) % nb);
             ks.start = kb * pt.a;
@@ -305,17 +307,25 @@ struct SeqTile {
 
 // Walks the tiles of a block: part by part, segment by segment, 64 keys at a
 // time. Uniform across the block.
+//
+// A random part's next block of the same query block is one addition modulo
+// nb (its walk: start + t step mod nb), not seq_segment's: that one hashes
+// the query block, loops a gcd to a coprime step and takes a 64-bit
+// remainder, which per segment of one tile was a cost of the same order as
+// the tile's MMAs and softmax (H100, BigBird 4M forward: 28.2 -> 19.4 ms).
+// The cursor keeps the step only (registers: the walk holds two cursors).
 struct SeqTileCursor {
     int32_t part, seg, nseg, tile, ntiles;
     KeySeg ks;
     bool full_known;            // seq_full_tile_range's interval holds for this segment
     int32_t full_lo, full_hi;
+    int32_t rnd_step;           // random part: the step of this query block's walk
 
     GT_SEQ_HD bool load_part(const SeqMask& mk, const SeqWindow& win) {
         for (; part < mk.num_parts; ++part) {
             nseg = seq_num_segs(mk.parts[part], win);
             for (; seg < nseg; ++seg) {
-                ks = seq_segment(mk, mk.parts[part], seg, win);
+                ks = seq_segment(mk, mk.parts[part], seg, win, &rnd_step);
                 ntiles = (ks.count + kSeqTileKeys - 1) / kSeqTileKeys;
                 if (ntiles > 0) {
                     full_known = seq_full_tile_range(mk, win, part, ks, full_lo, full_hi);
@@ -331,10 +341,26 @@ struct SeqTileCursor {
         part = seg = tile = 0;
         return load_part(mk, win);
     }
+    // kRandomSteps false: every segment from seq_segment (the same keys; the
+    // walk's instances for local masks leave the random steps' code out)
+    template <bool kRandomSteps = true>
     GT_SEQ_HD bool next(const SeqMask& mk, const SeqWindow& win) {
         if (++tile < ntiles) return true;
         tile = 0;
         ++seg;
+        const SeqMaskPart& pt = mk.parts[part];
+        if (kRandomSteps && pt.kind == kSeqRandom && seg < nseg) {
+            const int32_t nb = (win.len + pt.a - 1) / pt.a;
+            if (seg % seq_min(pt.b, nb) != 0) {   // the same query block's next block (seq_segment's, without its walk)
+                int32_t kb = ks.start / pt.a + rnd_step;
+                if (kb >= nb) kb -= nb;
+                ks.start = kb * pt.a;
+                ks.count = seq_min(win.len, ks.start + pt.a) - ks.start;   // >= 1: kb < nb
+                ntiles = (ks.count + kSeqTileKeys - 1) / kSeqTileKeys;
+                full_known = false;   // (seq_full_tile_range: bands only)
+                return true;
+            }
+        }
         return load_part(mk, win);
     }
 };

@@ -72,6 +72,9 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
 // masks of local windows only (seq_mask_local_only): its copies of the
 // body cost the other masks' instruction cache more than they gain.
 //
+// kRandomSteps (SeqTileCursor::next): false in instances for masks without
+// random parts (their code left out: registers).
+//
 // band_run (optional, with kBulkRuns): the caller's own loop over such a run,
 // band_run(tile, stage, end) for tiles tile.tile .. end - 1 (full, whole in
 // their segment, brought in bulk), the first loading into `stage` on entry;
@@ -80,8 +83,8 @@ __device__ __forceinline__ void seq_load_kv(uint32_t k_dst, uint32_t v_dst, cons
 // (seq_bwd_keys_kernel.cuh).
 struct SeqNoBandRun {};
 
-template <bool kAsyncReads = false, bool kBulkRuns = false, typename LoadKV, typename Body, typename WaitBulk,
-          typename BandRun = SeqNoBandRun>
+template <bool kAsyncReads = false, bool kBulkRuns = false, bool kRandomSteps = true, typename LoadKV, typename Body,
+          typename WaitBulk, typename BandRun = SeqNoBandRun>
 __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindow& blk, int32_t rows, LoadKV&& load_kv,
                                                Body&& body, WaitBulk&& wait_bulk, BandRun&& band_run = BandRun{}) {
     constexpr bool kOwnRuns = !std::is_same_v<std::decay_t<BandRun>, SeqNoBandRun>;
@@ -96,7 +99,7 @@ __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindo
             if (bulk && cur.full_known && blk.rows == rows && cur.tile >= cur.full_lo && cur.tile + 1 < end) {
                 band_run(cur.at(), stage, end);
                 cur.tile = end - 1;
-                more = cur.next(mk, blk);
+                more = cur.template next<kRandomSteps>(mk, blk);
                 bulk = more && load_kv(cur.at(), stage);
                 continue;
             }
@@ -125,7 +128,7 @@ __device__ __forceinline__ void seq_walk_tiles(const SeqMask& mk, const SeqWindo
             }
         }
         SeqTileCursor nxt = cur;
-        const bool has_next = nxt.next(mk, blk);
+        const bool has_next = nxt.template next<kRandomSteps>(mk, blk);
         bool next_bulk = false;
         if (has_next) {
             next_bulk = load_kv(nxt.at(), stage ^ 1);   // flies while this tile computes
