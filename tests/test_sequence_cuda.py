@@ -331,6 +331,46 @@ def test_reduce_overhead_steps_equal_eager(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_global_rows_node_equals_the_composition_and_its_capture(monkeypatch):
+    """The eager node with a mask's global rows inside (SeqAttentionFn: the
+    kernel, the dense rows over its rows, both backwards), at 65k tokens
+    (Longformer, 2 heads): its output and gradients equal those of the
+    composition through Python (ops.DENSE_ROWS_MAX = 0: the kernel's op,
+    then the rows written over it), and a whole step captured in a CUDA
+    graph (gt_fused3s.capture), replayed on new inputs, equals the eager step."""
+    import gt_fused3s.ops as ops
+    from gt_fused3s.capture import CudaGraphRunner
+    mask, L = MASKS["longformer"], 1 << 16
+
+    def step(q, k, v, g):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = sequence_attention(*leaves, mask)
+        return [out, *torch.autograd.grad(out, leaves, g)]
+
+    def inputs(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        return [torch.randn(1, L, 2, 64, generator=gen, device="cuda", dtype=torch.float16) for _ in range(4)]
+
+    def assert_equal(got, want, what):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert b.abs().max() > 0, name
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3, msg=lambda m: f"{what} {name}: {m}")
+
+    x = inputs(11)
+    eager = step(*x)
+    assert "SeqAttentionFn" in eager[0].grad_fn.name()
+    with monkeypatch.context() as m:
+        m.setattr(ops, "DENSE_ROWS_MAX", 0)
+        one_stream = step(*x)
+        assert "SeqAttentionFn" not in one_stream[0].grad_fn.name()
+        assert_equal(eager, one_stream, "composition")
+    runner = CudaGraphRunner(step)
+    for seed in range(3):   # first: eager + capture; then replays
+        x = inputs(seed)
+        assert_equal([t.clone() for t in runner(*x)], step(*x), f"call {seed}")
+    assert runner.captures == 1 and runner.replays == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [32, 64, 128])
 @pytest.mark.parametrize("G, L", [(1, 1), (3, 1000), (32, 3000), (5, 2048), (12, 777), (3, 65543)])
