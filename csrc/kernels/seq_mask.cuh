@@ -312,7 +312,7 @@ struct SeqTile {
 // nb (its walk: start + t step mod nb), not seq_segment's: that one hashes
 // the query block, loops a gcd to a coprime step and takes a 64-bit
 // remainder, which per segment of one tile was a cost of the same order as
-// the tile's MMAs and softmax (H100, BigBird 4M forward: 28.2 -> 19.4 ms).
+// the tile's MMAs and softmax (H100, BigBird 4M forward kernel: 28.0 -> 19.6 ms).
 // The cursor keeps the step only (registers: the walk holds two cursors).
 struct SeqTileCursor {
     int32_t part, seg, nseg, tile, ntiles;
