@@ -1487,6 +1487,149 @@ at::Tensor seq_attention_eager_cuda(const at::Tensor& q, const at::Tensor& k, co
     return seq_eager_forward(q, k, v, cu_seqlens, cu_windows, mask_code, scale, num_windows, global_rows).out;
 }
 
+// ---- the edge-feature attention's eager autograd ------------------------------
+// edge_terms_eager: ops.py's _EdgeFeatureTerms (the attention with a key term,
+// the bias <qe_i, a_e>, and a value sum agg_i = sum_e alpha_e a_e) as a C++
+// autograd node, for eager mode without dropout on the kernels' own operands
+// (q, k, v fp16 / bf16 of a compiled head dim: ops.edge_terms_eager_fits).
+// The Python Function's forward and backward were most of a call's host
+// time on small graphs (ZINC x1024, H100: 584 us of host for 59 us of
+// kernels a forward, README). Same kernels, same order, same casts as
+// ops.edge_terms_forward / edge_terms_backward: (out, agg, alpha) from
+// q, k, v, qe [N, H, F] (the queries projected by W_e, scaled), a [E, F];
+// fwd_graph: the plan's forward_args (six), bwd_graph its backward_args
+// (four; empty where no gradient will be asked for), edge_slots its
+// bias_args (six), dst [E] int64, (rowptr, order) the edges by destination,
+// all in a's edge order.
+
+// A float32 contiguous copy where t is not one (ops._f32).
+at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+// ops._edge_dot on the kernel, in the dtype the Python path returns
+// (promote(x, a)), then float32 as the callers take it.
+at::Tensor edge_dot_f32(const at::Tensor& x, const at::Tensor& a, const at::Tensor& dst) {
+    const at::ScalarType dt = at::promote_types(x.scalar_type(), a.scalar_type());
+    return edge_dot_cuda(f32(x), f32(a), dst).to(dt).to(at::kFloat);
+}
+
+// ops._edge_scatter on the kernel: [N, H, F] in promote(w, a).
+at::Tensor edge_scatter_typed(const at::Tensor& w, const at::Tensor& a, const at::Tensor& rowptr,
+                              const at::Tensor& order) {
+    return edge_scatter_cuda(f32(w), f32(a), rowptr, order).to(at::promote_types(w.scalar_type(), a.scalar_type()));
+}
+
+struct EdgeTermsGraph {   // the graph's arrays, as the node's ops take them
+    std::vector<at::Tensor> fwd, bwd, slots;
+    at::Tensor dst, rowptr, order;
+};
+
+void check_edge_terms_graph(const EdgeTermsGraph& g) {
+    TORCH_CHECK(g.fwd.size() == 6, "fwd_graph must be the plan's six forward arrays (got ", num(int64_t(g.fwd.size())),
+                ")");
+    TORCH_CHECK(g.bwd.empty() || g.bwd.size() == 4, "bwd_graph must be the plan's four backward arrays or empty (got ",
+                num(int64_t(g.bwd.size())), ")");
+    TORCH_CHECK(g.slots.size() == 6, "edge_slots must be the plan's six bias arrays (got ",
+                num(int64_t(g.slots.size())), ")");
+}
+
+// The forward: (out, lse, bias, alpha, agg).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> edge_terms_forward(
+        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qe, const at::Tensor& a,
+        const EdgeTermsGraph& g, double scale) {
+    check_edge_terms_graph(g);
+    const at::Tensor bias = edge_dot_f32(qe, a, g.dst);
+    const std::vector<at::Tensor>& f = g.fwd;
+    auto [out, lse, scores] = fwd_scores_cuda(q, k, v, f[0], f[1], f[2], f[3], f[4], f[5], scale, false, bias,
+                                              g.slots[0], g.slots[1], g.slots[2], 0.0, 0, std::nullopt);
+    at::Tensor alpha = edge_probs_cuda(scores, bias, lse, g.dst, scale);
+    at::Tensor agg = edge_scatter_typed(alpha, a, g.rowptr, g.order);
+    return {out, lse, bias, alpha, agg};
+}
+
+struct EdgeTermsFn : public torch::autograd::Function<EdgeTermsFn> {
+    static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& qe, const at::Tensor& a, std::vector<at::Tensor> fwd_graph,
+                                 std::vector<at::Tensor> bwd_graph, std::vector<at::Tensor> edge_slots,
+                                 const at::Tensor& dst, const at::Tensor& rowptr, const at::Tensor& order,
+                                 double scale) {
+        const EdgeTermsGraph g{std::move(fwd_graph), std::move(bwd_graph), std::move(edge_slots), dst, rowptr, order};
+        auto [out, lse, bias, alpha, agg] = edge_terms_forward(q, k, v, qe, a, g, scale);
+        ctx->save_for_backward({q, k, v, qe, a, out, lse, bias, alpha, agg, dst, rowptr, order});
+        ctx->saved_data["fwd"] = g.fwd;
+        ctx->saved_data["bwd"] = g.bwd;
+        ctx->saved_data["slots"] = g.slots;
+        ctx->saved_data["scale"] = scale;
+        ctx->set_materialize_grads(false);
+        return {out, agg, alpha};
+    }
+
+    // ops.edge_terms_backward: the value sum's share of delta is
+    // <dagg_i, agg_i> per node, and the gradient of `a` one pass over the
+    // edges for both terms (dS against qe, the weights against dagg).
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        TORCH_CHECK(!at::GradMode::is_enabled(),
+                    "gt_fused3s: double backward through the edge-feature attention is not supported (the fused "
+                    "backward kernels are not differentiable)");
+        const variable_list s = ctx->get_saved_variables();
+        const at::Tensor &q = s[0], &k = s[1], &v = s[2], &qe = s[3], &a = s[4], &out = s[5], &lse = s[6],
+                         &bias = s[7], &alpha = s[8], &agg = s[9], &dst = s[10], &rowptr = s[11], &order = s[12];
+        const std::vector<at::Tensor> f = ctx->saved_data["fwd"].toTensorVector();
+        const std::vector<at::Tensor> b = ctx->saved_data["bwd"].toTensorVector();
+        const std::vector<at::Tensor> sl = ctx->saved_data["slots"].toTensorVector();
+        const double scale = ctx->saved_data["scale"].toDouble();
+        TORCH_CHECK(b.size() == 4, "gt_fused3s: the edge-feature attention was called without the backward's "
+                    "graph arrays (no input required a gradient then)");
+        at::Tensor grad_out = grads[0].defined() ? grads[0].to(q.scalar_type()) : at::zeros_like(out);
+        const at::Tensor &grad_agg = grads[1], &grad_alpha = grads[2];
+        std::optional<at::Tensor> dp_bias, delta_extra;
+        if (grad_agg.defined()) {
+            dp_bias = edge_dot_f32(grad_agg, a, dst);
+            delta_extra = (grad_agg.to(at::kFloat) * agg.to(at::kFloat)).sum(-1);
+        }
+        if (grad_alpha.defined()) {
+            const at::Tensor ga = grad_alpha.to(at::kFloat).contiguous();
+            dp_bias = dp_bias.has_value() ? *dp_bias + ga : ga;
+            const at::Tensor extra = at::zeros_like(lse).index_add_(0, dst, alpha * ga);   // ops.weights_delta
+            delta_extra = delta_extra.has_value() ? *delta_extra + extra : extra;
+        }
+        auto [dq, dk, dv, ds] = bwd_cuda(grad_out, q, k, v, out, lse, f[1], f[2], f[4], f[5], b[0], b[1], b[2], b[3],
+                                         scale, false, bias, sl[0], sl[1], sl[2], sl[3], sl[4], sl[5], dp_bias,
+                                         delta_extra, 0.0, 0, std::nullopt);
+        dp_bias.reset();   // per-edge temporaries go as soon as they are used (peak memory)
+        at::Tensor dqe, da;
+        // (needs_input_grad counts the tensor inputs: q, k, v, qe, a first)
+        if (ctx->needs_input_grad(3)) dqe = edge_scatter_typed(ds, a, rowptr, order).to(qe.scalar_type());
+        if (ctx->needs_input_grad(4)) {
+            const at::ScalarType dt = at::promote_types(ds.scalar_type(), qe.scalar_type());
+            da = grad_agg.defined() ? edge_rows_cuda(f32(ds), f32(qe), dst, f32(alpha), f32(grad_agg))
+                                    : edge_rows_cuda(f32(ds), f32(qe), dst, std::nullopt, std::nullopt);
+            da = da.to(dt).to(a.scalar_type());
+        }
+        return {ctx->needs_input_grad(0) ? dq : at::Tensor(), ctx->needs_input_grad(1) ? dk : at::Tensor(),
+                ctx->needs_input_grad(2) ? dv : at::Tensor(), dqe, da, at::Tensor(), at::Tensor(), at::Tensor(),
+                at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_terms_eager_autograd(
+        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qe, const at::Tensor& a,
+        at::TensorList fwd_graph, at::TensorList bwd_graph, at::TensorList edge_slots, const at::Tensor& dst,
+        const at::Tensor& rowptr, const at::Tensor& order, double scale) {
+    variable_list r = EdgeTermsFn::apply(q, k, v, qe, a, fwd_graph.vec(), bwd_graph.vec(), edge_slots.vec(), dst,
+                                         rowptr, order, scale);
+    return {r[0], r[1], r[2]};
+}
+
+// Below autograd (torch.inference_mode, say): the forward alone.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_terms_eager_cuda(
+        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qe, const at::Tensor& a,
+        at::TensorList fwd_graph, at::TensorList bwd_graph, at::TensorList edge_slots, const at::Tensor& dst,
+        const at::Tensor& rowptr, const at::Tensor& order, double scale) {
+    const EdgeTermsGraph g{fwd_graph.vec(), bwd_graph.vec(), edge_slots.vec(), dst, rowptr, order};
+    auto [out, lse, bias, alpha, agg] = edge_terms_forward(q, k, v, qe, a, g, scale);
+    return {out, agg, alpha};
+}
+
 }  // namespace
 }  // namespace gt_fused3s
 
@@ -1511,10 +1654,12 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("dense_rows_fwd", &gt_fused3s::dense_rows_fwd_cuda);
     m.impl("dense_rows_bwd", &gt_fused3s::dense_rows_bwd_cuda);
     m.impl("seq_attention_eager", &gt_fused3s::seq_attention_eager_cuda);
+    m.impl("edge_terms_eager", &gt_fused3s::edge_terms_eager_cuda);
 }
 
 // The one op whose autograd lives here (the others' is in ops.py): the
 // sequence kernels' eager backward without Python (see SeqAttentionFn).
 TORCH_LIBRARY_IMPL(gt_fused3s, Autograd, m) {
     m.impl("seq_attention_eager", &gt_fused3s::seq_attention_eager_autograd);
+    m.impl("edge_terms_eager", &gt_fused3s::edge_terms_eager_autograd);
 }

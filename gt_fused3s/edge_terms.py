@@ -123,8 +123,12 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
         if grouping is not None:
             a = ops._permute_rows(edge_attr, grouping.perm, grouping.inv)
             dst, csr, slots = grouping.dst, grouping.csr, grouping.slots
-        out, agg, alpha = _EdgeFeatureTerms.apply(q, k, v, qe, a, plan, dst, csr, slots, scale, drop,
-                                                  return_weights)
+        if ops.edge_terms_eager_fits(q, k, v, qe, a, drop):   # the node's autograd in C++
+            out, agg, alpha = ops.edge_terms_eager(q, k, v, qe, a, plan, dst, csr, slots, scale)
+            alpha = alpha if return_weights else None
+        else:
+            out, agg, alpha = _EdgeFeatureTerms.apply(q, k, v, qe, a, plan, dst, csr, slots, scale, drop,
+                                                      return_weights)
         if grouping is not None and alpha is not None:
             alpha = ops._permute_rows(alpha, grouping.inv, grouping.perm)
     else:
