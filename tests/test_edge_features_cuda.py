@@ -128,3 +128,59 @@ def test_fwd_scores_op():
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
         assert scores.shape == (ei.size(1), h) and torch.isfinite(scores).all()
         assert (scores.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("need", ["all", "qkv", "qe-a", "none"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cpp_node_equals_the_python_function(dtype, need):
+    """Eagerly, without dropout, on the kernels' own operands the node is
+    ``edge_terms_eager`` (csrc/bindings.cpp: EdgeTermsFn, its backward in
+    C++); it equals the autograd.Function it replaces
+    (``edge_terms._EdgeFeatureTerms``: the same kernels) in out, agg and
+    alpha, and in the gradients of q, k, v, qe and a for a loss on all three
+    outputs, or on out alone, whichever inputs require them; a padded head
+    dim and dropout still take the Function; opcheck passes."""
+    from gt_fused3s import ops
+    from gt_fused3s.edge_terms import _EdgeFeatureTerms
+    ei, n = split_hubs()
+    ei = ei[:, torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(2))].to(DEV)
+    h, c, f, scale = 4, 32, 16, 0.2
+    plan = GraphPlan.from_edge_index(ei, n)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(n, h, c, generator=g).to(LOW[dtype]).to(DEV) for _ in range(3))
+    qe = torch.randn(n, h, f, generator=g).to(LOW[dtype]).to(DEV)
+    a = torch.randn(ei.size(1), f, generator=g).to(DEV)
+    dst, csr, slots = ei[1].long(), plan.destination_csr(), plan.bias_args()
+    wants = {"all": (1, 1, 1, 1, 1), "qkv": (1, 1, 1, 0, 0), "qe-a": (0, 0, 0, 1, 1), "none": (0,) * 5}[need]
+    drop = (0.0, 0, None)
+    assert ops.edge_terms_eager_fits(q, k, v, qe, a, drop)
+    assert not ops.edge_terms_eager_fits(q, k, v, qe, a, (0.1, 3, None))
+    assert not ops.edge_terms_eager_fits(q[..., :24], k[..., :24], v[..., :24], qe, a, drop)
+
+    def run(node, weights_loss):
+        leaves = [t.clone().requires_grad_(bool(w)) for t, w in zip((q, k, v, qe, a), wants)]
+        if node:
+            outs = ops.edge_terms_eager(*leaves, plan, dst, csr, slots, scale)
+            assert need == "none" or "EdgeTermsFn" in outs[0].grad_fn.name(), outs[0].grad_fn.name()
+        else:
+            outs = _EdgeFeatureTerms.apply(*leaves, plan, dst, csr, slots, scale, drop, True)
+        if need == "none":
+            return list(outs)
+        gen = torch.Generator(device=DEV).manual_seed(5)
+        loss = sum((o.float() * torch.randn(o.shape, generator=gen, device=DEV)).sum()
+                   for o in (outs if weights_loss else outs[:1]))
+        grads = torch.autograd.grad(loss, [t for t in leaves if t.requires_grad])
+        return list(outs) + list(grads)
+
+    for weights_loss in (True, False):
+        got, want = run(True, weights_loss), run(False, weights_loss)
+        assert len(got) == len(want)
+        for i, (x, y) in enumerate(zip(got, want)):
+            assert x.dtype == y.dtype and x.shape == y.shape, i
+            # the same kernels in the same order (the backward adds with atomics)
+            tol = (1e-6 if i < 3 else 1e-3) * max(y.abs().max().item(), 1.0)
+            assert (x.float() - y.float()).abs().max().item() <= tol, (weights_loss, i)
+    torch.library.opcheck(torch.ops.gt_fused3s.edge_terms_eager.default,
+                          (q.clone().requires_grad_(), k, v, qe, a, list(plan.forward_args(h, c)),
+                           list(plan.backward_args(h, c)), list(slots), dst, *csr, scale),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
