@@ -1492,9 +1492,9 @@ at::Tensor seq_attention_eager_cuda(const at::Tensor& q, const at::Tensor& k, co
 // the bias <qe_i, a_e>, and a value sum agg_i = sum_e alpha_e a_e) as a C++
 // autograd node, for eager mode without dropout on the kernels' own operands
 // (q, k, v fp16 / bf16 of a compiled head dim: ops.edge_terms_eager_fits).
-// The Python Function's forward and backward were most of a call's host
-// time on small graphs (ZINC x1024, H100: 584 us of host for 59 us of
-// kernels a forward, README). Same kernels, same order, same casts as
+// The Python Function's forward and backward were a share of a call's host
+// time on small graphs (ZINC x1024 on an H200 machine: 584 us of host for
+// 59 us of kernels a forward; the C++ node took 11-30% of it off, README). Same kernels, same order, same casts as
 // ops.edge_terms_forward / edge_terms_backward: (out, agg, alpha) from
 // q, k, v, qe [N, H, F] (the queries projected by W_e, scaled), a [E, F];
 // fwd_graph: the plan's forward_args (six), bwd_graph its backward_args
@@ -1657,8 +1657,8 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("edge_terms_eager", &gt_fused3s::edge_terms_eager_cuda);
 }
 
-// The one op whose autograd lives here (the others' is in ops.py): the
-// sequence kernels' eager backward without Python (see SeqAttentionFn).
+// The ops whose autograd lives here (the others' is in ops.py): eager
+// backwards without Python (SeqAttentionFn, EdgeTermsFn).
 TORCH_LIBRARY_IMPL(gt_fused3s, Autograd, m) {
     m.impl("seq_attention_eager", &gt_fused3s::seq_attention_eager_autograd);
     m.impl("edge_terms_eager", &gt_fused3s::edge_terms_eager_autograd);
