@@ -1249,14 +1249,21 @@ def _edge_terms_op_backward(ctx, grad_out, grad_agg, grad_alpha, _grad_lse, _gra
 _edge_terms_op.register_autograd(_edge_terms_op_backward, setup_context=_edge_terms_setup_context)
 
 
+def _eager_node_fits(q: Tensor, k: Tensor, v: Tensor, head_dims) -> bool:
+    """Whether q, k, v can go to a C++ op with its autograd in C++ as they
+    are: eagerly, on CUDA, fp16 / bf16 of one dtype, a head dim in
+    ``head_dims`` (no cast, no padding)."""
+    return (not torch.compiler.is_compiling() and q.is_cuda and q.dtype in _KERNEL_DTYPES
+            and k.dtype == q.dtype and v.dtype == q.dtype and q.size(-1) in head_dims)
+
+
 def edge_terms_eager_fits(q: Tensor, k: Tensor, v: Tensor, qe: Tensor, a: Tensor, drop: tuple) -> bool:
     """Whether the eager edge-feature node takes ``edge_terms_eager`` (its
     autograd in C++, no Python in the backward): on CUDA, without dropout,
     q, k, v fp16 / bf16 of one dtype and a compiled head dim (no cast, no
     padding), qe and a of the edge kernels' dtypes. Else the autograd.Function
     (``edge_terms._EdgeFeatureTerms``), which runs the same kernels."""
-    return (not drop[0] and not torch.compiler.is_compiling() and q.is_cuda and q.dtype in _KERNEL_DTYPES
-            and k.dtype == q.dtype and v.dtype == q.dtype and q.size(-1) in _KERNEL_DIMS
+    return (not drop[0] and _eager_node_fits(q, k, v, _KERNEL_DIMS)
             and qe.dtype in _EDGE_KERNEL_DTYPES and a.dtype in _EDGE_KERNEL_DTYPES)
 
 
@@ -1393,8 +1400,7 @@ def seq_eager_fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether a sequence call takes ``seq_attention_eager`` (one C++ op and
     autograd node): eagerly, on CUDA, fp16 / bf16 operands of one dtype, a
     compiled head dim (no cast, no padding)."""
-    return (not torch.compiler.is_compiling() and q.is_cuda and q.dtype in _KERNEL_DTYPES
-            and k.dtype == q.dtype and v.dtype == q.dtype and q.size(-1) in SEQ_HEAD_DIMS)
+    return _eager_node_fits(q, k, v, SEQ_HEAD_DIMS)
 
 
 def seq_attention_with_rows(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
