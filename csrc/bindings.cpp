@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -1488,19 +1489,27 @@ at::Tensor seq_attention_eager_cuda(const at::Tensor& q, const at::Tensor& k, co
 }
 
 // ---- the edge-feature attention's eager autograd ------------------------------
-// edge_terms_eager: ops.py's _EdgeFeatureTerms (the attention with a key term,
-// the bias <qe_i, a_e>, and a value sum agg_i = sum_e alpha_e a_e) as a C++
-// autograd node, for eager mode without dropout on the kernels' own operands
-// (q, k, v fp16 / bf16 of a compiled head dim: ops.edge_terms_eager_fits).
-// The Python Function's forward and backward were a share of a call's host
-// time on small graphs (ZINC x1024 on an H200 machine: 584 us of host for
-// 59 us of kernels a forward; the C++ node took 11-30% of it off, README). Same kernels, same order, same casts as
-// ops.edge_terms_forward / edge_terms_backward: (out, agg, alpha) from
-// q, k, v, qe [N, H, F] (the queries projected by W_e, scaled), a [E, F];
-// fwd_graph: the plan's forward_args (six), bwd_graph its backward_args
-// (four; empty where no gradient will be asked for), edge_slots its
-// bias_args (six), dst [E] int64, (rowptr, order) the edges by destination,
-// all in a's edge order.
+// edge_feature_eager: edge_terms.edge_feature_attention's node path as one C++
+// op and autograd node, for eager mode without dropout on the kernels' own
+// operands (q, k, v fp16 / bf16 of a compiled head dim:
+// ops.edge_feature_eager_fits). TransformerConv's e_ij = W_e a_ij enter as
+// a key term, the bias <qe_i, a_e> with qe = scale q W_e, and a value term,
+// W_e agg_i with agg_i = sum_e alpha_e a_e: the projections by the heads'
+// block-diagonal W_e (two GEMMs), the edge kernels (edge_dot, fwd_scores,
+// edge_probs, edge_scatter) and the final sum forward; backward, the
+// kernels' folded backward (bwd, edge_scatter, edge_rows: ops.py's
+// edge_terms_backward) and the projections' GEMMs. As Python autograd
+// nodes (the autograd.Function _EdgeFeatureTerms between the projections)
+// these were most of a call's host time on small graphs (README: ZINC
+// x1024, H100, 257 us of host for about 60 us of kernels a forward with the
+// Function's middle part in C++). Same kernels, products and casts as the
+// Python composition (autocast included: the GEMMs run in its dtype).
+//
+// (y, alpha) from q, k, v [N, H, C], w_e [H, C, F] (lin_edge's weight per
+// head), a [E, F]; fwd_graph: the plan's forward_args (six), bwd_graph its
+// backward_args (four; empty where no gradient will be asked for),
+// edge_slots its bias_args (six), dst [E] int64, (rowptr, order) the edges
+// by destination, all in a's edge order.
 
 // A float32 contiguous copy where t is not one (ops._f32).
 at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
@@ -1518,6 +1527,13 @@ at::Tensor edge_scatter_typed(const at::Tensor& w, const at::Tensor& a, const at
     return edge_scatter_cuda(f32(w), f32(a), rowptr, order).to(at::promote_types(w.scalar_type(), a.scalar_type()));
 }
 
+// The dtype of a projection's GEMM (edge_terms.project_heads): autocast's
+// where it is on, else the operands' promoted one.
+at::ScalarType projection_dtype(const at::Tensor& x, const at::Tensor& blocks) {
+    if (at::autocast::is_autocast_enabled(at::kCUDA)) return at::autocast::get_autocast_dtype(at::kCUDA);
+    return at::promote_types(x.scalar_type(), blocks.scalar_type());
+}
+
 struct EdgeTermsGraph {   // the graph's arrays, as the node's ops take them
     std::vector<at::Tensor> fwd, bwd, slots;
     at::Tensor dst, rowptr, order;
@@ -1532,11 +1548,11 @@ void check_edge_terms_graph(const EdgeTermsGraph& g) {
                 num(int64_t(g.slots.size())), ")");
 }
 
-// The forward: (out, lse, bias, alpha, agg).
+// The attention with the key term and the value sum (ops.edge_terms_forward):
+// (out, lse, bias, alpha, agg).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> edge_terms_forward(
         const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qe, const at::Tensor& a,
         const EdgeTermsGraph& g, double scale) {
-    check_edge_terms_graph(g);
     const at::Tensor bias = edge_dot_f32(qe, a, g.dst);
     const std::vector<at::Tensor>& f = g.fwd;
     auto [out, lse, scores] = fwd_scores_cuda(q, k, v, f[0], f[1], f[2], f[3], f[4], f[5], scale, false, bias,
@@ -1546,41 +1562,90 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> edge_term
     return {out, lse, bias, alpha, agg};
 }
 
-struct EdgeTermsFn : public torch::autograd::Function<EdgeTermsFn> {
+// Everything the backward reads.
+struct EdgeFeatureForward {
+    at::Tensor y, alpha;                         // the outputs
+    at::Tensor out, lse, bias, agg, qe;          // the attention's and its terms'
+    at::Tensor x1, b1, x2, b2;                   // the projections' GEMM operands (qe = x1 b1, value = x2 b2)
+};
+
+EdgeFeatureForward edge_feature_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& w_e, const at::Tensor& a, const EdgeTermsGraph& g,
+                                        double scale) {
+    check_edge_terms_graph(g);
+    const int64_t N = q.size(0), H = q.size(1), C = q.size(2);
+    TORCH_CHECK(w_e.dim() == 3 && w_e.size(0) == H && w_e.size(1) == C && w_e.size(2) == a.size(1),
+                "w_e must have shape [H, C, F] = ", shape({H, C, a.size(1)}), " (got ", shape(w_e.sizes()), ")");
+    const int64_t F = w_e.size(2);
+    EdgeFeatureForward r;
+    const at::Tensor blocks = at::block_diag(w_e.unbind(0));   // [H C, H F]
+    const at::Tensor scaled = blocks * scale;
+    const at::ScalarType d1 = projection_dtype(q, scaled);
+    r.x1 = q.reshape({N, H * C}).to(d1);
+    r.b1 = scaled.to(d1);
+    r.qe = at::mm(r.x1, r.b1).view({N, H, F});
+    std::tie(r.out, r.lse, r.bias, r.alpha, r.agg) = edge_terms_forward(q, k, v, r.qe, a, g, scale);
+    const at::Tensor bt = blocks.t().to(r.agg.scalar_type());   // [H F, H C]
+    const at::ScalarType d2 = projection_dtype(r.agg, bt);
+    r.x2 = r.agg.reshape({N, H * F}).to(d2);
+    r.b2 = bt.to(d2);
+    r.y = r.out + at::mm(r.x2, r.b2).view({N, H, C}).to(r.out.scalar_type());
+    return r;
+}
+
+struct EdgeFeatureFn : public torch::autograd::Function<EdgeFeatureFn> {
     static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& qe, const at::Tensor& a, std::vector<at::Tensor> fwd_graph,
+                                 const at::Tensor& w_e, const at::Tensor& a, std::vector<at::Tensor> fwd_graph,
                                  std::vector<at::Tensor> bwd_graph, std::vector<at::Tensor> edge_slots,
                                  const at::Tensor& dst, const at::Tensor& rowptr, const at::Tensor& order,
                                  double scale) {
         const EdgeTermsGraph g{std::move(fwd_graph), std::move(bwd_graph), std::move(edge_slots), dst, rowptr, order};
-        auto [out, lse, bias, alpha, agg] = edge_terms_forward(q, k, v, qe, a, g, scale);
-        ctx->save_for_backward({q, k, v, qe, a, out, lse, bias, alpha, agg, dst, rowptr, order});
+        EdgeFeatureForward f = edge_feature_forward(q, k, v, w_e, a, g, scale);
+        ctx->save_for_backward({q, k, v, f.qe, a, f.out, f.lse, f.bias, f.alpha, f.agg, dst, rowptr, order, f.x1, f.b1,
+                                f.x2, f.b2});
         ctx->saved_data["fwd"] = g.fwd;
         ctx->saved_data["bwd"] = g.bwd;
         ctx->saved_data["slots"] = g.slots;
         ctx->saved_data["scale"] = scale;
+        ctx->saved_data["w_dtype"] = static_cast<int64_t>(w_e.scalar_type());
         ctx->set_materialize_grads(false);
-        return {out, agg, alpha};
+        return {f.y, f.alpha};
     }
 
-    // ops.edge_terms_backward: the value sum's share of delta is
-    // <dagg_i, agg_i> per node, and the gradient of `a` one pass over the
-    // edges for both terms (dS against qe, the weights against dagg).
+    // The value term's GEMM backward gives dagg; the attention's (ops.py:
+    // edge_terms_backward: the value sum's share of delta is <dagg_i,
+    // agg_i> per node, the gradient of `a` one pass over the edges for both
+    // terms) gives dq, dk, dv, dqe, da; the key term's GEMM backward adds
+    // to dq; W_e's gradient is the diagonal blocks of both GEMMs' weight
+    // gradients.
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
         TORCH_CHECK(!at::GradMode::is_enabled(),
                     "gt_fused3s: double backward through the edge-feature attention is not supported (the fused "
                     "backward kernels are not differentiable)");
         const variable_list s = ctx->get_saved_variables();
         const at::Tensor &q = s[0], &k = s[1], &v = s[2], &qe = s[3], &a = s[4], &out = s[5], &lse = s[6],
-                         &bias = s[7], &alpha = s[8], &agg = s[9], &dst = s[10], &rowptr = s[11], &order = s[12];
+                         &bias = s[7], &alpha = s[8], &agg = s[9], &dst = s[10], &rowptr = s[11], &order = s[12],
+                         &x1 = s[13], &b1 = s[14], &x2 = s[15], &b2 = s[16];
         const std::vector<at::Tensor> f = ctx->saved_data["fwd"].toTensorVector();
         const std::vector<at::Tensor> b = ctx->saved_data["bwd"].toTensorVector();
         const std::vector<at::Tensor> sl = ctx->saved_data["slots"].toTensorVector();
         const double scale = ctx->saved_data["scale"].toDouble();
+        const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
         TORCH_CHECK(b.size() == 4, "gt_fused3s: the edge-feature attention was called without the backward's "
                     "graph arrays (no input required a gradient then)");
-        at::Tensor grad_out = grads[0].defined() ? grads[0].to(q.scalar_type()) : at::zeros_like(out);
-        const at::Tensor &grad_agg = grads[1], &grad_alpha = grads[2];
+        // (needs_input_grad counts the tensor inputs: q, k, v, w_e, a first)
+        const bool need_q = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(3),
+                   need_a = ctx->needs_input_grad(4);
+        const int64_t N = q.size(0), H = q.size(1), C = q.size(2), F = qe.size(2);
+        const at::Tensor &grad_y = grads[0], &grad_alpha = grads[1];
+        at::Tensor grad_agg, grad_blocks;   // grad_blocks: of the block-diagonal W_e [H C, H F], fp32
+        if (grad_y.defined()) {   // the value term: y = out + (x2 b2).to(out's dtype)
+            const at::Tensor gv = grad_y.reshape({N, H * C}).to(x2.scalar_type());
+            grad_agg = at::mm(gv, b2.t()).to(agg.scalar_type()).view({N, H, F});
+            if (need_w) grad_blocks = at::mm(x2.t(), gv).to(agg.scalar_type()).t().to(at::kFloat);
+        }
+        // the attention with its terms
+        const at::Tensor grad_out = grad_y.defined() ? grad_y.to(q.scalar_type()) : at::zeros_like(out);
         std::optional<at::Tensor> dp_bias, delta_extra;
         if (grad_agg.defined()) {
             dp_bias = edge_dot_f32(grad_agg, a, dst);
@@ -1596,38 +1661,47 @@ struct EdgeTermsFn : public torch::autograd::Function<EdgeTermsFn> {
                                          scale, false, bias, sl[0], sl[1], sl[2], sl[3], sl[4], sl[5], dp_bias,
                                          delta_extra, 0.0, 0, std::nullopt);
         dp_bias.reset();   // per-edge temporaries go as soon as they are used (peak memory)
-        at::Tensor dqe, da;
-        // (needs_input_grad counts the tensor inputs: q, k, v, qe, a first)
-        if (ctx->needs_input_grad(3)) dqe = edge_scatter_typed(ds, a, rowptr, order).to(qe.scalar_type());
-        if (ctx->needs_input_grad(4)) {
+        at::Tensor da, dw;
+        if (need_q || need_w) {   // the key term: qe = x1 b1, b1 = scale W_e's blocks
+            const at::Tensor gqe = edge_scatter_typed(ds, a, rowptr, order).to(qe.scalar_type()).reshape({N, H * F});
+            if (need_q) dq = dq + at::mm(gqe, b1.t()).to(q.scalar_type()).view({N, H, C});
+            if (need_w) {
+                const at::Tensor g1 = at::mm(x1.t(), gqe).to(at::kFloat) * scale;
+                grad_blocks = grad_blocks.defined() ? grad_blocks + g1 : g1;
+            }
+        }
+        if (need_a) {
             const at::ScalarType dt = at::promote_types(ds.scalar_type(), qe.scalar_type());
             da = grad_agg.defined() ? edge_rows_cuda(f32(ds), f32(qe), dst, f32(alpha), f32(grad_agg))
                                     : edge_rows_cuda(f32(ds), f32(qe), dst, std::nullopt, std::nullopt);
             da = da.to(dt).to(a.scalar_type());
         }
-        return {ctx->needs_input_grad(0) ? dq : at::Tensor(), ctx->needs_input_grad(1) ? dk : at::Tensor(),
-                ctx->needs_input_grad(2) ? dv : at::Tensor(), dqe, da, at::Tensor(), at::Tensor(), at::Tensor(),
+        if (need_w && grad_blocks.defined()) {   // the heads' diagonal blocks: [H C, H F] -> [H, C, F]
+            dw = grad_blocks.view({H, C, H, F}).diagonal(0, 0, 2).permute({2, 0, 1}).to(w_dtype).contiguous();
+        }
+        return {need_q ? dq : at::Tensor(), ctx->needs_input_grad(1) ? dk : at::Tensor(),
+                ctx->needs_input_grad(2) ? dv : at::Tensor(), dw, da, at::Tensor(), at::Tensor(), at::Tensor(),
                 at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_terms_eager_autograd(
-        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qe, const at::Tensor& a,
+std::tuple<at::Tensor, at::Tensor> edge_feature_eager_autograd(
+        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w_e, const at::Tensor& a,
         at::TensorList fwd_graph, at::TensorList bwd_graph, at::TensorList edge_slots, const at::Tensor& dst,
         const at::Tensor& rowptr, const at::Tensor& order, double scale) {
-    variable_list r = EdgeTermsFn::apply(q, k, v, qe, a, fwd_graph.vec(), bwd_graph.vec(), edge_slots.vec(), dst,
-                                         rowptr, order, scale);
-    return {r[0], r[1], r[2]};
+    variable_list r = EdgeFeatureFn::apply(q, k, v, w_e, a, fwd_graph.vec(), bwd_graph.vec(), edge_slots.vec(), dst,
+                                           rowptr, order, scale);
+    return {r[0], r[1]};
 }
 
 // Below autograd (torch.inference_mode, say): the forward alone.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_terms_eager_cuda(
-        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qe, const at::Tensor& a,
+std::tuple<at::Tensor, at::Tensor> edge_feature_eager_cuda(
+        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w_e, const at::Tensor& a,
         at::TensorList fwd_graph, at::TensorList bwd_graph, at::TensorList edge_slots, const at::Tensor& dst,
         const at::Tensor& rowptr, const at::Tensor& order, double scale) {
     const EdgeTermsGraph g{fwd_graph.vec(), bwd_graph.vec(), edge_slots.vec(), dst, rowptr, order};
-    auto [out, lse, bias, alpha, agg] = edge_terms_forward(q, k, v, qe, a, g, scale);
-    return {out, agg, alpha};
+    EdgeFeatureForward f = edge_feature_forward(q, k, v, w_e, a, g, scale);
+    return {f.y, f.alpha};
 }
 
 }  // namespace
@@ -1654,12 +1728,12 @@ TORCH_LIBRARY_IMPL(gt_fused3s, CUDA, m) {
     m.impl("dense_rows_fwd", &gt_fused3s::dense_rows_fwd_cuda);
     m.impl("dense_rows_bwd", &gt_fused3s::dense_rows_bwd_cuda);
     m.impl("seq_attention_eager", &gt_fused3s::seq_attention_eager_cuda);
-    m.impl("edge_terms_eager", &gt_fused3s::edge_terms_eager_cuda);
+    m.impl("edge_feature_eager", &gt_fused3s::edge_feature_eager_cuda);
 }
 
 // The ops whose autograd lives here (the others' is in ops.py): eager
-// backwards without Python (SeqAttentionFn, EdgeTermsFn).
+// backwards without Python (SeqAttentionFn, EdgeFeatureFn).
 TORCH_LIBRARY_IMPL(gt_fused3s, Autograd, m) {
     m.impl("seq_attention_eager", &gt_fused3s::seq_attention_eager_autograd);
-    m.impl("edge_terms_eager", &gt_fused3s::edge_terms_eager_autograd);
+    m.impl("edge_feature_eager", &gt_fused3s::edge_feature_eager_autograd);
 }

@@ -86,15 +86,23 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     drop = ops._dropout(dropout_p, dropout_seed, q.device)
     dst = edges[1].long()
     csr = plan.destination_csr() if plan is not None and ops._edge_kernel(q) else None
+    node = csr is not None and plan.order is None      # the kernels: the three terms as one node
+    if node:
+        ops._check_plan_for(plan, q, k)
+        ops._check_kernel_inputs(q, k, v)
+    if node and ops.edge_feature_eager_fits(q, k, v, w_e, edge_attr, drop):
+        # eager, the common case: the projections, the kernels and their
+        # backward as one C++ op and autograd node (no Python in between)
+        grouping, a, dst, csr, slots = _grouped(plan, edge_attr, dst, csr, drop)
+        out, alpha = ops.edge_feature_eager(q, k, v, w_e, a, plan, dst, csr, slots, scale)
+        if return_weights and grouping is not None:
+            alpha = ops._permute_rows(alpha, grouping.inv, grouping.perm)
+        return out, (alpha if return_weights else None)
     # one block-diagonal W_e for both terms (its transpose is W_e^T's): the
     # key term projects the queries by W_e (scaled), the value term the
     # weighted feature sums by W_e^T
     blocks = block_diagonal(w_e)
     qe = project_heads(q, blocks * scale)
-    node = csr is not None and plan.order is None      # the kernels: the three terms as one node
-    if node:
-        ops._check_plan_for(plan, q, k)
-        ops._check_kernel_inputs(q, k, v)
     if node and torch.compiler.is_compiling():
         # compiled: the node as one opaque op with its own backward; the
         # edges grouped where an eager call or prepare() decided so (read as
@@ -114,21 +122,11 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
         if grouping is not None:
             alpha = alpha[grouping.inv]
     elif node:
-        # eager: the node as an autograd.Function (lower host time a call)
-        # the per-edge arrays grouped by destination where the caller's order
-        # scatters them (plan.edge_grouping); not with dropout (its mask is
-        # keyed by the caller's edge ids)
-        grouping = plan.edge_grouping() if not drop[0] else None
-        a, slots = edge_attr, plan.bias_args()
-        if grouping is not None:
-            a = ops._permute_rows(edge_attr, grouping.perm, grouping.inv)
-            dst, csr, slots = grouping.dst, grouping.csr, grouping.slots
-        if ops.edge_terms_eager_fits(q, k, v, qe, a, drop):   # the node's autograd in C++
-            out, agg, alpha = ops.edge_terms_eager(q, k, v, qe, a, plan, dst, csr, slots, scale)
-            alpha = alpha if return_weights else None
-        else:
-            out, agg, alpha = _EdgeFeatureTerms.apply(q, k, v, qe, a, plan, dst, csr, slots, scale, drop,
-                                                      return_weights)
+        # eager with dropout, fp32 inputs or a padded head dim: the node as
+        # an autograd.Function between the projections
+        grouping, a, dst, csr, slots = _grouped(plan, edge_attr, dst, csr, drop)
+        out, agg, alpha = _EdgeFeatureTerms.apply(q, k, v, qe, a, plan, dst, csr, slots, scale, drop,
+                                                  return_weights)
         if grouping is not None and alpha is not None:
             alpha = ops._permute_rows(alpha, grouping.inv, grouping.perm)
     else:
@@ -143,6 +141,18 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
     return out + value_term.to(out.dtype), (alpha if return_weights else None)
 
 
+def _grouped(plan: GraphPlan, edge_attr: Tensor, dst: Tensor, csr: tuple[Tensor, Tensor], drop: tuple) -> tuple:
+    """(grouping or None, a, dst, csr, slots) for the eager node: the
+    per-edge arrays grouped by destination where the caller's order
+    scatters them (plan.edge_grouping); not with dropout (its mask is keyed
+    by the caller's edge ids)."""
+    grouping = plan.edge_grouping() if not drop[0] else None
+    if grouping is None:
+        return None, edge_attr, dst, csr, plan.bias_args()
+    a = ops._permute_rows(edge_attr, grouping.perm, grouping.inv)
+    return grouping, a, grouping.dst, grouping.csr, grouping.slots
+
+
 class _EdgeFeatureTerms(torch.autograd.Function):
     """The attention with a key term (the bias ``<qe_i, a_e>``) and a value
     sum (``agg_i = sum_e used_e a_e``, ``used`` the weights after dropout)
@@ -154,7 +164,9 @@ class _EdgeFeatureTerms(torch.autograd.Function):
     torch.compile traces); both run :func:`~gt_fused3s.ops.edge_terms_forward`
     and :func:`~gt_fused3s.ops.edge_terms_backward`, the composed one's
     backward (edge_dot, the attention, edge_scatter) with what the
-    composition recomputed or added up folded."""
+    composition recomputed or added up folded. Eagerly without dropout on
+    the kernels' own operands the C++ op ``ops.edge_feature_eager`` runs
+    instead (the same kernels, with the projections, as one C++ node)."""
 
     @staticmethod
     def forward(ctx, q, k, v, qe, a, plan, dst, csr, slots, scale, drop, return_weights):

@@ -28,9 +28,10 @@ use, see ``_build``):
                  the edge-feature attention as one node (edge_dot, fwd,
                  edge_scatter; one folded backward), as ``torch.compile``
                  sees :func:`~gt_fused3s.edge_terms.edge_feature_attention`
-* ``edge_terms_eager``
-                 the same node with its autograd in C++ (eager mode, no
-                 dropout, the kernels' own operands: :func:`edge_terms_eager_fits`)
+* ``edge_feature_eager``
+                 the edge-feature attention with its projections by W_e as
+                 one C++ op and autograd node (eager mode, no dropout, the
+                 kernels' own operands: :func:`edge_feature_eager_fits`)
 
 CUDA tensors take the fused kernel; CPU tensors, and CUDA tensors when the
 extension cannot be built or ``GT_FUSED3S_DISABLE_KERNEL=1`` is set, take
@@ -101,13 +102,14 @@ _LIB.define("seq_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, 
 # the global rows of [B, L, H, D] operands by the dense-rows kernels inside.
 _LIB.define("seq_attention_eager(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_windows, "
             "Tensor? bwd_windows, int[] mask, float scale, int num_windows, Tensor? global_rows=None) -> Tensor")
-# The edge-feature attention's node (edge_terms.py) with its backward, both
-# in C++ (csrc/bindings.cpp: EdgeTermsFn): (out, agg, alpha) from q, k, v, the
-# projected queries qe, the edge features a, the plan's forward, backward
-# (or none) and bias arrays, and the edges' destinations and CSR.
-_LIB.define("edge_terms_eager(Tensor q, Tensor k, Tensor v, Tensor qe, Tensor a, Tensor[] fwd_graph, "
+# The edge-feature attention (edge_terms.py: the projections by W_e, the
+# node's kernels, the value term) with its backward, both in C++
+# (csrc/bindings.cpp: EdgeFeatureFn): (out, alpha) from q, k, v, w_e [H, C, F],
+# the edge features a, the plan's forward, backward (or none) and bias
+# arrays, and the edges' destinations and CSR.
+_LIB.define("edge_feature_eager(Tensor q, Tensor k, Tensor v, Tensor w_e, Tensor a, Tensor[] fwd_graph, "
             "Tensor[] bwd_graph, Tensor[] edge_slots, Tensor dst, Tensor rowptr, Tensor order, float scale) "
-            "-> (Tensor out, Tensor agg, Tensor alpha)")
+            "-> (Tensor out, Tensor alpha)")
 # Dense rows of sequence attention (csrc/kernels/dense_rows.h): a few
 # queries [B, G, H, D] against all keys [B, L, H, D].
 _LIB.define("dense_rows_fwd(Tensor qg, Tensor k, Tensor v, float scale) -> (Tensor og, Tensor lse)")
@@ -210,11 +212,9 @@ def _seq_attention_eager_fake(q, k, v, cu_seqlens, cu_windows, bwd_windows, mask
     return q.new_empty(q.shape)
 
 
-@torch.library.register_fake("gt_fused3s::edge_terms_eager")
-def _edge_terms_eager_fake(q, k, v, qe, a, fwd_graph, bwd_graph, edge_slots, dst, rowptr, order, scale):
-    N, H, E = q.size(0), q.size(1), a.size(0)
-    f32 = torch.float32
-    return q.new_empty(q.shape), q.new_empty((N, H, a.size(1)), dtype=f32), q.new_empty((E, H), dtype=f32)
+@torch.library.register_fake("gt_fused3s::edge_feature_eager")
+def _edge_feature_eager_fake(q, k, v, w_e, a, fwd_graph, bwd_graph, edge_slots, dst, rowptr, order, scale):
+    return q.new_empty(q.shape), q.new_empty((a.size(0), q.size(1)), dtype=torch.float32)
 
 
 @torch.library.register_fake("gt_fused3s::dense_rows_fwd")
@@ -1257,27 +1257,29 @@ def _eager_node_fits(q: Tensor, k: Tensor, v: Tensor, head_dims) -> bool:
             and k.dtype == q.dtype and v.dtype == q.dtype and q.size(-1) in head_dims)
 
 
-def edge_terms_eager_fits(q: Tensor, k: Tensor, v: Tensor, qe: Tensor, a: Tensor, drop: tuple) -> bool:
-    """Whether the eager edge-feature node takes ``edge_terms_eager`` (its
-    autograd in C++, no Python in the backward): on CUDA, without dropout,
-    q, k, v fp16 / bf16 of one dtype and a compiled head dim (no cast, no
-    padding), qe and a of the edge kernels' dtypes. Else the autograd.Function
-    (``edge_terms._EdgeFeatureTerms``), which runs the same kernels."""
+def edge_feature_eager_fits(q: Tensor, k: Tensor, v: Tensor, w_e: Tensor, a: Tensor, drop: tuple) -> bool:
+    """Whether the eager edge-feature attention on a plan takes
+    ``edge_feature_eager`` (projections, kernels and their backward in one
+    C++ op and autograd node): on CUDA, without dropout, q, k, v fp16 / bf16
+    of one dtype and a compiled head dim (no cast, no padding), W_e and a of
+    the edge kernels' dtypes. Else the Python composition around the
+    autograd.Function ``edge_terms._EdgeFeatureTerms`` (the same kernels)."""
     return (not drop[0] and _eager_node_fits(q, k, v, _KERNEL_DIMS)
-            and qe.dtype in _EDGE_KERNEL_DTYPES and a.dtype in _EDGE_KERNEL_DTYPES)
+            and w_e.dtype in _EDGE_KERNEL_DTYPES and a.dtype in _EDGE_KERNEL_DTYPES)
 
 
-def edge_terms_eager(q: Tensor, k: Tensor, v: Tensor, qe: Tensor, a: Tensor, plan: GraphPlan, dst: Tensor,
-                     csr: tuple[Tensor, Tensor], slots: tuple, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, agg, alpha) of :func:`edge_terms_forward` as one C++ op and
-    autograd node (where :func:`edge_terms_eager_fits`); ``dst``, ``csr`` and
-    ``slots`` in a's edge order. The backward's graph arrays (the transposed
-    format) are built here where a gradient may be asked for."""
+def edge_feature_eager(q: Tensor, k: Tensor, v: Tensor, w_e: Tensor, a: Tensor, plan: GraphPlan, dst: Tensor,
+                       csr: tuple[Tensor, Tensor], slots: tuple, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, alpha) of :func:`~gt_fused3s.edge_terms.edge_feature_attention`
+    as one C++ op and autograd node (where :func:`edge_feature_eager_fits`);
+    ``a``, ``dst``, ``csr`` and ``slots`` in one edge order (alpha comes in
+    it). The backward's graph arrays (the transposed format) are built here
+    where a gradient may be asked for."""
     H, D = q.size(1), q.size(2)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, qe, a))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w_e, a))
     bwd = list(plan.backward_args(H, D)) if grad else []
-    return _op("edge_terms_eager")(q, k, v, qe, a, list(plan.forward_args(H, D)), bwd, list(slots),
-                                   dst if dst.dtype == torch.int64 else dst.long(), *csr, scale)
+    return _op("edge_feature_eager")(q, k, v, w_e, a, list(plan.forward_args(H, D)), bwd, list(slots),
+                                     dst if dst.dtype == torch.int64 else dst.long(), *csr, scale)
 
 
 # ---------------------------------------------------------------------------

@@ -130,57 +130,72 @@ def test_fwd_scores_op():
         assert (scores.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("need", ["all", "qkv", "qe-a", "none"])
+@pytest.mark.parametrize("case", ["all", "weights-loss", "qkv", "w-a", "none", "autocast", "sorted"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_cpp_node_equals_the_python_function(dtype, need):
-    """Eagerly, without dropout, on the kernels' own operands the node is
-    ``edge_terms_eager`` (csrc/bindings.cpp: EdgeTermsFn, its backward in
-    C++); it equals the autograd.Function it replaces
-    (``edge_terms._EdgeFeatureTerms``: the same kernels) in out, agg and
-    alpha, and in the gradients of q, k, v, qe and a for a loss on all three
-    outputs, or on out alone, whichever inputs require them; a padded head
-    dim and dropout still take the Function; opcheck passes."""
+def test_cpp_op_equals_the_python_composition(dtype, case, monkeypatch):
+    """Eagerly, without dropout, on the kernels' own operands the
+    edge-feature attention is one C++ op and autograd node
+    (``ops.edge_feature_eager``: csrc/bindings.cpp, EdgeFeatureFn: the
+    projections by W_e, the kernels, the value term and their backward); it
+    equals the Python composition it replaces (the projections' GEMMs around
+    the autograd.Function ``_EdgeFeatureTerms``, same kernels): output,
+    weights and the gradients of q, k, v, W_e and the features, for a loss
+    on the output (and on the weights), whichever inputs require gradients,
+    under bf16 autocast (W_e and the features fp32), on edges the plan
+    groups by destination (scattered: conftest groups every plan's) and on
+    edges grouped already; dropout and a padded head dim still take the
+    Python path; opcheck passes."""
     from gt_fused3s import ops
-    from gt_fused3s.edge_terms import _EdgeFeatureTerms
     ei, n = split_hubs()
-    ei = ei[:, torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(2))].to(DEV)
+    perm = torch.randperm(ei.size(1), generator=torch.Generator().manual_seed(2))
+    if case == "sorted":
+        perm = torch.argsort(ei[1], stable=True)
+    ei = ei[:, perm].to(DEV)
     h, c, f, scale = 4, 32, 16, 0.2
     plan = GraphPlan.from_edge_index(ei, n)
+    assert (plan.edge_grouping() is None) == (case == "sorted")
     g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(n, h, c, generator=g).to(LOW[dtype]).to(DEV) for _ in range(3))
-    qe = torch.randn(n, h, f, generator=g).to(LOW[dtype]).to(DEV)
+    low = torch.float32 if case == "autocast" else LOW[dtype]
+    q, k, v = (torch.randn(n, h, c, generator=g).to(low).to(DEV) for _ in range(3))
+    w_e = (torch.randn(h, c, f, generator=g) * 0.3).to(DEV)
     a = torch.randn(ei.size(1), f, generator=g).to(DEV)
-    dst, csr, slots = ei[1].long(), plan.destination_csr(), plan.bias_args()
-    wants = {"all": (1, 1, 1, 1, 1), "qkv": (1, 1, 1, 0, 0), "qe-a": (0, 0, 0, 1, 1), "none": (0,) * 5}[need]
-    drop = (0.0, 0, None)
-    assert ops.edge_terms_eager_fits(q, k, v, qe, a, drop)
-    assert not ops.edge_terms_eager_fits(q, k, v, qe, a, (0.1, 3, None))
-    assert not ops.edge_terms_eager_fits(q[..., :24], k[..., :24], v[..., :24], qe, a, drop)
+    wants = {"qkv": (1, 1, 1, 0, 0), "w-a": (0, 0, 0, 1, 1), "none": (0,) * 5}.get(case, (1,) * 5)
+    if case != "autocast":
+        assert ops.edge_feature_eager_fits(q, k, v, w_e, a, (0.0, 0, None))
+        assert not ops.edge_feature_eager_fits(q, k, v, w_e, a, (0.1, 3, None))
+        assert not ops.edge_feature_eager_fits(q[..., :24], k[..., :24], v[..., :24], w_e, a, (0.0, 0, None))
 
-    def run(node, weights_loss):
-        leaves = [t.clone().requires_grad_(bool(w)) for t, w in zip((q, k, v, qe, a), wants)]
-        if node:
-            outs = ops.edge_terms_eager(*leaves, plan, dst, csr, slots, scale)
-            assert need == "none" or "EdgeTermsFn" in outs[0].grad_fn.name(), outs[0].grad_fn.name()
-        else:
-            outs = _EdgeFeatureTerms.apply(*leaves, plan, dst, csr, slots, scale, drop, True)
-        if need == "none":
-            return list(outs)
+    def run(cpp):
+        leaves = [t.clone().requires_grad_(bool(w)) for t, w in zip((q, k, v, w_e, a), wants)]
+        with monkeypatch.context() as m:
+            if not cpp:
+                m.setattr(ops, "edge_feature_eager_fits", lambda *args: False)
+            with torch.autocast("cuda", dtype=LOW[dtype], enabled=case == "autocast"):
+                if case == "autocast":   # as a layer gives them: q, k, v from autocast's linear layers
+                    qkv = [t.to(LOW[dtype]) for t in leaves[:3]]
+                else:
+                    qkv = leaves[:3]
+                out, alpha = edge_feature_attention(*qkv, plan, leaves[4], leaves[3], scale)
+        if case == "none":
+            assert out.grad_fn is None
+            return [out, alpha]
+        assert cpp == ("EdgeFeatureFn" in out.grad_fn.name()), out.grad_fn.name()
         gen = torch.Generator(device=DEV).manual_seed(5)
-        loss = sum((o.float() * torch.randn(o.shape, generator=gen, device=DEV)).sum()
-                   for o in (outs if weights_loss else outs[:1]))
+        used = (out, alpha) if case == "weights-loss" else (out,)
+        loss = sum((o.float() * torch.randn(o.shape, generator=gen, device=DEV)).sum() for o in used)
         grads = torch.autograd.grad(loss, [t for t in leaves if t.requires_grad])
-        return list(outs) + list(grads)
+        return [out, alpha] + list(grads)
 
-    for weights_loss in (True, False):
-        got, want = run(True, weights_loss), run(False, weights_loss)
-        assert len(got) == len(want)
-        for i, (x, y) in enumerate(zip(got, want)):
-            assert x.dtype == y.dtype and x.shape == y.shape, i
-            # the same kernels in the same order (the backward adds with atomics)
-            tol = (1e-6 if i < 3 else 1e-3) * max(y.abs().max().item(), 1.0)
-            assert (x.float() - y.float()).abs().max().item() <= tol, (weights_loss, i)
-    torch.library.opcheck(torch.ops.gt_fused3s.edge_terms_eager.default,
-                          (q.clone().requires_grad_(), k, v, qe, a, list(plan.forward_args(h, c)),
-                           list(plan.backward_args(h, c)), list(slots), dst, *csr, scale),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    got, want = run(True), run(False)
+    assert len(got) == len(want)
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert x.dtype == y.dtype and x.shape == y.shape, i
+        # the same kernels and products (the backward adds with atomics)
+        tol = (1e-3 if x.dtype == torch.float32 else 1e-2) * max(y.abs().max().item(), 1.0)
+        assert (x.float() - y.float()).abs().max().item() <= tol, (case, i)
+    if case == "all":
+        dst, csr, slots = ei[1].long(), plan.destination_csr(), plan.bias_args()
+        torch.library.opcheck(torch.ops.gt_fused3s.edge_feature_eager.default,
+                              (q.clone().requires_grad_(), k, v, w_e, a, list(plan.forward_args(h, c)),
+                               list(plan.backward_args(h, c)), list(slots), dst, *csr, scale),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
