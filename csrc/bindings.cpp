@@ -1529,9 +1529,22 @@ at::Tensor edge_scatter_typed(const at::Tensor& w, const at::Tensor& a, const at
 
 // The dtype of a projection's GEMM (edge_terms.project_heads): autocast's
 // where it is on, else the operands' promoted one.
-at::ScalarType projection_dtype(const at::Tensor& x, const at::Tensor& blocks) {
+at::ScalarType projection_dtype(at::ScalarType x, at::ScalarType blocks) {
     if (at::autocast::is_autocast_enabled(at::kCUDA)) return at::autocast::get_autocast_dtype(at::kCUDA);
-    return at::promote_types(x.scalar_type(), blocks.scalar_type());
+    return at::promote_types(x, blocks);
+}
+
+// scale W_e on the diagonal of a [H C, H F] matrix in `dtype`
+// (edge_terms.block_diagonal, times the scale, cast): zeros and one product
+// written through the diagonal blocks' strided view, two kernels, where
+// block_diag (a fill and a copy a head), the scale and the cast took up to
+// seven launches.
+at::Tensor block_diagonal(const at::Tensor& w, double scale, at::ScalarType dtype) {
+    const int64_t H = w.size(0), C = w.size(1), F = w.size(2);
+    at::Tensor blocks = at::zeros({H, C, H, F}, w.options().dtype(dtype));
+    at::Tensor diag = blocks.diagonal(0, 0, 2);   // [C, F, H]: blocks[h, :, h, :]
+    at::mul_out(diag, w.permute({1, 2, 0}), scale);
+    return blocks.view({H * C, H * F});
 }
 
 struct EdgeTermsGraph {   // the graph's arrays, as the node's ops take them
@@ -1578,17 +1591,15 @@ EdgeFeatureForward edge_feature_forward(const at::Tensor& q, const at::Tensor& k
                 "w_e must have shape [H, C, F] = ", shape({H, C, a.size(1)}), " (got ", shape(w_e.sizes()), ")");
     const int64_t F = w_e.size(2);
     EdgeFeatureForward r;
-    const at::Tensor blocks = at::block_diag(w_e.unbind(0));   // [H C, H F]
-    const at::Tensor scaled = blocks * scale;
-    const at::ScalarType d1 = projection_dtype(q, scaled);
+    const at::ScalarType d1 = projection_dtype(q.scalar_type(), w_e.scalar_type());
     r.x1 = q.reshape({N, H * C}).to(d1);
-    r.b1 = scaled.to(d1);
+    r.b1 = block_diagonal(w_e, scale, d1);   // [H C, H F]
     r.qe = at::mm(r.x1, r.b1).view({N, H, F});
     std::tie(r.out, r.lse, r.bias, r.alpha, r.agg) = edge_terms_forward(q, k, v, r.qe, a, g, scale);
-    const at::Tensor bt = blocks.t().to(r.agg.scalar_type());   // [H F, H C]
-    const at::ScalarType d2 = projection_dtype(r.agg, bt);
+    // (W_e^T's blocks in agg's dtype, float32, then the GEMM's)
+    const at::ScalarType d2 = projection_dtype(r.agg.scalar_type(), r.agg.scalar_type());
     r.x2 = r.agg.reshape({N, H * F}).to(d2);
-    r.b2 = bt.to(d2);
+    r.b2 = block_diagonal(w_e, 1.0, d2).t();   // [H F, H C]
     r.y = r.out + at::mm(r.x2, r.b2).view({N, H, C}).to(r.out.scalar_type());
     return r;
 }
