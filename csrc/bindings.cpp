@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/ScalarOps.h>
 #include <ATen/autocast_mode.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -1543,7 +1544,9 @@ at::Tensor block_diagonal(const at::Tensor& w, double scale, at::ScalarType dtyp
     const int64_t H = w.size(0), C = w.size(1), F = w.size(2);
     at::Tensor blocks = at::zeros({H, C, H, F}, w.options().dtype(dtype));
     at::Tensor diag = blocks.diagonal(0, 0, 2);   // [C, F, H]: blocks[h, :, h, :]
-    at::mul_out(diag, w.permute({1, 2, 0}), scale);
+    // the Tensor overload (a wrapped scalar): its out= may cast from w's dtype
+    // (mul.Scalar_out, generated, insists on the same dtype)
+    at::mul_out(diag, w.permute({1, 2, 0}), at::native::wrapped_scalar_tensor(scale));
     return blocks.view({H * C, H * F});
 }
 
