@@ -1565,13 +1565,14 @@ void check_edge_terms_graph(const EdgeTermsGraph& g) {
 }
 
 // The attention with the key term and the value sum (ops.edge_terms_forward):
-// (out, lse, bias, alpha, agg).
+// (out, lse, bias, alpha, agg), out in float32 where out_fp32 (fp32 inputs:
+// q, k, v are their fp16 casts here).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> edge_terms_forward(
         const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qe, const at::Tensor& a,
-        const EdgeTermsGraph& g, double scale) {
+        const EdgeTermsGraph& g, double scale, bool out_fp32) {
     const at::Tensor bias = edge_dot_f32(qe, a, g.dst);
     const std::vector<at::Tensor>& f = g.fwd;
-    auto [out, lse, scores] = fwd_scores_cuda(q, k, v, f[0], f[1], f[2], f[3], f[4], f[5], scale, false, bias,
+    auto [out, lse, scores] = fwd_scores_cuda(q, k, v, f[0], f[1], f[2], f[3], f[4], f[5], scale, out_fp32, bias,
                                               g.slots[0], g.slots[1], g.slots[2], 0.0, 0, std::nullopt);
     at::Tensor alpha = edge_probs_cuda(scores, bias, lse, g.dst, scale);
     at::Tensor agg = edge_scatter_typed(alpha, a, g.rowptr, g.order);
@@ -1581,6 +1582,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> edge_term
 // Everything the backward reads.
 struct EdgeFeatureForward {
     at::Tensor y, alpha;                         // the outputs
+    at::Tensor qk, kk, vk;                       // q, k, v as the kernels read them (fp32's fp16 casts)
     at::Tensor out, lse, bias, agg, qe;          // the attention's and its terms'
     at::Tensor x1, b1, x2, b2;                   // the projections' GEMM operands (qe = x1 b1, value = x2 b2)
 };
@@ -1594,11 +1596,22 @@ EdgeFeatureForward edge_feature_forward(const at::Tensor& q, const at::Tensor& k
                 "w_e must have shape [H, C, F] = ", shape({H, C, a.size(1)}), " (got ", shape(w_e.sizes()), ")");
     const int64_t F = w_e.size(2);
     EdgeFeatureForward r;
+    // fp32 inputs (ops._cast_once): the kernels read their fp16 casts, made
+    // once and saved, and write out (and the backward q, k, v's gradients)
+    // in float32; the projections take the inputs as they are
+    TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                "q, k and v must have one dtype (got ", dtype_name(q.scalar_type()), ", ",
+                dtype_name(k.scalar_type()), ", ", dtype_name(v.scalar_type()), ")");
+    const bool fp32_in = q.scalar_type() == at::kFloat;
+    r.qk = fp32_in ? q.to(at::kHalf) : q;
+    r.kk = fp32_in ? k.to(at::kHalf) : k;
+    r.vk = fp32_in ? v.to(at::kHalf) : v;
     const at::ScalarType d1 = projection_dtype(q.scalar_type(), w_e.scalar_type());
     r.x1 = q.reshape({N, H * C}).to(d1);
     r.b1 = block_diagonal(w_e, scale, d1);   // [H C, H F]
     r.qe = at::mm(r.x1, r.b1).view({N, H, F});
-    std::tie(r.out, r.lse, r.bias, r.alpha, r.agg) = edge_terms_forward(q, k, v, r.qe, a, g, scale);
+    std::tie(r.out, r.lse, r.bias, r.alpha, r.agg) =
+        edge_terms_forward(r.qk, r.kk, r.vk, r.qe, a, g, scale, fp32_in);
     // (W_e^T's blocks in agg's dtype, float32, then the GEMM's)
     const at::ScalarType d2 = projection_dtype(r.agg.scalar_type(), r.agg.scalar_type());
     r.x2 = r.agg.reshape({N, H * F}).to(d2);
@@ -1615,7 +1628,7 @@ struct EdgeFeatureFn : public torch::autograd::Function<EdgeFeatureFn> {
                                  double scale) {
         const EdgeTermsGraph g{std::move(fwd_graph), std::move(bwd_graph), std::move(edge_slots), dst, rowptr, order};
         EdgeFeatureForward f = edge_feature_forward(q, k, v, w_e, a, g, scale);
-        ctx->save_for_backward({q, k, v, f.qe, a, f.out, f.lse, f.bias, f.alpha, f.agg, dst, rowptr, order, f.x1, f.b1,
+        ctx->save_for_backward({f.qk, f.kk, f.vk, f.qe, a, f.out, f.lse, f.bias, f.alpha, f.agg, dst, rowptr, order, f.x1, f.b1,
                                 f.x2, f.b2});
         ctx->saved_data["fwd"] = g.fwd;
         ctx->saved_data["bwd"] = g.bwd;
@@ -1637,6 +1650,8 @@ struct EdgeFeatureFn : public torch::autograd::Function<EdgeFeatureFn> {
                     "gt_fused3s: double backward through the edge-feature attention is not supported (the fused "
                     "backward kernels are not differentiable)");
         const variable_list s = ctx->get_saved_variables();
+        // q, k, v as the kernels read them; out is float32 for fp32 inputs,
+        // whose gradients then come in float32 from the kernel's accumulators
         const at::Tensor &q = s[0], &k = s[1], &v = s[2], &qe = s[3], &a = s[4], &out = s[5], &lse = s[6],
                          &bias = s[7], &alpha = s[8], &agg = s[9], &dst = s[10], &rowptr = s[11], &order = s[12],
                          &x1 = s[13], &b1 = s[14], &x2 = s[15], &b2 = s[16];
@@ -1659,7 +1674,8 @@ struct EdgeFeatureFn : public torch::autograd::Function<EdgeFeatureFn> {
             if (need_w) grad_blocks = at::mm(x2.t(), gv).to(agg.scalar_type()).t().to(at::kFloat);
         }
         // the attention with its terms
-        const at::Tensor grad_out = grad_y.defined() ? grad_y.to(q.scalar_type()) : at::zeros_like(out);
+        const bool fp32_in = out.scalar_type() == at::kFloat;
+        const at::Tensor grad_out = grad_y.defined() ? grad_y.to(q.scalar_type()) : at::zeros_like(q);
         std::optional<at::Tensor> dp_bias, delta_extra;
         if (grad_agg.defined()) {
             dp_bias = edge_dot_f32(grad_agg, a, dst);
@@ -1672,13 +1688,13 @@ struct EdgeFeatureFn : public torch::autograd::Function<EdgeFeatureFn> {
             delta_extra = delta_extra.has_value() ? *delta_extra + extra : extra;
         }
         auto [dq, dk, dv, ds] = bwd_cuda(grad_out, q, k, v, out, lse, f[1], f[2], f[4], f[5], b[0], b[1], b[2], b[3],
-                                         scale, false, bias, sl[0], sl[1], sl[2], sl[3], sl[4], sl[5], dp_bias,
+                                         scale, fp32_in, bias, sl[0], sl[1], sl[2], sl[3], sl[4], sl[5], dp_bias,
                                          delta_extra, 0.0, 0, std::nullopt);
         dp_bias.reset();   // per-edge temporaries go as soon as they are used (peak memory)
         at::Tensor da, dw;
         if (need_q || need_w) {   // the key term: qe = x1 b1, b1 = scale W_e's blocks
             const at::Tensor gqe = edge_scatter_typed(ds, a, rowptr, order).to(qe.scalar_type()).reshape({N, H * F});
-            if (need_q) dq = dq + at::mm(gqe, b1.t()).to(q.scalar_type()).view({N, H, C});
+            if (need_q) dq = dq + at::mm(gqe, b1.t()).to(dq.scalar_type()).view({N, H, C});
             if (need_w) {
                 const at::Tensor g1 = at::mm(x1.t(), gqe).to(at::kFloat) * scale;
                 grad_blocks = grad_blocks.defined() ? grad_blocks + g1 : g1;

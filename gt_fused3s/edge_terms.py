@@ -122,7 +122,7 @@ def edge_feature_attention(q: Tensor, k: Tensor, v: Tensor, graph, edge_attr: Te
         if grouping is not None:
             alpha = alpha[grouping.inv]
     elif node:
-        # eager with dropout, fp32 inputs or a padded head dim: the node as
+        # eager with dropout or a padded head dim: the node as
         # an autograd.Function between the projections
         grouping, a, dst, csr, slots = _grouped(plan, edge_attr, dst, csr, drop)
         out, agg, alpha = _EdgeFeatureTerms.apply(q, k, v, qe, a, plan, dst, csr, slots, scale, drop,

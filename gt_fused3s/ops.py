@@ -1249,22 +1249,23 @@ def _edge_terms_op_backward(ctx, grad_out, grad_agg, grad_alpha, _grad_lse, _gra
 _edge_terms_op.register_autograd(_edge_terms_op_backward, setup_context=_edge_terms_setup_context)
 
 
-def _eager_node_fits(q: Tensor, k: Tensor, v: Tensor, head_dims) -> bool:
+def _eager_node_fits(q: Tensor, k: Tensor, v: Tensor, head_dims, dtypes=_KERNEL_DTYPES) -> bool:
     """Whether q, k, v can go to a C++ op with its autograd in C++ as they
-    are: eagerly, on CUDA, fp16 / bf16 of one dtype, a head dim in
-    ``head_dims`` (no cast, no padding)."""
-    return (not torch.compiler.is_compiling() and q.is_cuda and q.dtype in _KERNEL_DTYPES
+    are: eagerly, on CUDA, of one dtype in ``dtypes`` (default fp16 / bf16:
+    no cast), a head dim in ``head_dims`` (no padding)."""
+    return (not torch.compiler.is_compiling() and q.is_cuda and q.dtype in dtypes
             and k.dtype == q.dtype and v.dtype == q.dtype and q.size(-1) in head_dims)
 
 
 def edge_feature_eager_fits(q: Tensor, k: Tensor, v: Tensor, w_e: Tensor, a: Tensor, drop: tuple) -> bool:
     """Whether the eager edge-feature attention on a plan takes
     ``edge_feature_eager`` (projections, kernels and their backward in one
-    C++ op and autograd node): on CUDA, without dropout, q, k, v fp16 / bf16
-    of one dtype and a compiled head dim (no cast, no padding), W_e and a of
-    the edge kernels' dtypes. Else the Python composition around the
+    C++ op and autograd node): on CUDA, without dropout, q, k, v of one
+    dtype, fp16 / bf16 or fp32 (cast to fp16 once in the op, as
+    :func:`_cast_once`), a compiled head dim (no padding), W_e and a of the
+    edge kernels' dtypes. Else the Python composition around the
     autograd.Function ``edge_terms._EdgeFeatureTerms`` (the same kernels)."""
-    return (not drop[0] and _eager_node_fits(q, k, v, _KERNEL_DIMS)
+    return (not drop[0] and _eager_node_fits(q, k, v, _KERNEL_DIMS, _EDGE_KERNEL_DTYPES)
             and w_e.dtype in _EDGE_KERNEL_DTYPES and a.dtype in _EDGE_KERNEL_DTYPES)
 
 

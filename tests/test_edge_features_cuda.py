@@ -130,8 +130,9 @@ def test_fwd_scores_op():
         assert (scores.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("case", ["all", "weights-loss", "qkv", "w-a", "none", "autocast", "sorted"])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype,case", [(d, c) for d in ("fp16", "bf16", "fp32")
+                                        for c in ("all", "weights-loss", "qkv", "w-a", "none", "autocast", "sorted")
+                                        if (d, c) != ("fp32", "autocast")])
 def test_cpp_op_equals_the_python_composition(dtype, case, monkeypatch):
     """Eagerly, without dropout, on the kernels' own operands the
     edge-feature attention is one C++ op and autograd node
@@ -141,7 +142,8 @@ def test_cpp_op_equals_the_python_composition(dtype, case, monkeypatch):
     the autograd.Function ``_EdgeFeatureTerms``, same kernels): output,
     weights and the gradients of q, k, v, W_e and the features, for a loss
     on the output (and on the weights), whichever inputs require gradients,
-    under bf16 autocast (W_e and the features fp32), on edges the plan
+    under autocast (W_e and the features fp32), for fp32 q, k, v (the op
+    casts them to fp16 once, as the Python path), on edges the plan
     groups by destination (scattered: conftest groups every plan's) and on
     edges grouped already; dropout and a padded head dim still take the
     Python path; opcheck passes."""
@@ -155,7 +157,8 @@ def test_cpp_op_equals_the_python_composition(dtype, case, monkeypatch):
     plan = GraphPlan.from_edge_index(ei, n)
     assert (plan.edge_grouping() is None) == (case == "sorted")
     g = torch.Generator().manual_seed(4)
-    low = torch.float32 if case == "autocast" else LOW[dtype]
+    # fp32: q, k, v cast to fp16 once inside either path, out and their gradients fp32
+    low = torch.float32 if case == "autocast" or dtype == "fp32" else LOW[dtype]
     q, k, v = (torch.randn(n, h, c, generator=g).to(low).to(DEV) for _ in range(3))
     w_e = (torch.randn(h, c, f, generator=g) * 0.3).to(DEV)
     a = torch.randn(ei.size(1), f, generator=g).to(DEV)
@@ -170,7 +173,7 @@ def test_cpp_op_equals_the_python_composition(dtype, case, monkeypatch):
         with monkeypatch.context() as m:
             if not cpp:
                 m.setattr(ops, "edge_feature_eager_fits", lambda *args: False)
-            with torch.autocast("cuda", dtype=LOW[dtype], enabled=case == "autocast"):
+            with torch.autocast("cuda", dtype=LOW.get(dtype, torch.float16), enabled=case == "autocast"):
                 if case == "autocast":   # as a layer gives them: q, k, v from autocast's linear layers
                     qkv = [t.to(LOW[dtype]) for t in leaves[:3]]
                 else:
