@@ -14,8 +14,6 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/ScalarOps.h>
-#include <ATen/autocast_mode.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -33,6 +31,7 @@
 #include "kernels/fused3s_bwd_params.h"
 #include "kernels/fused3s_params.h"
 #include "kernels/gather_rows.h"
+#include "kernels/head_project.h"
 #include "kernels/rows8_params.h"
 #include "kernels/seq_params.h"
 
@@ -1491,20 +1490,23 @@ at::Tensor seq_attention_eager_cuda(const at::Tensor& q, const at::Tensor& k, co
 
 // ---- the edge-feature attention's eager autograd ------------------------------
 // edge_feature_eager: edge_terms.edge_feature_attention's node path as one C++
-// op and autograd node, for eager mode without dropout on the kernels' own
-// operands (q, k, v fp16 / bf16 of a compiled head dim:
-// ops.edge_feature_eager_fits). TransformerConv's e_ij = W_e a_ij enter as
-// a key term, the bias <qe_i, a_e> with qe = scale q W_e, and a value term,
-// W_e agg_i with agg_i = sum_e alpha_e a_e: the projections by the heads'
-// block-diagonal W_e (two GEMMs), the edge kernels (edge_dot, fwd_scores,
+// op and autograd node, for eager mode without dropout (q, k, v fp16 / bf16
+// or fp32 of a compiled head dim: ops.edge_feature_eager_fits).
+// TransformerConv's e_ij = W_e a_ij enter as a key term, the bias
+// <qe_i, a_e> with qe = scale q W_e, and a value term, W_e agg_i with
+// agg_i = sum_e alpha_e a_e: the per-head projections by W_e (two
+// head_project kernels), the edge kernels (edge_dot, fwd_scores,
 // edge_probs, edge_scatter) and the final sum forward; backward, the
 // kernels' folded backward (bwd, edge_scatter, edge_rows: ops.py's
-// edge_terms_backward) and the projections' GEMMs. As Python autograd
+// edge_terms_backward), the projections' transposes and W_e's gradient
+// (head_outer_sum and a sum over its chunks). As Python autograd
 // nodes (the autograd.Function _EdgeFeatureTerms between the projections)
 // these were most of a call's host time on small graphs (README: ZINC
 // x1024, H100, 257 us of host for about 60 us of kernels a forward with the
-// Function's middle part in C++). Same kernels, products and casts as the
-// Python composition (autocast included: the GEMMs run in its dtype).
+// Function's middle part in C++). Same kernels and products as the Python
+// composition, but the projections: fp32 from the inputs as they are (the
+// Python path's block-diagonal GEMMs round to autocast's dtype), where
+// cuBLAS's calls cost 35-90 us of host time each (csrc/kernels/head_project.h).
 //
 // (y, alpha) from q, k, v [N, H, C], w_e [H, C, F] (lin_edge's weight per
 // head), a [E, F]; fwd_graph: the plan's forward_args (six), bwd_graph its
@@ -1528,26 +1530,66 @@ at::Tensor edge_scatter_typed(const at::Tensor& w, const at::Tensor& a, const at
     return edge_scatter_cuda(f32(w), f32(a), rowptr, order).to(at::promote_types(w.scalar_type(), a.scalar_type()));
 }
 
-// The dtype of a projection's GEMM (edge_terms.project_heads): autocast's
-// where it is on, else the operands' promoted one.
-at::ScalarType projection_dtype(at::ScalarType x, at::ScalarType blocks) {
-    if (at::autocast::is_autocast_enabled(at::kCUDA)) return at::autocast::get_autocast_dtype(at::kCUDA);
-    return at::promote_types(x, blocks);
+RowDtype row_dtype(const at::Tensor& t, const char* name) {
+    switch (t.scalar_type()) {
+        case at::kFloat: return RowDtype::kF32;
+        case at::kHalf: return RowDtype::kF16;
+        case at::kBFloat16: return RowDtype::kBF16;
+        default: TORCH_CHECK(false, name, " must be fp32, fp16 or bf16 (got ", dtype_name(t.scalar_type()), ")");
+    }
 }
 
-// scale W_e on the diagonal of a [H C, H F] matrix in `dtype`
-// (edge_terms.block_diagonal, times the scale, cast): zeros and one product
-// written through the diagonal blocks' strided view, two kernels, where
-// block_diag (a fill and a copy a head), the scale and the cast took up to
-// seven launches.
-at::Tensor block_diagonal(const at::Tensor& w, double scale, at::ScalarType dtype) {
-    const int64_t H = w.size(0), C = w.size(1), F = w.size(2);
-    at::Tensor blocks = at::zeros({H, C, H, F}, w.options().dtype(dtype));
-    at::Tensor diag = blocks.diagonal(0, 0, 2);   // [C, F, H]: blocks[h, :, h, :]
-    // the Tensor overload (a wrapped scalar): its out= may cast from w's dtype
-    // (mul.Scalar_out, generated, insists on the same dtype)
-    at::mul_out(diag, w.permute({1, 2, 0}), at::native::wrapped_scalar_tensor(scale));
-    return blocks.view({H * C, H * F});
+HeadShape head_shape(const at::Tensor& w32, int64_t rows) {
+    TORCH_CHECK(w32.scalar_type() == at::kFloat && w32.dim() == 3 && w32.is_contiguous(),
+                "w must be a contiguous float32 [H, C, F] tensor");
+    // the outer sum's tile holds a row of both terms (head_outer_sum_kernel)
+    TORCH_CHECK(w32.size(1) + w32.size(2) <= 6144, "w's C + F must be at most 6144 (got ",
+                num(w32.size(1) + w32.size(2)), ")");
+    return HeadShape{rows, static_cast<int32_t>(w32.size(0)), static_cast<int32_t>(w32.size(1)),
+                     static_cast<int32_t>(w32.size(2))};
+}
+
+// edge_terms.head_project on the kernel: out[n, h, :] = scale x[n, h, :] W_h
+// ([N, H, C] -> [N, H, F]) or, transposed, scale x[n, h, :] W_h^T
+// ([N, H, F] -> [N, H, C]); fp32 out, x fp32 / fp16 / bf16, w32 fp32.
+at::Tensor head_project(const at::Tensor& x_in, const at::Tensor& w32, double scale, bool transposed) {
+    const at::Tensor x = x_in.contiguous();
+    const HeadShape s = head_shape(w32, x.size(0));
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == s.heads && x.size(2) == (transposed ? s.f : s.c), "x must have shape ",
+                shape({x.size(0), s.heads, transposed ? s.f : s.c}), " (got ", shape(x.sizes()), ")");
+    at::Tensor out = at::empty({s.rows, s.heads, transposed ? s.c : s.f}, x.options().dtype(at::kFloat));
+    C10_CUDA_CHECK(run_head_project(x.data_ptr(), row_dtype(x, "x"), w32.data_ptr<float>(), static_cast<float>(scale),
+                                    transposed, out.data_ptr<float>(), s,
+                                    c10::cuda::getCurrentCUDAStream().stream()));
+    return out;
+}
+
+// W's gradient from both projections: sum_n s1 x1[n, h, :]^T y1[n, h, :]
+// (+ s2 x2[n, h, :]^T y2[n, h, :] where x2 is defined), [H, C, F] fp32; x1,
+// x2 [N, H, C] of one dtype, y1, y2 [N, H, F]. Chunks of rows summed in a
+// fixed order (no atomics).
+at::Tensor head_outer_sum(const at::Tensor& x1, const at::Tensor& y1, double s1, const at::Tensor& x2,
+                          const at::Tensor& y2, double s2, const at::Tensor& w32) {
+    const HeadShape s = head_shape(w32, x1.size(0));
+    const at::Tensor a1 = x1.contiguous(), b1 = f32(y1);
+    const at::Tensor a2 = x2.defined() ? x2.to(a1.scalar_type()).contiguous() : at::Tensor();
+    const at::Tensor b2 = x2.defined() ? f32(y2) : at::Tensor();
+    for (const at::Tensor* t : {&a1, &a2}) {
+        TORCH_CHECK(!t->defined() || t->sizes() == at::IntArrayRef({s.rows, s.heads, s.c}), "x must have shape ",
+                    shape({s.rows, s.heads, s.c}), " (got ", shape(t->sizes()), ")");
+    }
+    for (const at::Tensor* t : {&b1, &b2}) {
+        TORCH_CHECK(!t->defined() || t->sizes() == at::IntArrayRef({s.rows, s.heads, s.f}), "y must have shape ",
+                    shape({s.rows, s.heads, s.f}), " (got ", shape(t->sizes()), ")");
+    }
+    const int64_t chunks = head_outer_sum_chunks(s);
+    at::Tensor partials = at::empty({chunks, s.heads, s.c, s.f}, w32.options());
+    C10_CUDA_CHECK(run_head_outer_sum(a1.data_ptr(), b1.data_ptr<float>(), static_cast<float>(s1),
+                                      a2.defined() ? a2.data_ptr() : nullptr,
+                                      b2.defined() ? b2.data_ptr<float>() : nullptr, static_cast<float>(s2),
+                                      row_dtype(a1, "x"), partials.data_ptr<float>(), chunks, s,
+                                      c10::cuda::getCurrentCUDAStream().stream()));
+    return chunks == 1 ? partials[0] : partials.sum(0);
 }
 
 struct EdgeTermsGraph {   // the graph's arrays, as the node's ops take them
@@ -1584,17 +1626,16 @@ struct EdgeFeatureForward {
     at::Tensor y, alpha;                         // the outputs
     at::Tensor qk, kk, vk;                       // q, k, v as the kernels read them (fp32's fp16 casts)
     at::Tensor out, lse, bias, agg, qe;          // the attention's and its terms'
-    at::Tensor x1, b1, x2, b2;                   // the projections' GEMM operands (qe = x1 b1, value = x2 b2)
+    at::Tensor w32;                              // w_e in float32, contiguous (the projections' weight)
 };
 
 EdgeFeatureForward edge_feature_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& w_e, const at::Tensor& a, const EdgeTermsGraph& g,
                                         double scale) {
     check_edge_terms_graph(g);
-    const int64_t N = q.size(0), H = q.size(1), C = q.size(2);
+    const int64_t H = q.size(1), C = q.size(2);
     TORCH_CHECK(w_e.dim() == 3 && w_e.size(0) == H && w_e.size(1) == C && w_e.size(2) == a.size(1),
                 "w_e must have shape [H, C, F] = ", shape({H, C, a.size(1)}), " (got ", shape(w_e.sizes()), ")");
-    const int64_t F = w_e.size(2);
     EdgeFeatureForward r;
     // fp32 inputs (ops._cast_once): the kernels read their fp16 casts, made
     // once and saved, and write out (and the backward q, k, v's gradients)
@@ -1606,17 +1647,13 @@ EdgeFeatureForward edge_feature_forward(const at::Tensor& q, const at::Tensor& k
     r.qk = fp32_in ? q.to(at::kHalf) : q;
     r.kk = fp32_in ? k.to(at::kHalf) : k;
     r.vk = fp32_in ? v.to(at::kHalf) : v;
-    const at::ScalarType d1 = projection_dtype(q.scalar_type(), w_e.scalar_type());
-    r.x1 = q.reshape({N, H * C}).to(d1);
-    r.b1 = block_diagonal(w_e, scale, d1);   // [H C, H F]
-    r.qe = at::mm(r.x1, r.b1).view({N, H, F});
+    r.w32 = f32(w_e);
+    r.qe = head_project(q, r.w32, scale, false);   // [N, H, F] fp32
     std::tie(r.out, r.lse, r.bias, r.alpha, r.agg) =
         edge_terms_forward(r.qk, r.kk, r.vk, r.qe, a, g, scale, fp32_in);
-    // (W_e^T's blocks in agg's dtype, float32, then the GEMM's)
-    const at::ScalarType d2 = projection_dtype(r.agg.scalar_type(), r.agg.scalar_type());
-    r.x2 = r.agg.reshape({N, H * F}).to(d2);
-    r.b2 = block_diagonal(w_e, 1.0, d2).t();   // [H F, H C]
-    r.y = r.out + at::mm(r.x2, r.b2).view({N, H, C}).to(r.out.scalar_type());
+    // y = out + W_e agg in out's dtype: one kernel (add's out= casts)
+    r.y = at::empty_like(r.out);
+    at::add_out(r.y, r.out, head_project(r.agg, r.w32, 1.0, true));
     return r;
 }
 
@@ -1628,8 +1665,8 @@ struct EdgeFeatureFn : public torch::autograd::Function<EdgeFeatureFn> {
                                  double scale) {
         const EdgeTermsGraph g{std::move(fwd_graph), std::move(bwd_graph), std::move(edge_slots), dst, rowptr, order};
         EdgeFeatureForward f = edge_feature_forward(q, k, v, w_e, a, g, scale);
-        ctx->save_for_backward({f.qk, f.kk, f.vk, f.qe, a, f.out, f.lse, f.bias, f.alpha, f.agg, dst, rowptr, order, f.x1, f.b1,
-                                f.x2, f.b2});
+        ctx->save_for_backward({f.qk, f.kk, f.vk, f.qe, a, f.out, f.lse, f.bias, f.alpha, f.agg, dst, rowptr, order, q,
+                                f.w32});
         ctx->saved_data["fwd"] = g.fwd;
         ctx->saved_data["bwd"] = g.bwd;
         ctx->saved_data["slots"] = g.slots;
@@ -1654,7 +1691,7 @@ struct EdgeFeatureFn : public torch::autograd::Function<EdgeFeatureFn> {
         // whose gradients then come in float32 from the kernel's accumulators
         const at::Tensor &q = s[0], &k = s[1], &v = s[2], &qe = s[3], &a = s[4], &out = s[5], &lse = s[6],
                          &bias = s[7], &alpha = s[8], &agg = s[9], &dst = s[10], &rowptr = s[11], &order = s[12],
-                         &x1 = s[13], &b1 = s[14], &x2 = s[15], &b2 = s[16];
+                         &q_in = s[13], &w32 = s[14];   // q as given (the projection's input)
         const std::vector<at::Tensor> f = ctx->saved_data["fwd"].toTensorVector();
         const std::vector<at::Tensor> b = ctx->saved_data["bwd"].toTensorVector();
         const std::vector<at::Tensor> sl = ctx->saved_data["slots"].toTensorVector();
@@ -1665,13 +1702,11 @@ struct EdgeFeatureFn : public torch::autograd::Function<EdgeFeatureFn> {
         // (needs_input_grad counts the tensor inputs: q, k, v, w_e, a first)
         const bool need_q = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(3),
                    need_a = ctx->needs_input_grad(4);
-        const int64_t N = q.size(0), H = q.size(1), C = q.size(2), F = qe.size(2);
         const at::Tensor &grad_y = grads[0], &grad_alpha = grads[1];
-        at::Tensor grad_agg, grad_blocks;   // grad_blocks: of the block-diagonal W_e [H C, H F], fp32
-        if (grad_y.defined()) {   // the value term: y = out + (x2 b2).to(out's dtype)
-            const at::Tensor gv = grad_y.reshape({N, H * C}).to(x2.scalar_type());
-            grad_agg = at::mm(gv, b2.t()).to(agg.scalar_type()).view({N, H, F});
-            if (need_w) grad_blocks = at::mm(x2.t(), gv).to(agg.scalar_type()).t().to(at::kFloat);
+        at::Tensor gv, grad_agg;
+        if (grad_y.defined()) {   // the value term: y = out + agg W_e^T per head
+            gv = grad_y.to(q_in.scalar_type());
+            grad_agg = head_project(gv, w32, 1.0, false).to(agg.scalar_type());
         }
         // the attention with its terms
         const bool fp32_in = out.scalar_type() == at::kFloat;
@@ -1692,22 +1727,17 @@ struct EdgeFeatureFn : public torch::autograd::Function<EdgeFeatureFn> {
                                          delta_extra, 0.0, 0, std::nullopt);
         dp_bias.reset();   // per-edge temporaries go as soon as they are used (peak memory)
         at::Tensor da, dw;
-        if (need_q || need_w) {   // the key term: qe = x1 b1, b1 = scale W_e's blocks
-            const at::Tensor gqe = edge_scatter_typed(ds, a, rowptr, order).to(qe.scalar_type()).reshape({N, H * F});
-            if (need_q) dq = dq + at::mm(gqe, b1.t()).to(dq.scalar_type()).view({N, H, C});
-            if (need_w) {
-                const at::Tensor g1 = at::mm(x1.t(), gqe).to(at::kFloat) * scale;
-                grad_blocks = grad_blocks.defined() ? grad_blocks + g1 : g1;
-            }
+        if (need_q || need_w) {   // the key term: qe = scale q W_e per head
+            const at::Tensor gqe = edge_scatter_typed(ds, a, rowptr, order).to(qe.scalar_type());
+            if (need_q) dq.add_(head_project(gqe, w32, scale, true));   // (add_ casts to dq's dtype)
+            // both terms' products: scale q^T gqe + gv^T agg per head
+            if (need_w) dw = head_outer_sum(q_in, gqe, scale, gv, agg, 1.0, w32).to(w_dtype);
         }
         if (need_a) {
             const at::ScalarType dt = at::promote_types(ds.scalar_type(), qe.scalar_type());
             da = grad_agg.defined() ? edge_rows_cuda(f32(ds), f32(qe), dst, f32(alpha), f32(grad_agg))
                                     : edge_rows_cuda(f32(ds), f32(qe), dst, std::nullopt, std::nullopt);
             da = da.to(dt).to(a.scalar_type());
-        }
-        if (need_w && grad_blocks.defined()) {   // the heads' diagonal blocks: [H C, H F] -> [H, C, F]
-            dw = grad_blocks.view({H, C, H, F}).diagonal(0, 0, 2).permute({2, 0, 1}).to(w_dtype).contiguous();
         }
         return {need_q ? dq : at::Tensor(), ctx->needs_input_grad(1) ? dk : at::Tensor(),
                 ctx->needs_input_grad(2) ? dv : at::Tensor(), dw, da, at::Tensor(), at::Tensor(), at::Tensor(),

@@ -139,7 +139,9 @@ def test_cpp_op_equals_the_python_composition(dtype, case, monkeypatch):
     (``ops.edge_feature_eager``: csrc/bindings.cpp, EdgeFeatureFn: the
     projections by W_e, the kernels, the value term and their backward); it
     equals the Python composition it replaces (the projections' GEMMs around
-    the autograd.Function ``_EdgeFeatureTerms``, same kernels): output,
+    the autograd.Function ``_EdgeFeatureTerms``, same kernels; the op's
+    projections are head_project kernels in fp32, the GEMMs round to
+    autocast's dtype: within the tolerance of the low precision): output,
     weights and the gradients of q, k, v, W_e and the features, for a loss
     on the output (and on the weights), whichever inputs require gradients,
     under autocast (W_e and the features fp32), for fp32 q, k, v (the op

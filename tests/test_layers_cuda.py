@@ -15,8 +15,9 @@ pytestmark = [
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Launches of the forward kernel (``torch.ops.gt_fused3s.fwd``, or
-    ``fwd_scores`` where the weights are returned), by whichever path of the
-    op (eager fast path, autograd, general)."""
+    ``fwd_scores`` where the weights are returned, or the C++ op
+    ``edge_feature_eager``, which launches fwd_scores itself), by whichever
+    path of the op (eager fast path, autograd, general)."""
     from gt_fused3s._build import load_extension
     load_extension()
     calls = []
@@ -24,7 +25,7 @@ def kernel_calls(monkeypatch):
 
     def counting(name):
         op = lookup(name)
-        if name not in ("fwd", "fwd_scores"):
+        if name not in ("fwd", "fwd_scores", "edge_feature_eager"):
             return op
 
         def run(*args):
