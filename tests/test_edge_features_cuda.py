@@ -195,8 +195,11 @@ def test_cpp_op_equals_the_python_composition(dtype, case, monkeypatch):
     assert len(got) == len(want)
     for i, (x, y) in enumerate(zip(got, want)):
         assert x.dtype == y.dtype and x.shape == y.shape, i
-        # the same kernels and products (the backward adds with atomics)
-        tol = (1e-3 if x.dtype == torch.float32 else 1e-2) * max(y.abs().max().item(), 1.0)
+        # the same kernels and products (the backward adds with atomics);
+        # under autocast the Python path's projections round to its dtype
+        # (the op's are fp32): bf16's tolerance of the reference tests there
+        tol = (1e-3 if x.dtype == torch.float32 and case != "autocast" else
+               4e-2 if case == "autocast" and dtype == "bf16" else 1e-2) * max(y.abs().max().item(), 1.0)
         assert (x.float() - y.float()).abs().max().item() <= tol, (case, i)
     if case == "all":
         dst, csr, slots = ei[1].long(), plan.destination_csr(), plan.bias_args()

@@ -5,11 +5,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
+
 namespace gt_fused3s {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = int64_t(1) << 20;   // grid-stride beyond
 constexpr int kOuterBlocks = 528;                   // 4 per SM of an H100: the outer sums' target grid
 constexpr int64_t kMaxPartials = int64_t(1) << 22;  // floats of the outer sums' chunk partials (16 MB)
 constexpr int kTileFloats = 8192;                   // the outer sums' shared row tile (32 KB)
@@ -18,120 +19,220 @@ __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// One output per thread: the dot product of x's row (A entries of a head)
-// with a row (transposed) or a column of w[h]; threads of one (n, h) read
-// the same x entries (one broadcast load) and neighbouring w entries.
-template <typename T, bool kTransposed>
+// V consecutive entries of a row as floats (V = 4: one 16-byte load of
+// floats, one 8-byte load of halves; the caller checks alignment).
+template <int V>
+__device__ __forceinline__ void load_row(float (&dst)[V], const float* src) {
+    if constexpr (V == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(src);
+        dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) dst[j] = src[j];
+    }
+}
+template <int V, typename H2>
+__device__ __forceinline__ void load_pairs(float (&dst)[V], const H2* src) {   // halves / bf16s, V = 4
+    const uint2 raw = *reinterpret_cast<const uint2*>(src);
+    const H2* p = reinterpret_cast<const H2*>(&raw);
+    dst[0] = to_float(p[0]); dst[1] = to_float(p[1]); dst[2] = to_float(p[2]); dst[3] = to_float(p[3]);
+}
+template <int V>
+__device__ __forceinline__ void load_row(float (&dst)[V], const __half* src) {
+    if constexpr (V == 4) {
+        load_pairs<V>(dst, src);
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) dst[j] = to_float(src[j]);
+    }
+}
+template <int V>
+__device__ __forceinline__ void load_row(float (&dst)[V], const __nv_bfloat16* src) {
+    if constexpr (V == 4) {
+        load_pairs<V>(dst, src);
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) dst[j] = to_float(src[j]);
+    }
+}
+
+// A thread computes V consecutive outputs of one (n, h) row: per V-step of
+// the inner dim, one vector load of x (shared by the row's threads) and V
+// vector loads of w (L1-resident: w is small), V * V FMAs, where one output
+// a thread took two scalar loads an FMA (load-issue bound: 3-5x cuBLAS's
+// GPU time on the 200k graph). V = 4 needs F % 4 == 0 (C, a head dim, is a
+// multiple of 8); else V = 1.
+template <typename T, bool kTransposed, int V>
 __global__ void __launch_bounds__(kThreads)
 head_project_kernel(const T* __restrict__ x, const float* __restrict__ w, float scale, float* __restrict__ out,
                     int64_t rows, int heads, int c, int f) {
     const int A = kTransposed ? f : c, B = kTransposed ? c : f;
-    const int64_t total = rows * heads * B;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-        const int64_t nh = i / B;
-        const int b = static_cast<int>(i - nh * B), h = static_cast<int>(nh % heads);
-        const T* xr = x + nh * A;
-        const float* wh = w + int64_t(h) * c * f;
-        float acc = 0.f;
-        if constexpr (kTransposed) {   // out[n, h, c = b] = sum_f x[n, h, f] w[h, b, f]
-            const float* wr = wh + int64_t(b) * f;
-            for (int a = 0; a < A; ++a) acc = fmaf(to_float(xr[a]), wr[a], acc);
-        } else {                       // out[n, h, f = b] = sum_c x[n, h, c] w[h, c, b]
-            for (int a = 0; a < A; ++a) acc = fmaf(to_float(xr[a]), wh[int64_t(a) * f + b], acc);
+    const int groups = B / V;   // output groups of a row
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (i >= rows * heads * groups) return;
+    const int64_t nh = i / groups;
+    const int b0 = static_cast<int>(i - nh * groups) * V, h = static_cast<int>(nh % heads);
+    const T* xr = x + nh * A;
+    const float* wh = w + int64_t(h) * c * f;
+    float acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = 0.f;
+    for (int a = 0; a < A; a += V) {
+        float xv[V];
+        load_row<V>(xv, xr + a);
+#pragma unroll
+        for (int t = 0; t < V; ++t) {
+            float wv[V];
+            if constexpr (kTransposed) {   // w[h, b0 + t, a .. a + V): row b0 + t, entries a..
+                load_row<V>(wv, wh + int64_t(b0 + t) * f + a);
+#pragma unroll
+                for (int j = 0; j < V; ++j) acc[t] = fmaf(xv[j], wv[j], acc[t]);
+            } else {                       // w[h, a + t, b0 .. b0 + V)
+                load_row<V>(wv, wh + int64_t(a + t) * f + b0);
+#pragma unroll
+                for (int j = 0; j < V; ++j) acc[j] = fmaf(xv[t], wv[j], acc[j]);
+            }
         }
-        out[i] = acc * scale;
     }
+    float* o = out + nh * B + b0;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o[j] = acc[j] * scale;
 }
 
 // Rows [n0, n1) of x (head h, width `width`, row stride heads * width) into
-// the shared tile [tile_rows, width] as floats; zero past n1.
+// the shared tile [tile_rows, stride] as floats; zero past n1 and in the
+// padding columns [width, stride).
 template <typename T>
 __device__ __forceinline__ void load_tile(float* dst, const T* __restrict__ x, int64_t n0, int64_t n1, int tile_rows,
-                                          int heads, int h, int width) {
-    for (int idx = threadIdx.x; idx < tile_rows * width; idx += blockDim.x) {
-        const int r = idx / width, k = idx - r * width;
+                                          int heads, int h, int width, int stride) {
+    for (int idx = threadIdx.x; idx < tile_rows * stride; idx += blockDim.x) {
+        const int r = idx / stride, k = idx - r * stride;
         const int64_t n = n0 + r;
-        dst[idx] = n < n1 ? to_float(x[(n * heads + h) * width + k]) : 0.f;
+        dst[idx] = n < n1 && k < width ? to_float(x[(n * heads + h) * width + k]) : 0.f;
     }
 }
 
-// Block (chunk, h, pair group): each thread one (c, f) pair of the group,
-// summed over the chunk's rows, which pass through shared memory a tile at
-// a time (both terms' x and y rows).
+// Block (chunk, h, tile group): each thread a 4 x 4 tile of (c, f) pairs,
+// summed over the chunk's rows, which pass through shared memory a tile of
+// rows at a time (both terms' x and y rows; y's padded to F4 = F rounded up
+// to 4): per row and term two 16-byte shared loads and 16 FMAs.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
 head_outer_sum_kernel(const T* __restrict__ x1, const float* __restrict__ y1, float s1, const T* __restrict__ x2,
                       const float* __restrict__ y2, float s2, float* __restrict__ partials, int64_t rows,
                       int64_t rows_per_chunk, int tile_rows, int heads, int c, int f) {
-    extern __shared__ float tile[];
+    extern __shared__ float4 tile4[];
+    float* tile = reinterpret_cast<float*>(tile4);
+    const int f4 = (f + 3) / 4 * 4;
     const int terms = x2 != nullptr ? 2 : 1;
     float* xs = tile;                             // [terms][tile_rows][c]
-    float* ys = tile + terms * tile_rows * c;     // [terms][tile_rows][f]
+    float* ys = tile + terms * tile_rows * c;     // [terms][tile_rows][f4]
     const int64_t chunk = blockIdx.x;
     const int h = blockIdx.y;
-    const int p = blockIdx.z * blockDim.x + threadIdx.x;
-    const bool owns = p < c * f;
-    const int pc = owns ? p / f : 0, pf = owns ? p - pc * f : 0;
+    const int tiles_f = f4 / 4, p = blockIdx.z * blockDim.x + threadIdx.x;
+    const bool owns = p < (c / 4) * tiles_f;
+    const int c0 = owns ? p / tiles_f * 4 : 0, f0 = owns ? (p % tiles_f) * 4 : 0;
     const int64_t first = chunk * rows_per_chunk;
     const int64_t last = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
-    float acc1 = 0.f, acc2 = 0.f;
+    float acc[2][4][4] = {};
     for (int64_t n0 = first; n0 < last; n0 += tile_rows) {
         __syncthreads();   // the previous tile is read
-        load_tile(xs, x1, n0, last, tile_rows, heads, h, c);
-        load_tile(ys, y1, n0, last, tile_rows, heads, h, f);
+        load_tile(xs, x1, n0, last, tile_rows, heads, h, c, c);
+        load_tile(ys, y1, n0, last, tile_rows, heads, h, f, f4);
         if (terms == 2) {
-            load_tile(xs + tile_rows * c, x2, n0, last, tile_rows, heads, h, c);
-            load_tile(ys + tile_rows * f, y2, n0, last, tile_rows, heads, h, f);
+            load_tile(xs + tile_rows * c, x2, n0, last, tile_rows, heads, h, c, c);
+            load_tile(ys + tile_rows * f4, y2, n0, last, tile_rows, heads, h, f, f4);
         }
         __syncthreads();
         if (owns) {
-            for (int r = 0; r < tile_rows; ++r) acc1 = fmaf(xs[r * c + pc], ys[r * f + pf], acc1);
-            if (terms == 2) {
-                const float* xs2 = xs + tile_rows * c;
-                const float* ys2 = ys + tile_rows * f;
-                for (int r = 0; r < tile_rows; ++r) acc2 = fmaf(xs2[r * c + pc], ys2[r * f + pf], acc2);
+            const int rows_here = last - n0 < tile_rows ? static_cast<int>(last - n0) : tile_rows;
+            for (int t = 0; t < terms; ++t) {
+                const float* xt = xs + t * tile_rows * c + c0;
+                const float* yt = ys + t * tile_rows * f4 + f0;
+                for (int r = 0; r < rows_here; ++r) {
+                    float xv[4], yv[4];
+                    load_row<4>(xv, xt + r * c);
+                    load_row<4>(yv, yt + r * f4);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) acc[t][i][j] = fmaf(xv[i], yv[j], acc[t][i][j]);
+                    }
+                }
             }
         }
     }
-    if (owns) partials[((chunk * heads + h) * c + pc) * f + pf] = s1 * acc1 + (terms == 2 ? s2 * acc2 : 0.f);
+    if (!owns) return;
+    float* o = partials + ((chunk * heads + h) * c + c0) * f + f0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (f0 + j < f) o[int64_t(i) * f + j] = s1 * acc[0][i][j] + (terms == 2 ? s2 * acc[1][i][j] : 0.f);
+        }
+    }
 }
 
-int pair_groups(const HeadShape& s) { return (s.c * s.f + kThreads - 1) / kThreads; }
+// Threads of an outer-sum block: one per 4 x 4 tile of pairs, in warps, at
+// most kThreads (small C x F: small blocks, more chunks).
+int outer_threads(const HeadShape& s) {
+    const int tiles = (s.c / 4) * ((s.f + 3) / 4);
+    const int t = (tiles + 31) / 32 * 32;
+    return t < kThreads ? t : kThreads;
+}
+
+int tile_groups(const HeadShape& s) {
+    const int tiles = (s.c / 4) * ((s.f + 3) / 4);
+    return (tiles + outer_threads(s) - 1) / outer_threads(s);
+}
 
 int tile_rows_for(const HeadShape& s, int terms) {
-    const int r = kTileFloats / (terms * (s.c + s.f));
+    const int r = kTileFloats / (terms * (s.c + (s.f + 3) / 4 * 4));
     return r < 1 ? 1 : (r > 64 ? 64 : r);
 }
 
-template <typename T>
+template <typename T, int V>
 cudaError_t launch_project(const T* x, const float* w, float scale, bool transposed, float* out, const HeadShape& s,
                            cudaStream_t stream) {
-    const int64_t total = s.rows * s.heads * (transposed ? s.c : s.f);
+    const int64_t total = s.rows * s.heads * ((transposed ? s.c : s.f) / V);
     if (total == 0) return cudaSuccess;
-    int64_t blocks = (total + kThreads - 1) / kThreads;
-    blocks = blocks < kMaxBlocks ? blocks : kMaxBlocks;
+    const int64_t blocks = (total + kThreads - 1) / kThreads;
+    if (blocks >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
     if (transposed) {
-        head_project_kernel<T, true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, w, scale, out, s.rows,
-                                                                                          s.heads, s.c, s.f);
+        head_project_kernel<T, true, V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, w, scale, out,
+                                                                                             s.rows, s.heads, s.c, s.f);
     } else {
-        head_project_kernel<T, false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, w, scale, out, s.rows,
-                                                                                           s.heads, s.c, s.f);
+        head_project_kernel<T, false, V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, w, scale, out,
+                                                                                              s.rows, s.heads, s.c, s.f);
     }
     return cudaGetLastError();
 }
 
 template <typename T>
+cudaError_t launch_project(const T* x, const float* w, float scale, bool transposed, float* out, const HeadShape& s,
+                           cudaStream_t stream) {
+    // 4-wide where both dims and the pointers allow it (C, a head dim, is a
+    // multiple of 8; a contiguous view may start anywhere)
+    const bool aligned = reinterpret_cast<uintptr_t>(x) % (4 * sizeof(T)) == 0 &&
+                         reinterpret_cast<uintptr_t>(w) % 16 == 0;
+    if (s.f % 4 == 0 && s.c % 4 == 0 && aligned) return launch_project<T, 4>(x, w, scale, transposed, out, s, stream);
+    return launch_project<T, 1>(x, w, scale, transposed, out, s, stream);
+}
+
+template <typename T>
 cudaError_t launch_outer_sum(const T* x1, const float* y1, float s1, const T* x2, const float* y2, float s2,
                              float* partials, int64_t chunks, const HeadShape& s, cudaStream_t stream) {
+    if (s.c % 4 != 0) return cudaErrorInvalidValue;   // C is a head dim (a multiple of 8)
     const int terms = x2 != nullptr ? 2 : 1;
     const int tile = tile_rows_for(s, terms);
-    const size_t smem = sizeof(float) * size_t(terms) * size_t(tile) * size_t(s.c + s.f);
+    const size_t smem = sizeof(float) * size_t(terms) * size_t(tile) * size_t(s.c + (s.f + 3) / 4 * 4);
     if (smem > 48 * 1024) return cudaErrorInvalidValue;   // C + F beyond what the binding allows
     const int64_t per_chunk = (s.rows + chunks - 1) / chunks;
     const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(s.heads),
-                    static_cast<unsigned>(pair_groups(s)));
-    head_outer_sum_kernel<T><<<grid, kThreads, smem, stream>>>(x1, y1, s1, x2, y2, s2, partials, s.rows,
-                                                               per_chunk > 0 ? per_chunk : 1, tile, s.heads, s.c, s.f);
+                    static_cast<unsigned>(tile_groups(s)));
+    head_outer_sum_kernel<T><<<grid, outer_threads(s), smem, stream>>>(x1, y1, s1, x2, y2, s2, partials, s.rows,
+                                                                        per_chunk > 0 ? per_chunk : 1, tile, s.heads,
+                                                                        s.c, s.f);
     return cudaGetLastError();
 }
 
@@ -150,9 +251,10 @@ cudaError_t run_head_project(const void* x, RowDtype x_dtype, const float* w, fl
 }
 
 int64_t head_outer_sum_chunks(const HeadShape& s) {
-    const int64_t per_chunk_grid = int64_t(s.heads) * pair_groups(s);
+    // about kOuterBlocks full blocks' worth of threads; small blocks, more chunks
+    const int64_t per_chunk_grid = int64_t(s.heads) * tile_groups(s) * outer_threads(s);
     int64_t chunks = (s.rows + 63) / 64;                       // at least 64 rows a chunk
-    const int64_t fill = kOuterBlocks / (per_chunk_grid > 0 ? per_chunk_grid : 1);
+    const int64_t fill = int64_t(kOuterBlocks) * kThreads / (per_chunk_grid > 0 ? per_chunk_grid : 1);
     const int64_t room = kMaxPartials / (int64_t(s.heads) * s.c * s.f > 0 ? int64_t(s.heads) * s.c * s.f : 1);
     if (chunks > fill) chunks = fill;
     if (chunks > room) chunks = room;
