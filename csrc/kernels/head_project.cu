@@ -99,6 +99,63 @@ head_project_kernel(const T* __restrict__ x, const float* __restrict__ w, float 
     for (int j = 0; j < V; ++j) o[j] = acc[j] * scale;
 }
 
+constexpr int kRowsWeightFloats = 12288;   // w[h] in shared memory (48 KB): the row kernel's bound
+
+// One thread per (n, h) row, the block's rows of one head h: w[h] staged in
+// shared memory as [A][B16] (B rounded up to 16, zeros), every thread of a
+// warp reading the same entries (a broadcast), 16 outputs in registers at a
+// time: per x entry 16 FMAs from four 16-byte shared loads. The 4-wide
+// kernel above, whose warps mix heads and read w from L1, serves w[h]
+// beyond the shared bound.
+template <typename T, bool kTransposed>
+__global__ void __launch_bounds__(kThreads)
+head_project_rows_kernel(const T* __restrict__ x, const float* __restrict__ w, float scale, float* __restrict__ out,
+                         int64_t rows, int heads, int c, int f) {
+    extern __shared__ float4 w_tile4[];
+    float* ws = reinterpret_cast<float*>(w_tile4);
+    const int A = kTransposed ? f : c, B = kTransposed ? c : f, B16 = (B + 15) / 16 * 16;
+    const int h = blockIdx.y;
+    const float* wh = w + int64_t(h) * c * f;
+    for (int idx = threadIdx.x; idx < A * B16; idx += blockDim.x) {
+        const int a = idx / B16, b = idx - a * B16;
+        ws[idx] = b < B ? (kTransposed ? wh[int64_t(b) * f + a] : wh[int64_t(a) * f + b]) : 0.f;
+    }
+    __syncthreads();
+    const int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (n >= rows) return;
+    const T* xr = x + (n * heads + h) * A;
+    float* o = out + (n * heads + h) * B;
+    for (int b0 = 0; b0 < B; b0 += 16) {
+        float acc[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) acc[j] = 0.f;
+        for (int a = 0; a < A; ++a) {
+            const float xa = to_float(xr[a]);
+            const float4* wr = reinterpret_cast<const float4*>(ws + a * B16 + b0);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float4 v = wr[j];
+                acc[4 * j] = fmaf(xa, v.x, acc[4 * j]);
+                acc[4 * j + 1] = fmaf(xa, v.y, acc[4 * j + 1]);
+                acc[4 * j + 2] = fmaf(xa, v.z, acc[4 * j + 2]);
+                acc[4 * j + 3] = fmaf(xa, v.w, acc[4 * j + 3]);
+            }
+        }
+        if (B % 4 == 0 && B - b0 >= 16) {   // 16-byte stores (rows of B floats, B % 4 == 0)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                reinterpret_cast<float4*>(o + b0)[j] = make_float4(acc[4 * j] * scale, acc[4 * j + 1] * scale,
+                                                                   acc[4 * j + 2] * scale, acc[4 * j + 3] * scale);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                if (b0 + j < B) o[b0 + j] = acc[j] * scale;
+            }
+        }
+    }
+}
+
 // Rows [n0, n1) of x (head h, width `width`, row stride heads * width) into
 // the shared tile [tile_rows, stride] as floats; zero past n1 and in the
 // padding columns [width, stride).
@@ -211,6 +268,22 @@ cudaError_t launch_project(const T* x, const float* w, float scale, bool transpo
 template <typename T>
 cudaError_t launch_project(const T* x, const float* w, float scale, bool transposed, float* out, const HeadShape& s,
                            cudaStream_t stream) {
+    const int A = transposed ? s.f : s.c, B = transposed ? s.c : s.f, B16 = (B + 15) / 16 * 16;
+    if (int64_t(A) * B16 <= kRowsWeightFloats) {   // w[h] fits the shared tile: the row kernel
+        if (s.rows == 0) return cudaSuccess;
+        const int64_t blocks = (s.rows + kThreads - 1) / kThreads;
+        if (blocks >= (int64_t(1) << 31) || s.heads > 65535) return cudaErrorInvalidValue;
+        const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(s.heads));
+        const size_t smem = sizeof(float) * size_t(A) * size_t(B16);
+        if (transposed) {
+            head_project_rows_kernel<T, true><<<grid, kThreads, smem, stream>>>(x, w, scale, out, s.rows, s.heads,
+                                                                                s.c, s.f);
+        } else {
+            head_project_rows_kernel<T, false><<<grid, kThreads, smem, stream>>>(x, w, scale, out, s.rows, s.heads,
+                                                                                 s.c, s.f);
+        }
+        return cudaGetLastError();
+    }
     // 4-wide where both dims and the pointers allow it (C, a head dim, is a
     // multiple of 8; a contiguous view may start anywhere)
     const bool aligned = reinterpret_cast<uintptr_t>(x) % (4 * sizeof(T)) == 0 &&
