@@ -101,10 +101,33 @@ head_project_kernel(const T* __restrict__ x, const float* __restrict__ w, float 
 
 constexpr int kRowsWeightFloats = 12288;   // w[h] in shared memory (48 KB): the row kernel's bound
 
+// 16 bytes of a row as floats (4 floats, 8 halves / bf16s); src 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ void load16(float (&dst)[16 / sizeof(T)], const T* src) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const T* p = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < int(16 / sizeof(T)); ++j) dst[j] = to_float(p[j]);
+}
+
+// acc[0..16) += xa * w's 16 floats at wr (16-byte aligned shared memory).
+__device__ __forceinline__ void fma16(float (&acc)[16], float xa, const float* wr) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float4 v = reinterpret_cast<const float4*>(wr)[j];
+        acc[4 * j] = fmaf(xa, v.x, acc[4 * j]);
+        acc[4 * j + 1] = fmaf(xa, v.y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(xa, v.z, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(xa, v.w, acc[4 * j + 3]);
+    }
+}
+
 // One thread per (n, h) row, the block's rows of one head h: w[h] staged in
 // shared memory as [A][B16] (B rounded up to 16, zeros), every thread of a
 // warp reading the same entries (a broadcast), 16 outputs in registers at a
-// time: per x entry 16 FMAs from four 16-byte shared loads. The 4-wide
+// time: per x entry 16 FMAs from four 16-byte shared loads; x read 16
+// bytes a load (a warp's loads touch 32 rows: one entry a load made the
+// row kernel L1-bound, 4-5x its memory time on the 200k graph). The 4-wide
 // kernel above, whose warps mix heads and read w from L1, serves w[h]
 // beyond the shared bound.
 template <typename T, bool kTransposed>
@@ -125,21 +148,21 @@ head_project_rows_kernel(const T* __restrict__ x, const float* __restrict__ w, f
     if (n >= rows) return;
     const T* xr = x + (n * heads + h) * A;
     float* o = out + (n * heads + h) * B;
+    constexpr int K = 16 / sizeof(T);   // entries of a 16-byte load
+    const bool vec = A % K == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;   // (uniform)
     for (int b0 = 0; b0 < B; b0 += 16) {
         float acc[16];
 #pragma unroll
         for (int j = 0; j < 16; ++j) acc[j] = 0.f;
-        for (int a = 0; a < A; ++a) {
-            const float xa = to_float(xr[a]);
-            const float4* wr = reinterpret_cast<const float4*>(ws + a * B16 + b0);
+        if (vec) {
+            for (int a = 0; a < A; a += K) {
+                float xv[K];
+                load16<T>(xv, xr + a);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float4 v = wr[j];
-                acc[4 * j] = fmaf(xa, v.x, acc[4 * j]);
-                acc[4 * j + 1] = fmaf(xa, v.y, acc[4 * j + 1]);
-                acc[4 * j + 2] = fmaf(xa, v.z, acc[4 * j + 2]);
-                acc[4 * j + 3] = fmaf(xa, v.w, acc[4 * j + 3]);
+                for (int t = 0; t < K; ++t) fma16(acc, xv[t], ws + (a + t) * B16 + b0);
             }
+        } else {
+            for (int a = 0; a < A; ++a) fma16(acc, to_float(xr[a]), ws + a * B16 + b0);
         }
         if (B % 4 == 0 && B - b0 >= 16) {   // 16-byte stores (rows of B floats, B % 4 == 0)
 #pragma unroll
@@ -173,7 +196,7 @@ __device__ __forceinline__ void load_tile(float* dst, const T* __restrict__ x, i
 // summed over the chunk's rows, which pass through shared memory a tile of
 // rows at a time (both terms' x and y rows; y's padded to F4 = F rounded up
 // to 4): per row and term two 16-byte shared loads and 16 FMAs.
-template <typename T>
+template <typename T, int kTerms>
 __global__ void __launch_bounds__(kThreads)
 head_outer_sum_kernel(const T* __restrict__ x1, const float* __restrict__ y1, float s1, const T* __restrict__ x2,
                       const float* __restrict__ y2, float s2, float* __restrict__ partials, int64_t rows,
@@ -181,7 +204,7 @@ head_outer_sum_kernel(const T* __restrict__ x1, const float* __restrict__ y1, fl
     extern __shared__ float4 tile4[];
     float* tile = reinterpret_cast<float*>(tile4);
     const int f4 = (f + 3) / 4 * 4;
-    const int terms = x2 != nullptr ? 2 : 1;
+    constexpr int terms = kTerms;
     float* xs = tile;                             // [terms][tile_rows][c]
     float* ys = tile + terms * tile_rows * c;     // [terms][tile_rows][f4]
     const int64_t chunk = blockIdx.x;
@@ -191,19 +214,20 @@ head_outer_sum_kernel(const T* __restrict__ x1, const float* __restrict__ y1, fl
     const int c0 = owns ? p / tiles_f * 4 : 0, f0 = owns ? (p % tiles_f) * 4 : 0;
     const int64_t first = chunk * rows_per_chunk;
     const int64_t last = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
-    float acc[2][4][4] = {};
+    float acc[kTerms][4][4] = {};   // (kTerms static: indexed by unrolled loops, in registers)
     for (int64_t n0 = first; n0 < last; n0 += tile_rows) {
         __syncthreads();   // the previous tile is read
         load_tile(xs, x1, n0, last, tile_rows, heads, h, c, c);
         load_tile(ys, y1, n0, last, tile_rows, heads, h, f, f4);
-        if (terms == 2) {
+        if constexpr (kTerms == 2) {
             load_tile(xs + tile_rows * c, x2, n0, last, tile_rows, heads, h, c, c);
             load_tile(ys + tile_rows * f4, y2, n0, last, tile_rows, heads, h, f, f4);
         }
         __syncthreads();
         if (owns) {
             const int rows_here = last - n0 < tile_rows ? static_cast<int>(last - n0) : tile_rows;
-            for (int t = 0; t < terms; ++t) {
+#pragma unroll
+            for (int t = 0; t < kTerms; ++t) {
                 const float* xt = xs + t * tile_rows * c + c0;
                 const float* yt = ys + t * tile_rows * f4 + f0;
                 for (int r = 0; r < rows_here; ++r) {
@@ -225,7 +249,7 @@ head_outer_sum_kernel(const T* __restrict__ x1, const float* __restrict__ y1, fl
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            if (f0 + j < f) o[int64_t(i) * f + j] = s1 * acc[0][i][j] + (terms == 2 ? s2 * acc[1][i][j] : 0.f);
+            if (f0 + j < f) o[int64_t(i) * f + j] = s1 * acc[0][i][j] + (kTerms == 2 ? s2 * acc[kTerms - 1][i][j] : 0.f);
         }
     }
 }
@@ -303,9 +327,14 @@ cudaError_t launch_outer_sum(const T* x1, const float* y1, float s1, const T* x2
     const int64_t per_chunk = (s.rows + chunks - 1) / chunks;
     const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(s.heads),
                     static_cast<unsigned>(tile_groups(s)));
-    head_outer_sum_kernel<T><<<grid, outer_threads(s), smem, stream>>>(x1, y1, s1, x2, y2, s2, partials, s.rows,
-                                                                        per_chunk > 0 ? per_chunk : 1, tile, s.heads,
-                                                                        s.c, s.f);
+    const int64_t rows_per_chunk = per_chunk > 0 ? per_chunk : 1;
+    if (terms == 2) {
+        head_outer_sum_kernel<T, 2><<<grid, outer_threads(s), smem, stream>>>(x1, y1, s1, x2, y2, s2, partials, s.rows,
+                                                                               rows_per_chunk, tile, s.heads, s.c, s.f);
+    } else {
+        head_outer_sum_kernel<T, 1><<<grid, outer_threads(s), smem, stream>>>(x1, y1, s1, x2, y2, s2, partials, s.rows,
+                                                                               rows_per_chunk, tile, s.heads, s.c, s.f);
+    }
     return cudaGetLastError();
 }
 
