@@ -11,9 +11,8 @@ namespace gt_fused3s {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kOuterBlocks = 528;                   // 4 per SM of an H100: the outer sums' target grid
+constexpr int kOuterBlocks = 1056;                  // 8 per SM of an H100: the outer sums' target grid
 constexpr int64_t kMaxPartials = int64_t(1) << 22;  // floats of the outer sums' chunk partials (16 MB)
-constexpr int kTileFloats = 8192;                   // the outer sums' shared row tile (32 KB)
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -179,97 +178,92 @@ head_project_rows_kernel(const T* __restrict__ x, const float* __restrict__ w, f
     }
 }
 
-// Rows [n0, n1) of x (head h, width `width`, row stride heads * width) into
-// the shared tile [tile_rows, stride] as floats; zero past n1 and in the
-// padding columns [width, stride).
+// 4 consecutive entries k0.. of a row as floats, zeros from `width` on
+// (vector loads where the row allows: a multiple of 4 wide, aligned).
 template <typename T>
-__device__ __forceinline__ void load_tile(float* dst, const T* __restrict__ x, int64_t n0, int64_t n1, int tile_rows,
-                                          int heads, int h, int width, int stride) {
-    for (int idx = threadIdx.x; idx < tile_rows * stride; idx += blockDim.x) {
-        const int r = idx / stride, k = idx - r * stride;
-        const int64_t n = n0 + r;
-        dst[idx] = n < n1 && k < width ? to_float(x[(n * heads + h) * width + k]) : 0.f;
+__device__ __forceinline__ void load4(float (&dst)[4], const T* row, int k0, int width, bool vec) {
+    if (vec) {
+        load_row<4>(dst, row + k0);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) dst[j] = k0 + j < width ? to_float(row[k0 + j]) : 0.f;
     }
 }
 
-// Block (chunk, h, tile group): each thread a 4 x 4 tile of (c, f) pairs,
-// summed over the chunk's rows, which pass through shared memory a tile of
-// rows at a time (both terms' x and y rows; y's padded to F4 = F rounded up
-// to 4): per row and term two 16-byte shared loads and 16 FMAs.
+// Block (chunk, h, tile group): threads = tiles x lanes, a thread one 4 x 4
+// tile of (c, f) pairs over the rows n = lane, lane + lanes, ... of the
+// chunk, read straight from global memory (a row's x and y entries, L1
+// shared by the tiles that read them: 2 vector loads and 16 FMAs a row and
+// term; independent rows keep loads in flight); then the lanes' sums are
+// added in lane order through shared memory (no atomics). A version that
+// staged row tiles through shared memory with a block of one warp waited
+// on its loads one at a time: 2.2 ms on the 200k graph, H = 8.
 template <typename T, int kTerms>
 __global__ void __launch_bounds__(kThreads)
 head_outer_sum_kernel(const T* __restrict__ x1, const float* __restrict__ y1, float s1, const T* __restrict__ x2,
                       const float* __restrict__ y2, float s2, float* __restrict__ partials, int64_t rows,
-                      int64_t rows_per_chunk, int tile_rows, int heads, int c, int f) {
-    extern __shared__ float4 tile4[];
-    float* tile = reinterpret_cast<float*>(tile4);
-    const int f4 = (f + 3) / 4 * 4;
-    constexpr int terms = kTerms;
-    float* xs = tile;                             // [terms][tile_rows][c]
-    float* ys = tile + terms * tile_rows * c;     // [terms][tile_rows][f4]
+                      int64_t rows_per_chunk, int tiles_per_block, int heads, int c, int f) {
+    __shared__ float lane_sums[kThreads * 16];
+    const int tiles_f = (f + 3) / 4, tiles = (c / 4) * tiles_f;
+    const int lanes = blockDim.x / tiles_per_block;
+    const int tile = blockIdx.z * tiles_per_block + static_cast<int>(threadIdx.x) % tiles_per_block;
+    const int lane = static_cast<int>(threadIdx.x) / tiles_per_block;
+    const bool owns = tile < tiles;
+    const int c0 = owns ? tile / tiles_f * 4 : 0, f0 = owns ? (tile % tiles_f) * 4 : 0;
     const int64_t chunk = blockIdx.x;
     const int h = blockIdx.y;
-    const int tiles_f = f4 / 4, p = blockIdx.z * blockDim.x + threadIdx.x;
-    const bool owns = p < (c / 4) * tiles_f;
-    const int c0 = owns ? p / tiles_f * 4 : 0, f0 = owns ? (p % tiles_f) * 4 : 0;
     const int64_t first = chunk * rows_per_chunk;
     const int64_t last = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
+    // vector loads: x rows are c wide (a multiple of 8), y rows need f % 4 == 0
+    const bool vec_x = reinterpret_cast<uintptr_t>(x1) % 16 == 0 && (x2 == nullptr ||
+                       reinterpret_cast<uintptr_t>(x2) % 16 == 0);
+    const bool vec_y = f % 4 == 0 && reinterpret_cast<uintptr_t>(y1) % 16 == 0 && (y2 == nullptr ||
+                       reinterpret_cast<uintptr_t>(y2) % 16 == 0);
     float acc[kTerms][4][4] = {};   // (kTerms static: indexed by unrolled loops, in registers)
-    for (int64_t n0 = first; n0 < last; n0 += tile_rows) {
-        __syncthreads();   // the previous tile is read
-        load_tile(xs, x1, n0, last, tile_rows, heads, h, c, c);
-        load_tile(ys, y1, n0, last, tile_rows, heads, h, f, f4);
-        if constexpr (kTerms == 2) {
-            load_tile(xs + tile_rows * c, x2, n0, last, tile_rows, heads, h, c, c);
-            load_tile(ys + tile_rows * f4, y2, n0, last, tile_rows, heads, h, f, f4);
-        }
-        __syncthreads();
-        if (owns) {
-            const int rows_here = last - n0 < tile_rows ? static_cast<int>(last - n0) : tile_rows;
+    if (owns) {
+        for (int64_t n = first + lane; n < last; n += lanes) {
+            const int64_t row = n * heads + h;
 #pragma unroll
             for (int t = 0; t < kTerms; ++t) {
-                const float* xt = xs + t * tile_rows * c + c0;
-                const float* yt = ys + t * tile_rows * f4 + f0;
-                for (int r = 0; r < rows_here; ++r) {
-                    float xv[4], yv[4];
-                    load_row<4>(xv, xt + r * c);
-                    load_row<4>(yv, yt + r * f4);
+                float xv[4], yv[4];
+                load4(xv, (t == 0 ? x1 : x2) + row * c, c0, c, vec_x);
+                load4(yv, (t == 0 ? y1 : y2) + row * f, f0, f, vec_y);
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
+                for (int i = 0; i < 4; ++i) {
 #pragma unroll
-                        for (int j = 0; j < 4; ++j) acc[t][i][j] = fmaf(xv[i], yv[j], acc[t][i][j]);
-                    }
+                    for (int j = 0; j < 4; ++j) acc[t][i][j] = fmaf(xv[i], yv[j], acc[t][i][j]);
                 }
             }
         }
     }
-    if (!owns) return;
-    float* o = partials + ((chunk * heads + h) * c + c0) * f + f0;
+    // the lanes' sums in lane order: lane_sums[lane][tile in block][16]
+    float* mine = lane_sums + (lane * tiles_per_block + static_cast<int>(threadIdx.x) % tiles_per_block) * 16;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (f0 + j < f) o[int64_t(i) * f + j] = s1 * acc[0][i][j] + (kTerms == 2 ? s2 * acc[kTerms - 1][i][j] : 0.f);
-        }
+        for (int j = 0; j < 4; ++j) mine[i * 4 + j] = s1 * acc[0][i][j] + (kTerms == 2 ? s2 * acc[kTerms - 1][i][j] : 0.f);
+    }
+    __syncthreads();
+    for (int o = threadIdx.x; o < tiles_per_block * 16; o += blockDim.x) {
+        const int tb = o / 16, e = o % 16, t = blockIdx.z * tiles_per_block + tb;
+        const int i = e / 4, j = e % 4, oc = t / tiles_f * 4 + i, of = (t % tiles_f) * 4 + j;
+        if (t >= tiles || of >= f) continue;
+        float sum = 0.f;
+        for (int l = 0; l < lanes; ++l) sum += lane_sums[(l * tiles_per_block + tb) * 16 + e];
+        partials[((chunk * heads + h) * c + oc) * f + of] = sum;
     }
 }
 
-// Threads of an outer-sum block: one per 4 x 4 tile of pairs, in warps, at
-// most kThreads (small C x F: small blocks, more chunks).
-int outer_threads(const HeadShape& s) {
+// Tiles of a block: all of them where they fit (with 256 / tiles row lanes
+// each), else kThreads a block (one lane) over several tile groups.
+int outer_tiles_per_block(const HeadShape& s) {
     const int tiles = (s.c / 4) * ((s.f + 3) / 4);
-    const int t = (tiles + 31) / 32 * 32;
-    return t < kThreads ? t : kThreads;
+    return tiles < kThreads ? (tiles > 0 ? tiles : 1) : kThreads;
 }
 
 int tile_groups(const HeadShape& s) {
     const int tiles = (s.c / 4) * ((s.f + 3) / 4);
-    return (tiles + outer_threads(s) - 1) / outer_threads(s);
-}
-
-int tile_rows_for(const HeadShape& s, int terms) {
-    const int r = kTileFloats / (terms * (s.c + (s.f + 3) / 4 * 4));
-    return r < 1 ? 1 : (r > 64 ? 64 : r);
+    return (tiles + outer_tiles_per_block(s) - 1) / outer_tiles_per_block(s);
 }
 
 template <typename T, int V>
@@ -320,20 +314,17 @@ template <typename T>
 cudaError_t launch_outer_sum(const T* x1, const float* y1, float s1, const T* x2, const float* y2, float s2,
                              float* partials, int64_t chunks, const HeadShape& s, cudaStream_t stream) {
     if (s.c % 4 != 0) return cudaErrorInvalidValue;   // C is a head dim (a multiple of 8)
-    const int terms = x2 != nullptr ? 2 : 1;
-    const int tile = tile_rows_for(s, terms);
-    const size_t smem = sizeof(float) * size_t(terms) * size_t(tile) * size_t(s.c + (s.f + 3) / 4 * 4);
-    if (smem > 48 * 1024) return cudaErrorInvalidValue;   // C + F beyond what the binding allows
     const int64_t per_chunk = (s.rows + chunks - 1) / chunks;
-    const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(s.heads),
-                    static_cast<unsigned>(tile_groups(s)));
     const int64_t rows_per_chunk = per_chunk > 0 ? per_chunk : 1;
-    if (terms == 2) {
-        head_outer_sum_kernel<T, 2><<<grid, outer_threads(s), smem, stream>>>(x1, y1, s1, x2, y2, s2, partials, s.rows,
-                                                                               rows_per_chunk, tile, s.heads, s.c, s.f);
+    const int tpb = outer_tiles_per_block(s);
+    const int threads = kThreads / tpb * tpb;   // whole lanes
+    const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(s.heads), static_cast<unsigned>(tile_groups(s)));
+    if (x2 != nullptr) {
+        head_outer_sum_kernel<T, 2><<<grid, threads, 0, stream>>>(x1, y1, s1, x2, y2, s2, partials, s.rows,
+                                                                  rows_per_chunk, tpb, s.heads, s.c, s.f);
     } else {
-        head_outer_sum_kernel<T, 1><<<grid, outer_threads(s), smem, stream>>>(x1, y1, s1, x2, y2, s2, partials, s.rows,
-                                                                               rows_per_chunk, tile, s.heads, s.c, s.f);
+        head_outer_sum_kernel<T, 1><<<grid, threads, 0, stream>>>(x1, y1, s1, x2, y2, s2, partials, s.rows,
+                                                                  rows_per_chunk, tpb, s.heads, s.c, s.f);
     }
     return cudaGetLastError();
 }
@@ -353,10 +344,10 @@ cudaError_t run_head_project(const void* x, RowDtype x_dtype, const float* w, fl
 }
 
 int64_t head_outer_sum_chunks(const HeadShape& s) {
-    // about kOuterBlocks full blocks' worth of threads; small blocks, more chunks
-    const int64_t per_chunk_grid = int64_t(s.heads) * tile_groups(s) * outer_threads(s);
-    int64_t chunks = (s.rows + 63) / 64;                       // at least 64 rows a chunk
-    const int64_t fill = int64_t(kOuterBlocks) * kThreads / (per_chunk_grid > 0 ? per_chunk_grid : 1);
+    // about kOuterBlocks blocks (of up to kThreads threads), at least 256 rows a chunk
+    const int64_t per_chunk_grid = int64_t(s.heads) * tile_groups(s);
+    int64_t chunks = (s.rows + 255) / 256;
+    const int64_t fill = int64_t(kOuterBlocks) / (per_chunk_grid > 0 ? per_chunk_grid : 1);
     const int64_t room = kMaxPartials / (int64_t(s.heads) * s.c * s.f > 0 ? int64_t(s.heads) * s.c * s.f : 1);
     if (chunks > fill) chunks = fill;
     if (chunks > room) chunks = room;
