@@ -1542,9 +1542,10 @@ RowDtype row_dtype(const at::Tensor& t, const char* name) {
 HeadShape head_shape(const at::Tensor& w32, int64_t rows) {
     TORCH_CHECK(w32.scalar_type() == at::kFloat && w32.dim() == 3 && w32.is_contiguous(),
                 "w must be a contiguous float32 [H, C, F] tensor");
-    // the outer sum's tile holds a row of both terms (head_outer_sum_kernel)
-    TORCH_CHECK(w32.size(1) + w32.size(2) <= 6144, "w's C + F must be at most 6144 (got ",
-                num(w32.size(1) + w32.size(2)), ")");
+    // head_project's shared chunk of w[h]: 16 columns of C or F rows
+    TORCH_CHECK(w32.size(1) <= 768 && w32.size(2) <= 768 && w32.size(1) % 4 == 0,
+                "w must have C, F <= 768 and C a multiple of 4 (got C = ", num(w32.size(1)), ", F = ",
+                num(w32.size(2)), ")");
     return HeadShape{rows, static_cast<int32_t>(w32.size(0)), static_cast<int32_t>(w32.size(1)),
                      static_cast<int32_t>(w32.size(2))};
 }

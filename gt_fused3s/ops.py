@@ -1263,13 +1263,13 @@ def edge_feature_eager_fits(q: Tensor, k: Tensor, v: Tensor, w_e: Tensor, a: Ten
     C++ op and autograd node): on CUDA, without dropout, q, k, v of one
     dtype, fp16 / bf16 or fp32 (cast to fp16 once in the op, as
     :func:`_cast_once`), a compiled head dim (no padding), W_e and a of the
-    edge kernels' dtypes, head dim + edge_dim at most 6144 (the weight
-    gradient's row tile: csrc/kernels/head_project.cu). Else the Python
+    edge kernels' dtypes, edge_dim at most 768 (the projections' shared
+    chunk of W_e: csrc/kernels/head_project.cu). Else the Python
     composition around the autograd.Function ``edge_terms._EdgeFeatureTerms``
     (the same kernels; the projections as block-diagonal GEMMs)."""
     return (not drop[0] and _eager_node_fits(q, k, v, _KERNEL_DIMS, _EDGE_KERNEL_DTYPES)
             and w_e.dtype in _EDGE_KERNEL_DTYPES and a.dtype in _EDGE_KERNEL_DTYPES
-            and w_e.size(1) + w_e.size(2) <= 6144)
+            and w_e.size(2) <= 768)
 
 
 def edge_feature_eager(q: Tensor, k: Tensor, v: Tensor, w_e: Tensor, a: Tensor, plan: GraphPlan, dst: Tensor,

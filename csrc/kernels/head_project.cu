@@ -18,87 +18,20 @@ __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// V consecutive entries of a row as floats (V = 4: one 16-byte load of
-// floats, one 8-byte load of halves; the caller checks alignment).
-template <int V>
-__device__ __forceinline__ void load_row(float (&dst)[V], const float* src) {
-    if constexpr (V == 4) {
-        const float4 v = *reinterpret_cast<const float4*>(src);
-        dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
-    } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) dst[j] = src[j];
-    }
+// 4 consecutive entries as floats: one 16-byte load of floats, one 8-byte
+// load of halves / bf16s (src aligned so).
+__device__ __forceinline__ void load4_aligned(float (&dst)[4], const float* src) {
+    const float4 v = *reinterpret_cast<const float4*>(src);
+    dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
 }
-template <int V, typename H2>
-__device__ __forceinline__ void load_pairs(float (&dst)[V], const H2* src) {   // halves / bf16s, V = 4
+template <typename H>
+__device__ __forceinline__ void load4_aligned(float (&dst)[4], const H* src) {
     const uint2 raw = *reinterpret_cast<const uint2*>(src);
-    const H2* p = reinterpret_cast<const H2*>(&raw);
+    const H* p = reinterpret_cast<const H*>(&raw);
     dst[0] = to_float(p[0]); dst[1] = to_float(p[1]); dst[2] = to_float(p[2]); dst[3] = to_float(p[3]);
 }
-template <int V>
-__device__ __forceinline__ void load_row(float (&dst)[V], const __half* src) {
-    if constexpr (V == 4) {
-        load_pairs<V>(dst, src);
-    } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) dst[j] = to_float(src[j]);
-    }
-}
-template <int V>
-__device__ __forceinline__ void load_row(float (&dst)[V], const __nv_bfloat16* src) {
-    if constexpr (V == 4) {
-        load_pairs<V>(dst, src);
-    } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) dst[j] = to_float(src[j]);
-    }
-}
 
-// A thread computes V consecutive outputs of one (n, h) row: per V-step of
-// the inner dim, one vector load of x (shared by the row's threads) and V
-// vector loads of w (L1-resident: w is small), V * V FMAs, where one output
-// a thread took two scalar loads an FMA (load-issue bound: 3-5x cuBLAS's
-// GPU time on the 200k graph). V = 4 needs F % 4 == 0 (C, a head dim, is a
-// multiple of 8); else V = 1.
-template <typename T, bool kTransposed, int V>
-__global__ void __launch_bounds__(kThreads)
-head_project_kernel(const T* __restrict__ x, const float* __restrict__ w, float scale, float* __restrict__ out,
-                    int64_t rows, int heads, int c, int f) {
-    const int A = kTransposed ? f : c, B = kTransposed ? c : f;
-    const int groups = B / V;   // output groups of a row
-    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-    if (i >= rows * heads * groups) return;
-    const int64_t nh = i / groups;
-    const int b0 = static_cast<int>(i - nh * groups) * V, h = static_cast<int>(nh % heads);
-    const T* xr = x + nh * A;
-    const float* wh = w + int64_t(h) * c * f;
-    float acc[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) acc[j] = 0.f;
-    for (int a = 0; a < A; a += V) {
-        float xv[V];
-        load_row<V>(xv, xr + a);
-#pragma unroll
-        for (int t = 0; t < V; ++t) {
-            float wv[V];
-            if constexpr (kTransposed) {   // w[h, b0 + t, a .. a + V): row b0 + t, entries a..
-                load_row<V>(wv, wh + int64_t(b0 + t) * f + a);
-#pragma unroll
-                for (int j = 0; j < V; ++j) acc[t] = fmaf(xv[j], wv[j], acc[t]);
-            } else {                       // w[h, a + t, b0 .. b0 + V)
-                load_row<V>(wv, wh + int64_t(a + t) * f + b0);
-#pragma unroll
-                for (int j = 0; j < V; ++j) acc[j] = fmaf(xv[t], wv[j], acc[j]);
-            }
-        }
-    }
-    float* o = out + nh * B + b0;
-#pragma unroll
-    for (int j = 0; j < V; ++j) o[j] = acc[j] * scale;
-}
-
-constexpr int kRowsWeightFloats = 12288;   // w[h] in shared memory (48 KB): the row kernel's bound
+constexpr int kRowsWeightFloats = 12288;   // w[h]'s chunk in shared memory (48 KB): A <= 768
 
 // 16 bytes of a row as floats (4 floats, 8 halves / bf16s); src 16-byte aligned.
 template <typename T>
@@ -121,59 +54,55 @@ __device__ __forceinline__ void fma16(float (&acc)[16], float xa, const float* w
     }
 }
 
-// One thread per (n, h) row, the block's rows of one head h: w[h] staged in
-// shared memory as [A][B16] (B rounded up to 16, zeros), every thread of a
-// warp reading the same entries (a broadcast), 16 outputs in registers at a
-// time: per x entry 16 FMAs from four 16-byte shared loads; x read 16
-// bytes a load (a warp's loads touch 32 rows: one entry a load made the
-// row kernel L1-bound, 4-5x its memory time on the 200k graph). The 4-wide
-// kernel above, whose warps mix heads and read w from L1, serves w[h]
-// beyond the shared bound.
+// One thread per (n, h) row and chunk of 16 outputs (grid z), the block's
+// rows of one head h: the chunk's columns of w[h] staged in shared memory
+// as [A][16] (zeros past B), every thread of a warp reading the same
+// entries (a broadcast): per x entry 16 FMAs from four 16-byte shared
+// loads; x read 16 bytes a load (a warp's loads touch 32 rows: one entry a
+// load made the kernel L1-bound, 4-5x its memory time on the 200k graph).
+// A <= 768 (the shared chunk: 48 KB).
 template <typename T, bool kTransposed>
 __global__ void __launch_bounds__(kThreads)
-head_project_rows_kernel(const T* __restrict__ x, const float* __restrict__ w, float scale, float* __restrict__ out,
-                         int64_t rows, int heads, int c, int f) {
+head_project_kernel(const T* __restrict__ x, const float* __restrict__ w, float scale, float* __restrict__ out,
+                    int64_t rows, int heads, int c, int f) {
     extern __shared__ float4 w_tile4[];
-    float* ws = reinterpret_cast<float*>(w_tile4);
-    const int A = kTransposed ? f : c, B = kTransposed ? c : f, B16 = (B + 15) / 16 * 16;
-    const int h = blockIdx.y;
+    float* ws = reinterpret_cast<float*>(w_tile4);   // [A][16]: w[h]'s columns b0 .. b0 + 16, zeros past B
+    const int A = kTransposed ? f : c, B = kTransposed ? c : f;
+    const int h = blockIdx.y, b0 = blockIdx.z * 16;
     const float* wh = w + int64_t(h) * c * f;
-    for (int idx = threadIdx.x; idx < A * B16; idx += blockDim.x) {
-        const int a = idx / B16, b = idx - a * B16;
+    for (int idx = threadIdx.x; idx < A * 16; idx += blockDim.x) {
+        const int a = idx / 16, b = b0 + idx % 16;
         ws[idx] = b < B ? (kTransposed ? wh[int64_t(b) * f + a] : wh[int64_t(a) * f + b]) : 0.f;
     }
     __syncthreads();
     const int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     if (n >= rows) return;
     const T* xr = x + (n * heads + h) * A;
-    float* o = out + (n * heads + h) * B;
+    float* o = out + (n * heads + h) * B + b0;
     constexpr int K = 16 / sizeof(T);   // entries of a 16-byte load
-    const bool vec = A % K == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;   // (uniform)
-    for (int b0 = 0; b0 < B; b0 += 16) {
-        float acc[16];
+    float acc[16];
 #pragma unroll
-        for (int j = 0; j < 16; ++j) acc[j] = 0.f;
-        if (vec) {
-            for (int a = 0; a < A; a += K) {
-                float xv[K];
-                load16<T>(xv, xr + a);
+    for (int j = 0; j < 16; ++j) acc[j] = 0.f;
+    if (A % K == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {   // (uniform)
+        for (int a = 0; a < A; a += K) {
+            float xv[K];
+            load16<T>(xv, xr + a);
 #pragma unroll
-                for (int t = 0; t < K; ++t) fma16(acc, xv[t], ws + (a + t) * B16 + b0);
-            }
-        } else {
-            for (int a = 0; a < A; ++a) fma16(acc, to_float(xr[a]), ws + a * B16 + b0);
+            for (int t = 0; t < K; ++t) fma16(acc, xv[t], ws + (a + t) * 16);
         }
-        if (B % 4 == 0 && B - b0 >= 16) {   // 16-byte stores (rows of B floats, B % 4 == 0)
+    } else {
+        for (int a = 0; a < A; ++a) fma16(acc, to_float(xr[a]), ws + a * 16);
+    }
+    if (B % 4 == 0 && B - b0 >= 16) {   // 16-byte stores (rows of B floats, B % 4 == 0)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                reinterpret_cast<float4*>(o + b0)[j] = make_float4(acc[4 * j] * scale, acc[4 * j + 1] * scale,
-                                                                   acc[4 * j + 2] * scale, acc[4 * j + 3] * scale);
-            }
-        } else {
+        for (int j = 0; j < 4; ++j) {
+            reinterpret_cast<float4*>(o)[j] = make_float4(acc[4 * j] * scale, acc[4 * j + 1] * scale,
+                                                          acc[4 * j + 2] * scale, acc[4 * j + 3] * scale);
+        }
+    } else {
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                if (b0 + j < B) o[b0 + j] = acc[j] * scale;
-            }
+        for (int j = 0; j < 16; ++j) {
+            if (b0 + j < B) o[j] = acc[j] * scale;
         }
     }
 }
@@ -183,7 +112,7 @@ head_project_rows_kernel(const T* __restrict__ x, const float* __restrict__ w, f
 template <typename T>
 __device__ __forceinline__ void load4(float (&dst)[4], const T* row, int k0, int width, bool vec) {
     if (vec) {
-        load_row<4>(dst, row + k0);
+        load4_aligned(dst, row + k0);
     } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j) dst[j] = k0 + j < width ? to_float(row[k0 + j]) : 0.f;
@@ -266,48 +195,22 @@ int tile_groups(const HeadShape& s) {
     return (tiles + outer_tiles_per_block(s) - 1) / outer_tiles_per_block(s);
 }
 
-template <typename T, int V>
-cudaError_t launch_project(const T* x, const float* w, float scale, bool transposed, float* out, const HeadShape& s,
-                           cudaStream_t stream) {
-    const int64_t total = s.rows * s.heads * ((transposed ? s.c : s.f) / V);
-    if (total == 0) return cudaSuccess;
-    const int64_t blocks = (total + kThreads - 1) / kThreads;
-    if (blocks >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
-    if (transposed) {
-        head_project_kernel<T, true, V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, w, scale, out,
-                                                                                             s.rows, s.heads, s.c, s.f);
-    } else {
-        head_project_kernel<T, false, V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, w, scale, out,
-                                                                                              s.rows, s.heads, s.c, s.f);
-    }
-    return cudaGetLastError();
-}
-
 template <typename T>
 cudaError_t launch_project(const T* x, const float* w, float scale, bool transposed, float* out, const HeadShape& s,
                            cudaStream_t stream) {
-    const int A = transposed ? s.f : s.c, B = transposed ? s.c : s.f, B16 = (B + 15) / 16 * 16;
-    if (int64_t(A) * B16 <= kRowsWeightFloats) {   // w[h] fits the shared tile: the row kernel
-        if (s.rows == 0) return cudaSuccess;
-        const int64_t blocks = (s.rows + kThreads - 1) / kThreads;
-        if (blocks >= (int64_t(1) << 31) || s.heads > 65535) return cudaErrorInvalidValue;
-        const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(s.heads));
-        const size_t smem = sizeof(float) * size_t(A) * size_t(B16);
-        if (transposed) {
-            head_project_rows_kernel<T, true><<<grid, kThreads, smem, stream>>>(x, w, scale, out, s.rows, s.heads,
-                                                                                s.c, s.f);
-        } else {
-            head_project_rows_kernel<T, false><<<grid, kThreads, smem, stream>>>(x, w, scale, out, s.rows, s.heads,
-                                                                                 s.c, s.f);
-        }
-        return cudaGetLastError();
+    const int A = transposed ? s.f : s.c, B = transposed ? s.c : s.f;
+    if (int64_t(A) * 16 > kRowsWeightFloats) return cudaErrorInvalidValue;   // the binding checks F <= 768
+    if (s.rows == 0) return cudaSuccess;
+    const int64_t blocks = (s.rows + kThreads - 1) / kThreads;
+    if (blocks >= (int64_t(1) << 31) || s.heads > 65535) return cudaErrorInvalidValue;
+    const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(s.heads), static_cast<unsigned>((B + 15) / 16));
+    const size_t smem = sizeof(float) * size_t(A) * 16;
+    if (transposed) {
+        head_project_kernel<T, true><<<grid, kThreads, smem, stream>>>(x, w, scale, out, s.rows, s.heads, s.c, s.f);
+    } else {
+        head_project_kernel<T, false><<<grid, kThreads, smem, stream>>>(x, w, scale, out, s.rows, s.heads, s.c, s.f);
     }
-    // 4-wide where both dims and the pointers allow it (C, a head dim, is a
-    // multiple of 8; a contiguous view may start anywhere)
-    const bool aligned = reinterpret_cast<uintptr_t>(x) % (4 * sizeof(T)) == 0 &&
-                         reinterpret_cast<uintptr_t>(w) % 16 == 0;
-    if (s.f % 4 == 0 && s.c % 4 == 0 && aligned) return launch_project<T, 4>(x, w, scale, transposed, out, s, stream);
-    return launch_project<T, 1>(x, w, scale, transposed, out, s, stream);
+    return cudaGetLastError();
 }
 
 template <typename T>

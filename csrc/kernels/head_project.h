@@ -17,7 +17,8 @@
 // with fp32 accumulation in a fixed order (no atomics) suffice.
 //
 // No torch header: contiguous rows, x in fp32 / fp16 / bf16, w, y and the
-// outputs fp32, raw device pointers, a stream.
+// outputs fp32, raw device pointers, a stream. C and F at most 768 (w[h]'s
+// chunk of 16 columns in 48 KB of shared memory), C a multiple of 4.
 #pragma once
 
 #include <cstdint>
