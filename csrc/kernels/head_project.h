@@ -10,11 +10,14 @@
 //                              s1 x1[n, h, c] y1[n, h, f] + s2 x2[n, h, c] y2[n, h, f]
 //                            (the caller sums the chunks: dw = partials.sum(0))
 //
-// Why not cuBLAS: the block-diagonal GEMM that computes these does H times
-// the products, and each GEMM call cost 35-90 us of host time on the H100
-// machines' hosts (profiler, README) where these kernels cost a launch; the
-// products are few (C, F are a head dim and edge_dim), so plain CUDA cores
-// with fp32 accumulation in a fixed order (no atomics) suffice.
+// Why not cuBLAS: the block-diagonal GEMMs that computed these do H times
+// the products (in fp32 SIMT where W_e is fp32), need the block matrices
+// and casts built each call, and each GEMM call cost 35-90 us of host time
+// on the H100 machines' hosts (profiler, README) where a kernel here costs
+// a launch. The products are few (C, F are a head dim and edge_dim): plain
+// CUDA cores with fp32 accumulation in a fixed order (no atomics) take
+// about the GEMMs' GPU time (bench_edge on an H100: the edge-feature
+// attention's kernels -9% to +10%, README).
 //
 // No torch header: contiguous rows, x in fp32 / fp16 / bf16, w, y and the
 // outputs fp32, raw device pointers, a stream. C and F at most 768 (w[h]'s
