@@ -1677,12 +1677,12 @@ struct EdgeFeatureFn : public torch::autograd::Function<EdgeFeatureFn> {
         return {f.y, f.alpha};
     }
 
-    // The value term's GEMM backward gives dagg; the attention's (ops.py:
-    // edge_terms_backward: the value sum's share of delta is <dagg_i,
-    // agg_i> per node, the gradient of `a` one pass over the edges for both
-    // terms) gives dq, dk, dv, dqe, da; the key term's GEMM backward adds
-    // to dq; W_e's gradient is the diagonal blocks of both GEMMs' weight
-    // gradients.
+    // The value term's projection backward (grad_y W_e per head) gives
+    // dagg; the attention's (ops.py: edge_terms_backward: the value sum's
+    // share of delta is <dagg_i, agg_i> per node, the gradient of `a` one
+    // pass over the edges for both terms) gives dq, dk, dv, dqe, da; the key
+    // term's projection backward (dqe W_e^T, scaled) adds to dq; W_e's
+    // gradient is both projections' outer sums in one head_outer_sum.
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
         TORCH_CHECK(!at::GradMode::is_enabled(),
                     "gt_fused3s: double backward through the edge-feature attention is not supported (the fused "
