@@ -164,9 +164,11 @@ class _EdgeFeatureTerms(torch.autograd.Function):
     torch.compile traces); both run :func:`~gt_fused3s.ops.edge_terms_forward`
     and :func:`~gt_fused3s.ops.edge_terms_backward`, the composed one's
     backward (edge_dot, the attention, edge_scatter) with what the
-    composition recomputed or added up folded. Eagerly without dropout on
-    the kernels' own operands the C++ op ``ops.edge_feature_eager`` runs
-    instead (the same kernels, with the projections, as one C++ node)."""
+    composition recomputed or added up folded. Eagerly without dropout, on
+    fp16 / bf16 / fp32 operands of a compiled head dim, the C++ op
+    ``ops.edge_feature_eager`` runs instead (the same attention and edge
+    kernels, with the projections on csrc/kernels/head_project.cu, as one
+    C++ node)."""
 
     @staticmethod
     def forward(ctx, q, k, v, qe, a, plan, dst, csr, slots, scale, drop, return_weights):

@@ -30,8 +30,9 @@ use, see ``_build``):
                  sees :func:`~gt_fused3s.edge_terms.edge_feature_attention`
 * ``edge_feature_eager``
                  the edge-feature attention with its projections by W_e as
-                 one C++ op and autograd node (eager mode, no dropout, the
-                 kernels' own operands: :func:`edge_feature_eager_fits`)
+                 one C++ op and autograd node (eager mode, no dropout, fp16 /
+                 bf16 / fp32 operands of a compiled head dim:
+                 :func:`edge_feature_eager_fits`)
 
 CUDA tensors take the fused kernel; CPU tensors, and CUDA tensors when the
 extension cannot be built or ``GT_FUSED3S_DISABLE_KERNEL=1`` is set, take
