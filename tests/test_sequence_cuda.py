@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gt_fused3s import ops
 from gt_fused3s.reference import sequence_reference
 from gt_fused3s.sequence import BlockDilated, Dilated, Global, Local, sequence_attention
 
@@ -210,6 +211,56 @@ def test_long_band_runs_equal_reference(mask, dtype):
     own loops: the forward's, and the backward by key blocks' without a
     barrier at each tile's end: seq_bwd_keys_kernel.cuh, band_run)."""
     long_documents_case(mask, dtype)
+
+
+# Documents whose 64-query row blocks fall three to a block of the band
+# kernel (seq_band_fwd.cuh) across one, two and three documents, documents
+# of one token and of multiples of 64 and 192 tokens.
+BAND_DOCS = [1, 63, 64, 65, 130, 1, 200, 5, 192, 191, 193, 3, 70, 400, 2000]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mask", [Local(20), Local(100, causal=True), Local(0, right=130), Local(2000, right=10),
+                                  Local(0)],
+                         ids=["local20", "causal100", "right130", "left2000", "diagonal"])
+def test_band_kernel_documents_equal_reference(mask, dtype):
+    """The forward of one local window at D = 64 (on Hopper the
+    warp-specialised band kernel, three row blocks a thread block, a pass
+    per document among them): output and gradients against the reference
+    on packed documents of every length class."""
+    torch.manual_seed(11)
+    cu = [0] + torch.tensor(BAND_DOCS).cumsum(0).tolist()
+    q, k, v = (torch.randn(cu[-1], 2, 64, device="cuda") * 2 for _ in range(3))
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out = sequence_attention(q, k, v, mask, cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.int32))
+    check(out.detach(), q.detach(), k.detach(), v.detach(), mask, cu, dtype)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    check_grads(got, q.detach(), k.detach(), v.detach(), g, mask, cu, dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 70001, 1), (3, 1000, 4), (2, 4096, 2)], ids=["L70001", "B3", "B2H2"])
+def test_band_kernel_equals_the_band_instance(shape, monkeypatch):
+    """GT_FUSED3S_SEQ_BAND=0 runs the sequence kernel's band instance
+    instead (the A/B switch of the benchmarks): outputs within fp16's
+    rounding of each other, log-sum-exps (the backward's input) to 1e-5."""
+    from gt_fused3s.sequence.masks import kernel_code
+    torch.manual_seed(12)
+    B, L, H = shape
+    q, k, v = (torch.randn(B * L, H, 64, device="cuda", dtype=torch.float16) * 2 for _ in range(3))
+    code = kernel_code(Local(300, right=450))
+    cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * L
+    windows = ops.seq_windows(cu, 1, ops.seq_block_rows(64))
+    num_windows = B * ((L + 63) // 64)
+    runs = []
+    for env in ("1", "0"):
+        monkeypatch.setenv("GT_FUSED3S_SEQ_BAND", env)
+        assert ops.kernel_available(q.device)   # (loads the extension)
+        runs.append(torch.ops.gt_fused3s.seq_fwd(q, k, v, cu, windows, code, 0.125, num_windows, 64))
+    (out, lse), (out0, lse0) = runs
+    err = (out.float() - out0.float()).abs().max().item()
+    assert err <= 2e-3 * out0.float().abs().max().item() + 1e-3, err
+    assert torch.allclose(lse, lse0, rtol=0, atol=1e-5), (lse - lse0).abs().max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -54,6 +54,7 @@
 #include "smem_tile.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
+#include "seq_band_fwd.cuh"
 
 namespace gt_fused3s {
 
@@ -331,6 +332,9 @@ template <typename T, int kHeadDim>
 void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream) {
     using Cfg = SeqFwdConfig<kHeadDim>;
     if (params.num_windows <= 0 || params.num_heads <= 0) return;
+    if constexpr (kHeadDim == 64) {   // one local window on Hopper: the warp-specialised band kernel
+        if (run_seq_band_fwd<T>(params, stream)) return;
+    }
     int smem = Cfg::kSmemBytes;
     if constexpr (Cfg::kQBytes > 0) {   // Hopper: the Q tile (the kernel uses it where it is built with wgmma)
         int dev = 0, major = 0;

@@ -135,6 +135,15 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
 #endif
 }
 
+// A thread's arrival (no bytes announced): a consumer releasing a stage.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#if GT_WGMMA
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#else
+    __trap();
+#endif
+}
+
 // Until the phase of parity `parity` has completed (every byte announced landed).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #if GT_WGMMA

@@ -127,6 +127,49 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
 #endif
 }
 
+// D[64, 128] (+)= A[64, 16] B[16, 128], A and B K-major in shared memory
+// (the band forward's S = Q K^T over 128 keys: seq_band_fwd.cuh); D per
+// warp in the m16n8 C layout over 16 column tiles (d[4j .. 4j+3]).
+#define GT_WGMMA_D64                                                                                                   \
+    "{"                                                                                                              \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                        \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                              \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                              \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                                \
+    "}"
+#define GT_WGMMA_D64_OPERANDS(d)                                                                                       \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),         \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),         \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),         \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),         \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define GT_WGMMA_M64N128K16_SS(TY)                                                                           \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                 \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " GT_WGMMA_D64                      \
+                 ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                               \
+                 : GT_WGMMA_D64_OPERANDS(d)                                                                    \
+                 : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)))
+
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+#if GT_WGMMA
+    if constexpr (std::is_same<T, __half>::value) {
+        GT_WGMMA_M64N128K16_SS("f16");
+    } else {
+        GT_WGMMA_M64N128K16_SS("bf16");
+    }
+#else
+    __trap();
+#endif
+}
+
+#undef GT_WGMMA_M64N128K16_SS
+#undef GT_WGMMA_D64
+#undef GT_WGMMA_D64_OPERANDS
+
 #undef GT_WGMMA_M64N64K16_SS
 #undef GT_WGMMA_M64N64K16_RS
 #undef GT_WGMMA_D32
