@@ -236,7 +236,11 @@ def test_band_kernel_documents_equal_reference(mask, dtype):
     check(out.detach(), q.detach(), k.detach(), v.detach(), mask, cu, dtype)
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
-    check_grads(got, q.detach(), k.detach(), v.detach(), g, mask, cu, dtype)
+    if mask == Local(0):   # one key a query: out = v, so dq = dk = 0 exactly (a relative check has no scale)
+        errs = [(got[2].float() - g.float()).abs().max().item()] + [t.float().abs().max().item() for t in got[:2]]
+        assert max(errs) <= 1e-3 * g.float().abs().max().item(), errs
+    else:
+        check_grads(got, q.detach(), k.detach(), v.detach(), g, mask, cu, dtype)
 
 
 @pytest.mark.parametrize("shape", [(1, 70001, 1), (3, 1000, 4), (2, 4096, 2)], ids=["L70001", "B3", "B2H2"])

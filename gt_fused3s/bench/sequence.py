@@ -210,7 +210,7 @@ def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=t
         return row
     t = time_cuda(ours, min_reps=3, max_reps=50, budget_ms=2000, flush=False)
     row["ours_ms"] = t["median"]
-    row["ours_kernel_ms"] = kernel_time(ours, name="seq_fwd_kernel", reps=3, flush=False)
+    row["ours_kernel_ms"] = kernel_time(ours, name=("seq_fwd_kernel", "seq_band_fwd_kernel"), reps=3, flush=False)
     # every kernel of the call (the global rows' too): against ours_ms, how
     # host-bound the call is
     row["ours_all_kernel_ms"] = kernel_time(ours, name="", reps=3, flush=False)

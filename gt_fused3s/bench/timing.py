@@ -61,8 +61,10 @@ def time_cuda(fn, *, min_reps: int = 10, max_reps: int = 200, budget_ms: float =
     return {"median": statistics.median(ts), "p10": q(0.1), "p90": q(0.9), "reps": reps}
 
 
-def kernel_time(fn, name: str = "fused3s_fwd_kernel", reps: int = 30, flush: bool = True) -> float | None:
-    """Device time (ms) of the CUDA kernels whose name contains ``name``, per
+def kernel_time(fn, name: str | tuple[str, ...] = "fused3s_fwd_kernel", reps: int = 30,
+                flush: bool = True) -> float | None:
+    """Device time (ms) of the CUDA kernels whose name contains ``name`` (or
+    one of a tuple of names), per
     call of ``fn()`` (their durations summed, over ``reps`` calls), read from
     the profiler (CUPTI): the kernels alone, without launch gaps. ``name=""``
     counts every kernel and memset of the call (pass ``flush=False`` then).
@@ -80,9 +82,10 @@ def kernel_time(fn, name: str = "fused3s_fwd_kernel", reps: int = 30, flush: boo
                     fn()
                 torch.cuda.synchronize()
             events = list(prof.events())
+        names = (name,) if isinstance(name, str) else tuple(name)
         total, found = 0.0, False
         for e in events:
-            if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name:
+            if e.device_type == torch.autograd.DeviceType.CUDA and any(n in e.name for n in names):
                 us = getattr(e, "device_time", None)
                 if us is None:
                     us = getattr(e, "cuda_time", 0.0)
