@@ -29,10 +29,11 @@
 // Against the band instance (a warpgroup of 64 queries a block, 64-key
 // tiles, every warp copying), a key tile in shared memory serves 192
 // queries instead of 64 and an MMA is twice as wide. Tried beside it and
-// not kept (README): the warpgroups' score products issued in a fixed ring
-// order (named barriers), FlashAttention-3's overlap of tile t's softmax
-// with tile t - 1's P V, three stages, 192-key tiles, and a quarter or half
-// of the exponentials on the FMA pipe (a cubic): each slower.
+// not kept (README): the warpgroups' score products, or their softmax,
+// in a fixed ring order (named barriers), FlashAttention-3's overlap of
+// tile t's softmax with tile t - 1's P V, three stages, 192-key tiles, and
+// a quarter or half of the exponentials on the FMA pipe (a cubic): each
+// slower.
 #pragma once
 
 #include <cstdint>
