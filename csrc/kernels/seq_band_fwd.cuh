@@ -108,12 +108,7 @@ struct SeqBandPass {
 // instructions). False past the last block or where it holds no query.
 __device__ __forceinline__ bool seq_band_window(const SeqFwdParams& p, int64_t w, SeqWindow& win) {
     if (w >= __ldg(p.cu_windows + p.num_docs)) return false;
-    int lo = 0, hi = p.num_docs - 1;   // largest doc with cu_windows[doc] <= w
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (__ldg(p.cu_windows + mid) <= w) lo = mid;
-        else hi = mid - 1;
-    }
+    const int lo = seq_window_doc(p, w);
     const int64_t start = __ldg(p.cu_seqlens + lo);
     win.doc_start = start;
     win.len = __ldg(p.cu_seqlens + lo + 1) - static_cast<int32_t>(start);

@@ -80,15 +80,22 @@ GT_SEQ_HD SeqWindow seq_sub_window(const SeqWindow& blk, int m) {
     return win;
 }
 
-// The row block of global index w (false: past the last block).
-__device__ __forceinline__ bool seq_window(const SeqFwdParams& p, int64_t w, SeqWindow& win) {
-    if (w >= __ldg(p.cu_windows + p.num_docs)) return false;
-    int lo = 0, hi = p.num_docs - 1;   // largest doc with cu_windows[doc] <= w
+// The document of row block w (w below cu_windows[num_docs]): the largest
+// doc with cu_windows[doc] <= w.
+__device__ __forceinline__ int seq_window_doc(const SeqFwdParams& p, int64_t w) {
+    int lo = 0, hi = p.num_docs - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (__ldg(p.cu_windows + mid) <= w) lo = mid;
         else hi = mid - 1;
     }
+    return lo;
+}
+
+// The row block of global index w (false: past the last block).
+__device__ __forceinline__ bool seq_window(const SeqFwdParams& p, int64_t w, SeqWindow& win) {
+    if (w >= __ldg(p.cu_windows + p.num_docs)) return false;
+    const int lo = seq_window_doc(p, w);
     const int64_t start = __ldg(p.cu_seqlens + lo);
     win = seq_window_in(start, __ldg(p.cu_seqlens + lo + 1) - static_cast<int32_t>(start),
                         static_cast<int32_t>(w - __ldg(p.cu_windows + lo)), p.mask.row_stride, p.block_rows);
