@@ -243,11 +243,15 @@ def test_band_kernel_documents_equal_reference(mask, dtype):
         check_grads(got, q.detach(), k.detach(), v.detach(), g, mask, cu, dtype)
 
 
-@pytest.mark.parametrize("shape", [(1, 70001, 1), (3, 1000, 4), (2, 4096, 2)], ids=["L70001", "B3", "B2H2"])
+@pytest.mark.parametrize("shape", [(1, 70001, 1), (3, 1000, 4), (2, 4096, 2), (5, 9001, 3)],
+                         ids=["L70001", "B3", "B2H2", "B5H3"])
 def test_band_kernel_equals_the_band_instance(shape, monkeypatch):
     """GT_FUSED3S_SEQ_BAND=0 runs the sequence kernel's band instance
     instead (the A/B switch of the benchmarks): outputs within fp16's
-    rounding of each other, log-sum-exps (the backward's input) to 1e-5."""
+    rounding of each other, log-sum-exps (the backward's input) to 1e-5.
+    GT_FUSED3S_SEQ_BAND=g launches the band kernel with a block a work item
+    instead of a block an SM walking items (L70001 and B5H3 give a block
+    several items, several heads): the same bits."""
     from gt_fused3s.sequence.masks import kernel_code
     torch.manual_seed(12)
     B, L, H = shape
@@ -257,11 +261,12 @@ def test_band_kernel_equals_the_band_instance(shape, monkeypatch):
     windows = ops.seq_windows(cu, 1, ops.seq_block_rows(64))
     num_windows = B * ((L + 63) // 64)
     runs = []
-    for env in ("1", "0"):
+    for env in ("1", "g", "0"):
         monkeypatch.setenv("GT_FUSED3S_SEQ_BAND", env)
         assert ops.kernel_available(q.device)   # (loads the extension)
         runs.append(torch.ops.gt_fused3s.seq_fwd(q, k, v, cu, windows, code, 0.125, num_windows, 64))
-    (out, lse), (out0, lse0) = runs
+    (out, lse), (out_g, lse_g), (out0, lse0) = runs
+    assert torch.equal(out, out_g) and torch.equal(lse, lse_g)
     err = (out.float() - out0.float()).abs().max().item()
     assert err <= 2e-3 * out0.float().abs().max().item() + 1e-3, err
     assert torch.allclose(lse, lse0, rtol=0, atol=1e-5), (lse - lse0).abs().max().item()

@@ -3,15 +3,19 @@
 // (sm_90a): FlashAttention-3's block shape with warp specialisation, in
 // place of seq_fwd_kernel.cuh's band instance (run_seq_fwd<T, 64> calls it).
 //
-// A block of four warpgroups (512 threads, one block an SM) runs three of
-// the forward's 64-query row blocks, 3 b .. 3 b + 2 (cu_windows as every
-// caller makes it: the host passes nothing new). Warpgroup 0 is the
-// producer: one thread copies the three row blocks' Q and then, tile after
-// tile, 128 consecutive keys of K and V into a ring of two shared-memory
-// stages by TMA (tma.cuh), each stage's bytes counted on its "full"
-// mbarrier; it refills a stage once every consumer warp has arrived on its
-// "empty" one. It keeps 24 registers (setmaxnreg), the consumers 160.
-// Consumer c (warpgroup c + 1) owns row block 3 b + c; per tile:
+// A block of four warpgroups (512 threads, one block an SM, as many blocks
+// as SMs) walks work items: an item is a group of three of the forward's
+// 64-query row blocks, 3 g .. 3 g + 2 (cu_windows as every caller makes
+// it: the host passes nothing new), and a head. Warpgroup 0 is the
+// producer: one thread copies an item's three Q tiles into one of two
+// buffers and then, tile after tile, 128 consecutive keys of K and V into
+// a ring of three shared-memory stages by TMA (tma.cuh), each buffer's and
+// stage's bytes counted on its "full" mbarrier; it refills one once every
+// consumer warp has arrived on its "empty" one. So the next item's Q and
+// first key tiles arrive while the consumers finish the current item and
+// write its output. The producer keeps 32 registers (setmaxnreg), the
+// consumers 160.
+// Consumer c (warpgroup c + 1) owns row block 3 g + c; per tile:
 //   S [64, 128] = Q K^T      four wgmma.m64n128k16 (Q and K from shared memory)
 //   mask bits                at the band's edges only (an unsigned range test
 //                            per score); a tile wholly inside the band for
@@ -28,16 +32,20 @@
 //
 // Against the band instance (a warpgroup of 64 queries a block, 64-key
 // tiles, every warp copying), a key tile in shared memory serves 192
-// queries instead of 64 and an MMA is twice as wide. Tried beside it and
-// not kept (README): the warpgroups' score products, or their softmax,
-// in a fixed ring order (named barriers), FlashAttention-3's overlap of
-// tile t's softmax with tile t - 1's P V, three stages, 192-key tiles, and
-// a quarter or half of the exponentials on the FMA pipe (a cubic): each
+// queries instead of 64 and an MMA is twice as wide. A block an item with
+// two stages (this kernel's first form) was 6-10% slower at 1M-16M tokens:
+// each block waited for its first copies and wrote its output with nothing
+// beside it (GT_FUSED3S_SEQ_BAND=g launches a block an item). Tried
+// and not kept (README): the warpgroups' score products, or their
+// softmax, in a fixed ring order (named barriers), FlashAttention-3's
+// overlap of tile t's softmax with tile t - 1's P V, 192-key tiles, and a
+// quarter or half of the exponentials on the FMA pipe (a cubic): each
 // slower.
 #pragma once
 
 #include <cstdint>
 #include <cmath>
+#include <algorithm>
 #include <cstdlib>
 #include <type_traits>
 #include <cuda_runtime.h>
@@ -60,11 +68,12 @@ struct SeqBandConfig {
     static constexpr int kConsumers = 3;                   // warpgroups of 64 queries
     static constexpr int kKeys = 128;                      // keys a tile
     static constexpr int kThreads = 128 * (kConsumers + 1);
-    static constexpr int kStages = 2;
+    static constexpr int kStages = 3;
     static constexpr uint32_t kTileBytes = kKeys * 128;    // 128 rows of 64 16-bit elements
     static constexpr uint32_t kQBytes = kConsumers * kTmaTileBytes;
-    static constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes + 1024;   // + the 1024-byte alignment
-    static constexpr int kProducerRegs = 24, kConsumerRegs = 160;
+    // two buffers of Q tiles, the key tiles' stages, the 1024-byte alignment
+    static constexpr int kSmemBytes = 2 * kQBytes + kStages * 2 * kTileBytes + 1024;
+    static constexpr int kProducerRegs = 32, kConsumerRegs = 160;
 };
 
 template <int kRegs>
@@ -96,7 +105,7 @@ __device__ __forceinline__ void fence_regs(uint32_t (&a)[kN][4]) {
     }
 }
 
-// One pass of a block: the key tiles [kbeg, kbeg + 128 n) of one document.
+// One pass of a group: the key tiles [kbeg, kbeg + 128 n) of one document.
 struct SeqBandPass {
     int64_t doc_start;
     int32_t kbeg, n;
@@ -120,92 +129,129 @@ __device__ __forceinline__ bool seq_band_window(const SeqFwdParams& p, int64_t w
     return win.rows > 0;
 }
 
+// A group: three consecutive row blocks 3 g .. 3 g + 2, their key ranges,
+// and the passes over their keys (a row block starts a pass unless the one
+// before is of its document). All passes' tiles form one sequence
+// t = 0 .. ntiles - 1 (one loop body: a loop per pass tripled the code,
+// which the instruction cache holds). Every array is indexed by constants
+// only (an index known at run time put them in local memory).
+struct SeqBandGroup {
+    static constexpr int kRows = 3;
+    SeqWindow win[kRows];
+    bool has[kRows];
+    int32_t wkb[kRows], wke[kRows];   // each row block's keys [wkb, wke) in its document
+    int pass_of[kRows];               // the pass of each row block, -1 where it holds no query
+    SeqBandPass pass[kRows];
+    int end0, end1, ntiles;
+
+    // False where the group holds no query (past the last row block).
+    __device__ __forceinline__ bool find(const SeqFwdParams& p, int64_t g, int32_t left, int32_t right, int kKeys) {
+#pragma unroll
+        for (int c = 0; c < kRows; ++c) {
+            has[c] = seq_band_window(p, int64_t(kRows) * g + c, win[c]);
+            wkb[c] = has[c] ? max(0, win[c].base - left) : 0;
+            wke[c] = has[c] ? static_cast<int32_t>(min(int64_t(win[c].len), int64_t(win[c].base) + win[c].rows + right)) : 0;
+        }
+        if (!has[0]) return false;
+        const bool starts1 = has[1] && win[1].doc_start != win[0].doc_start;
+        const bool starts2 = has[2] && win[2].doc_start != win[1].doc_start;
+        const int npass = 1 + starts1 + starts2;
+        pass_of[0] = 0;
+        pass_of[1] = has[1] ? int(starts1) : -1;
+        pass_of[2] = has[2] ? int(starts1) + int(starts2) : -1;
+#pragma unroll
+        for (int ps = 0; ps < kRows; ++ps) {
+            int32_t kb = 0, ke = 0;
+            int64_t doc = 0;
+            bool first = true;
+#pragma unroll
+            for (int c = 0; c < kRows; ++c) {
+                if (pass_of[c] != ps) continue;
+                if (first) kb = wkb[c], doc = win[c].doc_start;
+                first = false;
+                ke = wke[c];   // the pass's last row block's end
+            }
+            pass[ps] = SeqBandPass{doc, kb, (ke - kb + kKeys - 1) / kKeys};
+        }
+        end0 = pass[0].n;
+        end1 = end0 + (npass > 1 ? pass[1].n : 0);
+        ntiles = end1 + (npass > 2 ? pass[2].n : 0);
+        return true;
+    }
+    __device__ __forceinline__ int pass_at(int t) const { return t < end0 ? 0 : t < end1 ? 1 : 2; }
+    // tile t's first key, a position in its pass's document
+    __device__ __forceinline__ int32_t tile_key(int t, int ps, int kKeys) const {
+        return ps == 0 ? pass[0].kbeg + t * kKeys
+                       : ps == 1 ? pass[1].kbeg + (t - end0) * kKeys : pass[2].kbeg + (t - end1) * kKeys;
+    }
+    __device__ __forceinline__ int64_t doc_start(int ps) const {
+        return ps == 0 ? pass[0].doc_start : ps == 1 ? pass[1].doc_start : pass[2].doc_start;
+    }
+};
+
 // __launch_bounds__ tells the host which code the device got (as
 // seq_bwd_keys_kernel: 32 threads where sm_90a was not built).
+//
+// Persistent: block b runs the work items b, b + gridDim.x, ... (an item is
+// a group and a head), so that the producer copies the next item's Q and
+// first key tiles while the consumers finish the current one and write its
+// output; the Q tiles have two buffers for that ("q_full" / "q_empty"), and
+// the key tiles' ring runs on across items.
 template <typename T>
 __global__ void __launch_bounds__(GT_WGMMA ? SeqBandConfig::kThreads : 32, 1)
-seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ SeqBandMaps maps) {
+seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ SeqBandMaps maps,
+                    int64_t num_groups) {
 #if GT_WGMMA
     using Cfg = SeqBandConfig;
     constexpr int kKeys = Cfg::kKeys, kStages = Cfg::kStages;
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ alignas(8) uint64_t full_bar[kStages], empty_bar[kStages], q_bar;
+    __shared__ alignas(8) uint64_t full_bar[kStages], empty_bar[kStages], q_full[2], q_empty[2];
 
-    // The block's three row blocks, their key ranges, and the passes: a
-    // row block starts a pass unless the one before is of its document.
-    SeqWindow win[Cfg::kConsumers];
-    bool has[Cfg::kConsumers];
-    int32_t wkb[Cfg::kConsumers], wke[Cfg::kConsumers];
     const int32_t left = p.mask.parts[0].a, right = p.mask.parts[0].b;
-#pragma unroll
-    for (int c = 0; c < Cfg::kConsumers; ++c) {
-        has[c] = seq_band_window(p, int64_t(Cfg::kConsumers) * blockIdx.x + c, win[c]);
-        wkb[c] = has[c] ? max(0, win[c].base - left) : 0;
-        wke[c] = has[c] ? static_cast<int32_t>(min(int64_t(win[c].len), int64_t(win[c].base) + win[c].rows + right)) : 0;
-    }
-    if (!has[0]) return;   // block-uniform
-    // (every index a constant: arrays indexed at run time went to local memory)
-    const bool starts1 = has[1] && win[1].doc_start != win[0].doc_start;
-    const bool starts2 = has[2] && win[2].doc_start != win[1].doc_start;
-    const int npass = 1 + starts1 + starts2;
-    const int pass_of[Cfg::kConsumers] = {0, has[1] ? int(starts1) : -1, has[2] ? int(starts1) + int(starts2) : -1};
-    SeqBandPass pass[Cfg::kConsumers];
-#pragma unroll
-    for (int ps = 0; ps < Cfg::kConsumers; ++ps) {
-        int32_t kb = 0, ke = 0;
-        int64_t doc = 0;
-        bool first = true;
-#pragma unroll
-        for (int c = 0; c < Cfg::kConsumers; ++c) {
-            if (pass_of[c] != ps) continue;
-            if (first) kb = wkb[c], doc = win[c].doc_start;
-            first = false;
-            ke = wke[c];   // the pass's last row block's end
-        }
-        pass[ps] = SeqBandPass{doc, kb, (ke - kb + kKeys - 1) / kKeys};
-    }
-    // All passes' tiles as one sequence t = 0 .. ntiles - 1 (one loop body:
-    // a loop per pass tripled the code, which the instruction cache holds).
-    const int end0 = pass[0].n, end1 = end0 + (npass > 1 ? pass[1].n : 0);
-    const int ntiles = end1 + (npass > 2 ? pass[2].n : 0);
-    auto pass_at = [&](int t) { return t < end0 ? 0 : t < end1 ? 1 : 2; };
-    auto tile_key = [&](int t, int ps) {   // the tile's first key, a position in the pass's document
-        return ps == 0 ? pass[0].kbeg + t * kKeys
-                       : ps == 1 ? pass[1].kbeg + (t - end0) * kKeys : pass[2].kbeg + (t - end1) * kKeys;
-    };
-    const int head = blockIdx.y;
+    const int64_t num_items = num_groups * p.num_heads;
     const int wg = threadIdx.x >> 7;
 
     const uint32_t smem0 = (smem_addr(smem) + 1023u) & ~1023u;
-    auto k_tile = [&](int s) { return smem0 + Cfg::kQBytes + static_cast<uint32_t>(s) * 2u * Cfg::kTileBytes; };
+    auto q_tiles = [&](int b) { return smem0 + static_cast<uint32_t>(b) * Cfg::kQBytes; };
+    auto k_tile = [&](int s) { return smem0 + 2 * Cfg::kQBytes + static_cast<uint32_t>(s) * 2u * Cfg::kTileBytes; };
     auto v_tile = [&](int s) { return k_tile(s) + Cfg::kTileBytes; };
     if (threadIdx.x == 0) {
-        mbar_init(smem_addr(&q_bar), 1);
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            mbar_init(smem_addr(&q_full[b]), 1);
+            mbar_init(smem_addr(&q_empty[b]), 4 * Cfg::kConsumers);   // every consumer warp
+        }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(smem_addr(&full_bar[s]), 1);
-            mbar_init(smem_addr(&empty_bar[s]), 4 * Cfg::kConsumers);   // every consumer warp
+            mbar_init(smem_addr(&empty_bar[s]), 4 * Cfg::kConsumers);
         }
     }
     __syncthreads();
 
     if (wg == 0) {   // the producer
         setmaxnreg_dec<Cfg::kProducerRegs>();
-        if (threadIdx.x == 0) {
-            const uint32_t qbar = smem_addr(&q_bar);
-            mbar_expect_tx(qbar, kTmaTileBytes * (1 + has[1] + has[2]));
+        if (threadIdx.x != 0) return;
+        uint32_t tiles = 0, items = 0;   // copied so far (the rings' positions)
+        for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+            SeqBandGroup grp;
+            if (!grp.find(p, item / p.num_heads, left, right, kKeys)) continue;   // (every thread skips it)
+            const int head = static_cast<int>(item % p.num_heads);
+            const int qb = items & 1;
+            if (items >= 2) mbar_wait(smem_addr(&q_empty[qb]), ((items >> 1) - 1) & 1);
+            const uint32_t qbar = smem_addr(&q_full[qb]);
+            mbar_expect_tx(qbar, kTmaTileBytes * (1 + grp.has[1] + grp.has[2]));
 #pragma unroll
             for (int c = 0; c < Cfg::kConsumers; ++c) {
-                if (has[c]) {
-                    tma_load_rows(smem0 + c * kTmaTileBytes, maps.q, head,
-                                  static_cast<int32_t>(win[c].doc_start + win[c].base), qbar);
+                if (grp.has[c]) {
+                    tma_load_rows(q_tiles(qb) + c * kTmaTileBytes, maps.q, head,
+                                  static_cast<int32_t>(grp.win[c].doc_start + grp.win[c].base), qbar);
                 }
             }
-            for (int t = 0; t < ntiles; ++t) {
-                const int s = t % kStages, ps = pass_at(t);
-                if (t >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((t / kStages) - 1) & 1);
-                const int64_t doc = ps == 0 ? pass[0].doc_start : ps == 1 ? pass[1].doc_start : pass[2].doc_start;
-                const int32_t row = static_cast<int32_t>(doc + tile_key(t, ps));
+            for (int t = 0; t < grp.ntiles; ++t, ++tiles) {
+                const int s = tiles % kStages, ps = grp.pass_at(t);
+                if (tiles >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((tiles / kStages) - 1) & 1);
+                const int32_t row = static_cast<int32_t>(grp.doc_start(ps) + grp.tile_key(t, ps, kKeys));
                 const uint32_t bar = smem_addr(&full_bar[s]);
                 mbar_expect_tx(bar, 2 * Cfg::kTileBytes);
 #pragma unroll
@@ -214,6 +260,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                     tma_load_rows(v_tile(s) + b * kTmaTileBytes, maps.v, head, row + 64 * b, bar);
                 }
             }
+            ++items;
         }
         return;
     }
@@ -222,135 +269,144 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
     const int c = wg - 1;
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    // this warpgroup's row block (selected with constant indices: a
-    // runtime index put the arrays in local memory)
-    auto pick = [c](auto a0, auto a1, auto a2) { return c == 0 ? a0 : c == 1 ? a1 : a2; };
-    const SeqWindow w = pick(win[0], win[1], win[2]);
-    const int my_pass = pick(pass_of[0], pass_of[1], pass_of[2]);
-    const int32_t my_kb = pick(wkb[0], wkb[1], wkb[2]), my_ke = pick(wke[0], wke[1], wke[2]);
-    const int32_t cr0 = w.base, crows = my_pass >= 0 ? w.rows : 0;   // this warpgroup's queries [cr0, cr0 + crows)
-    const int32_t row_a = cr0 + 16 * warp + g;                 // the thread's rows: row_a, row_a + 8
     const uint32_t width = static_cast<uint32_t>(left) + static_cast<uint32_t>(right);
     const float sl2 = p.scale_log2;
-
-    float o[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) o[i] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     const uint32_t desc_lo = wgmma_desc_sw128_lo(smem0);
-    mbar_wait(smem_addr(&q_bar), 0);
+    uint32_t tiles = 0, items = 0;   // as the producer's
+    for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+        SeqBandGroup grp;
+        if (!grp.find(p, item / p.num_heads, left, right, kKeys)) continue;
+        const int head = static_cast<int>(item % p.num_heads);
+        const int qb = items & 1;
+        // this warpgroup's row block (selected with constant indices)
+        auto pick = [c](auto a0, auto a1, auto a2) { return c == 0 ? a0 : c == 1 ? a1 : a2; };
+        const SeqWindow w = pick(grp.win[0], grp.win[1], grp.win[2]);
+        const int my_pass = pick(grp.pass_of[0], grp.pass_of[1], grp.pass_of[2]);
+        const int32_t my_kb = pick(grp.wkb[0], grp.wkb[1], grp.wkb[2]), my_ke = pick(grp.wke[0], grp.wke[1], grp.wke[2]);
+        const int32_t cr0 = w.base, crows = my_pass >= 0 ? w.rows : 0;   // this warpgroup's queries [cr0, cr0 + crows)
+        const int32_t row_a = cr0 + 16 * warp + g;                 // the thread's rows: row_a, row_a + 8
 
-    for (int t = 0; t < ntiles; ++t) {
-        const int s = t % kStages, ps = pass_at(t);
-        const int32_t ks = tile_key(t, ps);   // the tile's first key (document position)
-        const bool mine = my_pass == ps;
-        mbar_wait(smem_addr(&full_bar[s]), (t / kStages) & 1);
-        if (mine && ks < my_ke && ks + kKeys > my_kb) {   // warpgroup-uniform
-            float sc[kKeys / 2];
-            wgmma_fence();
+        float o[32];
 #pragma unroll
-            for (int step = 0; step < 4; ++step) {
-                wgmma_m64n128k16_ss<T>(sc, wgmma_desc_sw128_at(desc_lo, c * kTmaTileBytes + 32 * step),
-                                       wgmma_desc_sw128_at(desc_lo, k_tile(s) - smem0 + 32 * step), step > 0);
-            }
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(sc);
-            // inside the band for all 64 rows and the document: no mask
-            const bool inside = crows == 64 && ks >= cr0 + 63 - left &&
-                                int64_t(ks) + kKeys - 1 <= int64_t(cr0) + right && ks + kKeys <= w.len;
-            if (!inside) {
+        for (int i = 0; i < 32; ++i) o[i] = 0.f;
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+        const uint32_t q_off = q_tiles(qb) - smem0 + c * kTmaTileBytes;
+        mbar_wait(smem_addr(&q_full[qb]), (items >> 1) & 1);
+
+        for (int t = 0; t < grp.ntiles; ++t, ++tiles) {
+            const int s = tiles % kStages, ps = grp.pass_at(t);
+            const int32_t ks = grp.tile_key(t, ps, kKeys);   // the tile's first key (document position)
+            const bool mine = my_pass == ps;
+            mbar_wait(smem_addr(&full_bar[s]), (tiles / kStages) & 1);
+            if (mine && ks < my_ke && ks + kKeys > my_kb) {   // warpgroup-uniform
+                float sc[kKeys / 2];
+                wgmma_fence();
 #pragma unroll
-                for (int j = 0; j < kKeys / 8; ++j) {
+                for (int step = 0; step < 4; ++step) {
+                    wgmma_m64n128k16_ss<T>(sc, wgmma_desc_sw128_at(desc_lo, q_off + 32 * step),
+                                           wgmma_desc_sw128_at(desc_lo, k_tile(s) - smem0 + 32 * step), step > 0);
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(sc);
+                // inside the band for all 64 rows and the document: no mask
+                const bool inside = crows == 64 && ks >= cr0 + 63 - left &&
+                                    int64_t(ks) + kKeys - 1 <= int64_t(cr0) + right && ks + kKeys <= w.len;
+                if (!inside) {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int32_t key = ks + 8 * j + 2 * t4 + e;
-                        const bool kin = key < w.len;
-                        // key - row + left in [0, left + right] (mod 2^32)
-                        const uint32_t d = static_cast<uint32_t>(key - row_a) + static_cast<uint32_t>(left);
-                        if (!(kin && d <= width)) sc[4 * j + e] = -INFINITY;
-                        if (!(kin && d - 8u <= width)) sc[4 * j + 2 + e] = -INFINITY;
+                    for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int32_t key = ks + 8 * j + 2 * t4 + e;
+                            const bool kin = key < w.len;
+                            // key - row + left in [0, left + right] (mod 2^32)
+                            const uint32_t d = static_cast<uint32_t>(key - row_a) + static_cast<uint32_t>(left);
+                            if (!(kin && d <= width)) sc[4 * j + e] = -INFINITY;
+                            if (!(kin && d - 8u <= width)) sc[4 * j + 2 + e] = -INFINITY;
+                        }
                     }
                 }
-            }
-            // row maxima (rows row_a, row_a + 8) over the quad's 4 threads
-            float mx[2] = {-INFINITY, -INFINITY};
+                // row maxima (rows row_a, row_a + 8) over the quad's 4 threads
+                float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int j = 0; j < kKeys / 8; ++j) {
-                mx[0] = fmaxf(mx[0], fmaxf(sc[4 * j], sc[4 * j + 1]));
-                mx[1] = fmaxf(mx[1], fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                mx[r] *= sl2;
-            }
-            // the reference moves, for every row of the warp, when a row's grew by more than 2^8
-            if (__any_sync(0xffffffffu, mx[0] > m[0] + 8.f || mx[1] > m[1] + 8.f)) {
-                float alpha[2];
+                for (int j = 0; j < kKeys / 8; ++j) {
+                    mx[0] = fmaxf(mx[0], fmaxf(sc[4 * j], sc[4 * j + 1]));
+                    mx[1] = fmaxf(mx[1], fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
+                }
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const float m_new = fmaxf(m[r], mx[r]);
-                    alpha[r] = m_new == -INFINITY ? 1.f : fast_exp2(m[r] - m_new);   // from -inf: 0 (o, l are 0)
-                    m[r] = m_new;
-                    l[r] *= alpha[r];
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                    mx[r] *= sl2;
                 }
+                // the reference moves, for every row of the warp, when a row's grew by more than 2^8
+                if (__any_sync(0xffffffffu, mx[0] > m[0] + 8.f || mx[1] > m[1] + 8.f)) {
+                    float alpha[2];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    o[4 * j] *= alpha[0];
-                    o[4 * j + 1] *= alpha[0];
-                    o[4 * j + 2] *= alpha[1];
-                    o[4 * j + 3] *= alpha[1];
+                    for (int r = 0; r < 2; ++r) {
+                        const float m_new = fmaxf(m[r], mx[r]);
+                        alpha[r] = m_new == -INFINITY ? 1.f : fast_exp2(m[r] - m_new);   // from -inf: 0 (o, l are 0)
+                        m[r] = m_new;
+                        l[r] *= alpha[r];
+                    }
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        o[4 * j] *= alpha[0];
+                        o[4 * j + 1] *= alpha[0];
+                        o[4 * j + 2] *= alpha[1];
+                        o[4 * j + 3] *= alpha[1];
+                    }
                 }
-            }
-            const float mr[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
-            // P as the A fragments of P V's k-steps: k-step k from column
-            // tiles 2 k (a0: row g, a1: row g + 8) and 2 k + 1 (a2, a3)
-            uint32_t pa[kKeys / 16][4];
-            float sum[2] = {0.f, 0.f};
+                const float mr[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
+                // P as the A fragments of P V's k-steps: k-step k from column
+                // tiles 2 k (a0: row g, a1: row g + 8) and 2 k + 1 (a2, a3)
+                uint32_t pa[kKeys / 16][4];
+                float sum[2] = {0.f, 0.f};
 #pragma unroll
-            for (int j = 0; j < kKeys / 8; ++j) {
-                float e[4];
+                for (int j = 0; j < kKeys / 8; ++j) {
+                    float e[4];
 #pragma unroll
-                for (int q = 0; q < 4; ++q) e[q] = fast_exp2(fmaf(sc[4 * j + q], sl2, -mr[q >> 1]));
-                sum[0] += e[0] + e[1];
-                sum[1] += e[2] + e[3];
-                pa[j >> 1][(j & 1) * 2] = TypeTraits<T>::pack(e[0], e[1]);
-                pa[j >> 1][(j & 1) * 2 + 1] = TypeTraits<T>::pack(e[2], e[3]);
-            }
-            l[0] += sum[0];
-            l[1] += sum[1];
-            wgmma_fence();
+                    for (int q = 0; q < 4; ++q) e[q] = fast_exp2(fmaf(sc[4 * j + q], sl2, -mr[q >> 1]));
+                    sum[0] += e[0] + e[1];
+                    sum[1] += e[2] + e[3];
+                    pa[j >> 1][(j & 1) * 2] = TypeTraits<T>::pack(e[0], e[1]);
+                    pa[j >> 1][(j & 1) * 2 + 1] = TypeTraits<T>::pack(e[2], e[3]);
+                }
+                l[0] += sum[0];
+                l[1] += sum[1];
+                wgmma_fence();
 #pragma unroll
-            for (int k16 = 0; k16 < kKeys / 16; ++k16) {
-                wgmma_m64n64k16<T, true>(o, pa[k16],
-                                         wgmma_desc_sw128_at(desc_lo, v_tile(s) - smem0 + 2048 * k16), true);
+                for (int k16 = 0; k16 < kKeys / 16; ++k16) {
+                    wgmma_m64n64k16<T, true>(o, pa[k16],
+                                             wgmma_desc_sw128_at(desc_lo, v_tile(s) - smem0 + 2048 * k16), true);
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(o);
+                fence_regs(pa);
             }
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(o);
-            fence_regs(pa);
+            if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
         }
-        if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
-    }
+        if (lane == 0) mbar_arrive(smem_addr(&q_empty[qb]));   // this item's Q read: the buffer is free
+        ++items;
 
-    // O in the C layout: row g (o[4j], o[4j + 1]) and g + 8 (o[4j + 2], o[4j + 3]), dims 8j + 2 t4, + 1
+        // O in the C layout: row g (o[4j], o[4j + 1]) and g + 8 (o[4j + 2], o[4j + 3]), dims 8j + 2 t4, + 1
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        const int32_t row = row_a + 8 * r;
-        if (row - cr0 >= crows) continue;
-        const float inv = l[r] != 0.f ? 1.f / l[r] : 0.f;
-        const int64_t tok = w.doc_start + row;
-        uint32_t* dst = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.o_ptr) + tok * p.o_row_stride +
-                                                    head * p.o_head_stride + 2 * t4);
+        for (int r = 0; r < 2; ++r) {
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+            const int32_t row = row_a + 8 * r;
+            if (row - cr0 >= crows) continue;
+            const float inv = l[r] != 0.f ? 1.f / l[r] : 0.f;
+            const int64_t tok = w.doc_start + row;
+            uint32_t* dst = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.o_ptr) + tok * p.o_row_stride +
+                                                        head * p.o_head_stride + 2 * t4);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) dst[4 * j] = TypeTraits<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        if (t4 == 0) {
-            p.lse_ptr[tok * p.lse_row_stride + head * p.lse_head_stride] =
-                l[r] != 0.f ? (m[r] + __log2f(l[r])) * 0.69314718055994531f : -INFINITY;
+            for (int j = 0; j < 8; ++j) dst[4 * j] = TypeTraits<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+            if (t4 == 0) {
+                p.lse_ptr[tok * p.lse_row_stride + head * p.lse_head_stride] =
+                    l[r] != 0.f ? (m[r] + __log2f(l[r])) * 0.69314718055994531f : -INFINITY;
+            }
         }
     }
 #else
@@ -373,6 +429,20 @@ bool seq_band_ready() {
     return ready;
 }
 
+// The current device's multiprocessors (asked once per device; no device work).
+inline int seq_band_sm_count() {
+    static int count[64] = {};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev < 0 || dev >= 64) return 132;
+    if (count[dev] == 0) {
+        int n = 0;
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+        count[dev] = n > 0 ? n : 132;
+    }
+    return count[dev];
+}
+
 // The forward of p by the band kernel where it serves it (head dim 64
 // checked by the caller; one local window, row stride 1, the forward's
 // 64-query row blocks, q, k, v as TMA describes them, sm_90a): true when
@@ -381,7 +451,8 @@ template <typename T>
 bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     using Cfg = SeqBandConfig;
     const SeqMaskPart& pt = p.mask.parts[0];
-    const char* env = std::getenv("GT_FUSED3S_SEQ_BAND");   // "0": the band instance (A/B experiments)
+    // A/B experiments: "0" runs the band instance, "g" this kernel with a block an item
+    const char* env = std::getenv("GT_FUSED3S_SEQ_BAND");
     if ((env != nullptr && env[0] == '0') || p.mask.num_parts != 1 || pt.kind != kSeqLocal || p.mask.row_stride != 1 || pt.a < 0 || pt.b < 0 ||
         p.block_rows != 64 || !seq_band_ready<T>()) {
         return false;
@@ -395,9 +466,11 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     if (p.num_windows <= 0 || p.num_heads <= 0) return true;
     constexpr auto kernel = seq_band_fwd_kernel<T>;
     set_max_dynamic_smem<kernel>(Cfg::kSmemBytes);   // (an error shows at the launch)
-    const dim3 grid(static_cast<unsigned>((p.num_windows + Cfg::kConsumers - 1) / Cfg::kConsumers),
-                    static_cast<unsigned>(p.num_heads));
-    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+    const int64_t groups = (p.num_windows + SeqBandGroup::kRows - 1) / SeqBandGroup::kRows;
+    const int64_t items = groups * p.num_heads;
+    // one block an SM, each walking items; "g": a block an item (A/B experiments)
+    const int64_t blocks = env != nullptr && env[0] == 'g' ? items : std::min<int64_t>(items, seq_band_sm_count());
+    kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, groups);
     return true;
 }
 
