@@ -23,8 +23,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-length", type=int, help="skip cases longer than this")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     p.add_argument("--backward", action="store_true",
-                   help="also time forward + backward (ours and Flex's, Flex up to the config's "
-                        "flex_backward_max tokens)")
+                   help="also time forward + backward (ours and Flex's; Flex's for masks with global or "
+                        "random parts up to the config's flex_backward_max tokens)")
     p.add_argument("--probe-max-length", type=int, nargs="+", metavar="L",
                    help="instead of the cases: the longest of these lengths whose local 1601-key forward fits")
     p.add_argument("--out", help="CSV path")

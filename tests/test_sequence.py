@@ -18,7 +18,7 @@ import torch
 
 from gt_fused3s.sequence import (BlockDilated, Dilated, Global, Local, RandomBlocks, Union, kernel_code,
                                  sequence_attention)
-from gt_fused3s.sequence.masks import candidate_keys
+from gt_fused3s.sequence.masks import as_mask, candidate_keys
 from gt_fused3s.reference import sequence_reference
 
 MASKS = {
@@ -313,6 +313,38 @@ def test_flex_baseline_block_lists_for_the_backward(kind):
     bm = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=bench.FLEX_BLOCK, seq_lengths=(L, L),
                                   compute_q_blocks=True)
     assert bm.q_indices.shape[-1] == nb
+
+
+@pytest.mark.parametrize("mask", [Local(300), Local(200, right=40), Local(150, causal=True),
+                                  Dilated(100, 2), Dilated(64, 3, right=10) | Local(20)],
+                         ids=["local", "asym", "causal", "dilated", "dilated+local"])
+def test_flex_baseline_query_lists_from_the_transposed_mask(mask):
+    """Past 4M tokens Flex's own transposition of the block lists
+    (compute_q_blocks, through [nb, nb] lists) does not fit, so for local and
+    dilated masks the bench makes the backward's query block lists from the
+    transposed mask (bench.transposed): its pattern is the mask's
+    transposed, and its lists hold the blocks of Flex's transposition of
+    the key lists."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from gt_fused3s.bench import sequence as bench
+    L, nb = 4000, 32
+    t = bench.transposed(mask)
+    i = torch.arange(L)
+    assert torch.equal(as_mask(t).allowed(i[:, None], i[None, :], L), as_mask(mask).allowed(i[None, :], i[:, None], L))
+    _, (kn, ki), (fn, fi) = bench._flex_pieces(mask, L, torch.device("cpu"), square=True)
+    bm = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=bench.FLEX_BLOCK, seq_lengths=(L, L),
+                                  compute_q_blocks=True)
+    _, (qn, qi), (fqn, fqi) = bench._flex_pieces(t, L, torch.device("cpu"), rows_are_keys=True)
+
+    def dense(num, idx):
+        out = torch.zeros(nb, nb, dtype=torch.bool)
+        for r in range(nb):
+            out[r, idx[0, 0, r, :num[0, 0, r]].long()] = True
+        return out
+    ours_p, ours_f = dense(qn, qi), dense(fqn, fqi)
+    flex_p, flex_f = dense(bm.q_num_blocks, bm.q_indices), dense(bm.full_q_num_blocks, bm.full_q_indices)
+    assert torch.equal(ours_p, flex_p) and torch.equal(ours_f, flex_f)
+    assert bench.transposed(mask | Global(2)) is None
 
 
 def test_plot_sequence_times(tmp_path):

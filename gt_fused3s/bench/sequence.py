@@ -2,8 +2,10 @@
 against FlexAttention (a BlockMask built from kv block lists, compiled, so it
 never falls back to eager) and dense SDPA (flash, no mask: the cost of
 ignoring sparsity), side by side in one process on one GPU; forward, and
-with ``backward`` forward + backward against Flex's (up to a length where
-Flex's transposed block lists fit).
+with ``backward`` forward + backward against Flex's (for local and dilated
+masks at every length, their query block lists made from the transposed
+mask; for the others up to a length where Flex's own transposition of the
+block lists fits).
 
 Global rows (a few queries that attend to every key) are computed apart in
 ``sequence_attention`` (chunked fp32 matmuls); the Flex runs get the same
@@ -18,7 +20,7 @@ import torch
 
 from ..sequence import Dilated, Global, Local, RandomBlocks, sequence_attention
 from ..sequence.attention import _dense_rows
-from ..sequence.masks import as_mask
+from ..sequence.masks import Union, as_mask
 from .common import free_cuda_memory, guarded, short_error
 from .timing import kernel_time, time_cuda
 
@@ -44,12 +46,15 @@ def make_mask(kind: str, L: int, keys: int, *, dilation: int = 2, global_tokens:
     raise ValueError(f"unknown mask kind {kind!r}")
 
 
-def _flex_pieces(mask, L: int, device, square: bool = False):
+def _flex_pieces(mask, L: int, device, square: bool = False, rows_are_keys: bool = False):
     """mask_mod and kv block lists (partial and full) of the mask over
     query/key blocks of FLEX_BLOCK (global rows excluded: computed apart).
     square: lists as wide as the number of key blocks, which Flex's
     transposition for the backward (compute_q_blocks) assumes (narrower lists
-    index out of bounds there: a device-side assert, measured on an H100)."""
+    index out of bounds there: a device-side assert, measured on an H100).
+    rows_are_keys: the mask is a transposed one (its row blocks are key
+    blocks, its column blocks query blocks): a short key block is never full,
+    a short query block may be."""
     parts = as_mask(mask).parts()
     BS = FLEX_BLOCK
     nb = -(-L // BS)
@@ -97,7 +102,8 @@ def _flex_pieces(mask, L: int, device, square: bool = False):
     cand = first[:, None] + torch.arange(width, device=device)[None, :]
     in_band = cand <= last[:, None]
     full = in_band & (dil == 1) & (cand * BS - hi_row[:, None] >= -left) & \
-        (torch.clamp(cand * BS + BS - 1, max=L - 1) - lo_row[:, None] <= right) & (cand * BS + BS <= L)
+        (torch.clamp(cand * BS + BS - 1, max=L - 1) - lo_row[:, None] <= right) & \
+        ((qb * BS + BS <= L)[:, None] if rows_are_keys else (cand * BS + BS <= L))   # (the key block not short)
     # Candidate kv blocks per query block, O(nb x width) (never [nb, nb]):
     # the band's, the global columns' and the random blocks', with a
     # duplicate kept once (full wins).
@@ -132,16 +138,39 @@ def _flex_pieces(mask, L: int, device, square: bool = False):
     return mask_mod, lists(part_sel), lists(full_sel)
 
 
+def transposed(mask):
+    """The mask of the transposed pattern (rows: keys) where its parts are
+    local or dilated windows (their sides swapped), else None: the query
+    block lists of Flex's backward are the key block lists of this mask."""
+    parts = as_mask(mask).parts()
+    if not all(isinstance(p, (Local, Dilated)) for p in parts):
+        return None
+    out = [Local(p.right, right=p.left) if isinstance(p, Local) else Dilated(p.right, p.dilation, right=p.left)
+           for p in parts]
+    return out[0] if len(out) == 1 else Union(*out)
+
+
 def flex_runner(mask, L: int, H: int, device, backward: bool = False):
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     import torch._dynamo
     torch._dynamo.config.recompile_limit = 1000
     torch._dynamo.config.cache_size_limit = 1000
-    mask_mod, (kn, ki), (fn, fi) = _flex_pieces(mask, L, device, square=backward)
-    # compute_q_blocks: the transposed lists, which only the backward reads,
-    # need [nb, nb] lists: only where a backward is timed
-    bm = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(L, L),
-                                  compute_q_blocks=backward)
+    tmask = transposed(mask) if backward else None
+    if tmask is not None:
+        # the backward's query block lists from the transposed mask: O(nb x
+        # width), where Flex's own transposition (compute_q_blocks) goes
+        # through [nb, nb] lists (out of memory past about 4M tokens)
+        mask_mod, (kn, ki), (fn, fi) = _flex_pieces(mask, L, device)
+        _, (qn, qi), (fqn, fqi) = _flex_pieces(tmask, L, device, rows_are_keys=True)
+        bm = BlockMask(seq_lengths=(L, L), kv_num_blocks=kn, kv_indices=ki, full_kv_num_blocks=fn,
+                       full_kv_indices=fi, q_num_blocks=qn, q_indices=qi, full_q_num_blocks=fqn,
+                       full_q_indices=fqi, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod)
+    else:
+        mask_mod, (kn, ki), (fn, fi) = _flex_pieces(mask, L, device, square=backward)
+        # compute_q_blocks: the transposed lists, which only the backward
+        # reads, need [nb, nb] lists: only where a backward is timed
+        bm = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(L, L),
+                                      compute_q_blocks=backward)
     compiled = torch.compile(flex_attention, dynamic=False)
     return lambda q, k, v: compiled(q, k, v, block_mask=bm)   # q, k, v: [B, H, L, D]
 
@@ -160,8 +189,9 @@ def global_rows(out, q, k, v, rows):
 def _forward_backward(row: dict, q, k, v, mask, L: int, H: int, flex: bool, flex_max: int) -> None:
     """Forward + backward (input gradients of one random output gradient):
     ours (the fused backward kernel; its own GPU time too) and Flex's, where
-    its transposed block lists fit (L <= flex_max); the largest difference
-    of the gradients (ours - Flex's)."""
+    its transposed block lists fit (L <= flex_max, for masks whose query
+    block lists are not made from the transposed mask); the largest
+    difference of the gradients (ours - Flex's)."""
     device = q.device
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     g = torch.randn_like(q)
@@ -175,7 +205,7 @@ def _forward_backward(row: dict, q, k, v, mask, L: int, H: int, flex: bool, flex
     # every kernel of the call (the forward's and the casts included)
     row["ours_bwd_kernel_ms"] = kernel_time(ours, name="seq_bwd", reps=3, flush=False)
     row["ours_fb_kernel_ms"] = kernel_time(ours, name="", reps=3, flush=False)
-    if not flex or L > flex_max:
+    if not flex or (L > flex_max and transposed(mask) is None):
         return
     try:
         tl = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
