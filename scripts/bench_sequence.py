@@ -21,6 +21,7 @@ def main(argv=None) -> int:
                                                      "bench-sequence.yaml"))
     p.add_argument("--only", nargs="+", help="mask kinds to run")
     p.add_argument("--max-length", type=int, help="skip cases longer than this")
+    p.add_argument("--min-length", type=int, help="skip cases shorter than this")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     p.add_argument("--backward", action="store_true",
                    help="also time forward + backward (ours and Flex's; Flex's for masks with global or "
@@ -53,7 +54,8 @@ def main(argv=None) -> int:
             write_csv(rows, bench.COLUMNS, a.out)
         return 0
     for case in cfg["cases"]:
-        if (a.only and case["mask"] not in a.only) or (a.max_length and case["L"] > a.max_length):
+        if ((a.only and case["mask"] not in a.only) or (a.max_length and case["L"] > a.max_length)
+                or (a.min_length and case["L"] < a.min_length)):
             continue
         row = bench.bench_case(case["mask"], case["L"], case["keys"], D=cfg["head_dim"], H=cfg["heads"],
                                dtype=dtype, flex=not a.no_flex, dense_max=cfg.get("dense_max", 262144),
