@@ -221,13 +221,17 @@ BAND_DOCS = [1, 63, 64, 65, 130, 1, 200, 5, 192, 191, 193, 3, 70, 400, 2000]
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("mask", [Local(20), Local(100, causal=True), Local(0, right=130), Local(2000, right=10),
-                                  Local(0)],
-                         ids=["local20", "causal100", "right130", "left2000", "diagonal"])
+                                  Local(0), Local(50) | Global(3), Local(20, causal=True) | Global([0, 5, 64, 199, 1999]),
+                                  Local(30) | Global(list(range(1, 2000, 63)))],
+                         ids=["local20", "causal100", "right130", "left2000", "diagonal", "longformer",
+                              "causal+global", "local+32global"])
 def test_band_kernel_documents_equal_reference(mask, dtype):
-    """The forward of one local window at D = 64 (on Hopper the
-    warp-specialised band kernel, three row blocks a thread block, a pass
-    per document among them): output and gradients against the reference
-    on packed documents of every length class."""
+    """The forward of one local window, alone or with global keys, at D = 64
+    (on Hopper the warp-specialised band kernel, three row blocks a thread
+    block, a pass per document among them; the global keys by mma.sync
+    first, each document its own, a key both global and in the band once):
+    output and gradients against the reference on packed documents of every
+    length class."""
     torch.manual_seed(11)
     cu = [0] + torch.tensor(BAND_DOCS).cumsum(0).tolist()
     q, k, v = (torch.randn(cu[-1], 2, 64, device="cuda") * 2 for _ in range(3))
@@ -243,11 +247,12 @@ def test_band_kernel_documents_equal_reference(mask, dtype):
         check_grads(got, q.detach(), k.detach(), v.detach(), g, mask, cu, dtype)
 
 
+@pytest.mark.parametrize("mask", [Local(300, right=450), Local(50) | Global([0, 7, 4000])], ids=["local", "longformer"])
 @pytest.mark.parametrize("shape", [(1, 70001, 1), (3, 1000, 4), (2, 4096, 2), (5, 9001, 3)],
                          ids=["L70001", "B3", "B2H2", "B5H3"])
-def test_band_kernel_equals_the_band_instance(shape, monkeypatch):
-    """GT_FUSED3S_SEQ_BAND=0 runs the sequence kernel's band instance
-    instead (the A/B switch of the benchmarks): outputs within fp16's
+def test_band_kernel_equals_the_band_instance(shape, mask, monkeypatch):
+    """GT_FUSED3S_SEQ_BAND=0 runs the sequence kernel's instances instead
+    (the A/B switch of the benchmarks): outputs within fp16's
     rounding of each other, log-sum-exps (the backward's input) to 1e-5.
     GT_FUSED3S_SEQ_BAND=g launches the band kernel with a block a work item
     instead of a block an SM walking items (L70001 and B5H3 give a block
@@ -256,7 +261,7 @@ def test_band_kernel_equals_the_band_instance(shape, monkeypatch):
     torch.manual_seed(12)
     B, L, H = shape
     q, k, v = (torch.randn(B * L, H, 64, device="cuda", dtype=torch.float16) * 2 for _ in range(3))
-    code = kernel_code(Local(300, right=450))
+    code = kernel_code(mask)
     cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * L
     windows = ops.seq_windows(cu, 1, ops.seq_block_rows(64))
     num_windows = B * ((L + 63) // 64)

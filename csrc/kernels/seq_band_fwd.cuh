@@ -1,7 +1,9 @@
 // Sparse attention over sequences, forward, for a mask of one local window
-// (keys row - a .. row + b of the query's document) at head dim 64 on Hopper
-// (sm_90a): FlashAttention-3's block shape with warp specialisation, in
-// place of seq_fwd_kernel.cuh's band instance (run_seq_fwd<T, 64> calls it).
+// (keys row - a .. row + b of the query's document), or of a local window
+// and global keys (Longformer's: kGlobal, seq_band_global_keys), at head dim
+// 64 on Hopper (sm_90a): FlashAttention-3's block shape with warp
+// specialisation, in place of seq_fwd_kernel.cuh's instances
+// (run_seq_fwd<T, 64> calls it).
 //
 // A block of four warpgroups (512 threads, one block an SM, as many blocks
 // as SMs) walks work items: an item is a group of three of the forward's
@@ -189,6 +191,102 @@ struct SeqBandGroup {
     }
 };
 
+// The global keys of a mask Local | Global (Longformer's) for one
+// consumer warp's 16 queries, before its band's tiles: chunks of 16 global
+// keys of the row block's document by mma.sync (m16n8k16), whose C layout
+// is the wgmma accumulator's for the warp's rows, so the scores and O
+// continue in the same registers. Q from its shared-memory slice (swizzled:
+// Sw128Tile), K and V rows straight from global memory (a few rows every
+// warp reads: cached). A global key that the band gives the query counts
+// once (the band's); a slot past the document's global keys is masked (its
+// V row clamped to a real one, so that P = 0 meets a finite value).
+template <typename T>
+__device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, const SeqWindow& w, uint32_t q_slice,
+                                                     int head, int32_t row_a, int32_t left, uint32_t width, float sl2,
+                                                     int lane, float (&o)[32], float (&m)[2], float (&l)[2]) {
+    const SeqMask& mk = p.mask;
+    int nvalid = 0;   // the document's global keys (sorted positions)
+    while (nvalid < mk.num_global && mk.global_idx[nvalid] < w.len) ++nvalid;
+    if (nvalid == 0) return;
+    const int g = lane >> 2, t4 = lane & 3;
+    const uint16_t* kbase = reinterpret_cast<const uint16_t*>(p.k_ptr) + head * p.k_head_stride;
+    const uint16_t* vbase = reinterpret_cast<const uint16_t*>(p.v_ptr) + head * p.v_head_stride;
+    auto token = [&](int slot) { return w.doc_start + mk.global_idx[min(slot, nvalid - 1)]; };
+    uint32_t qa[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) Sw128Tile::a_frag(qa[ks], q_slice, ks, lane);
+    for (int n0 = 0; n0 < nvalid; n0 += 16) {
+        // S [16, 16] = Q K_g^T: n-tile nt holds global slots n0 + 8 nt ..
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const uint32_t* krow = reinterpret_cast<const uint32_t*>(kbase + token(n0 + 8 * nt + g) * p.k_row_stride);
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                mma_16816<T>(s[nt], qa[ks], __ldg(krow + 8 * ks + t4), __ldg(krow + 8 * ks + 4 + t4));
+            }
+        }
+        // mask: slots past the document's keys, keys the band gives
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int slot = n0 + 8 * nt + 2 * t4 + e;
+                const int32_t j = slot < nvalid ? mk.global_idx[slot] : 0;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const uint32_t d = static_cast<uint32_t>(j - (row_a + 8 * r)) + static_cast<uint32_t>(left);
+                    if (slot >= nvalid || d <= width) s[nt][2 * r + e] = -INFINITY;
+                }
+            }
+        }
+        float mx[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            mx[r] *= sl2;
+        }
+        // the band tiles' rule: the reference moves when a row's maximum grew by more than 2^8
+        if (__any_sync(0xffffffffu, mx[0] > m[0] + 8.f || mx[1] > m[1] + 8.f)) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float m_new = fmaxf(m[r], mx[r]);
+                const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(m[r] - m_new);
+                m[r] = m_new;
+                l[r] *= alpha;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    o[4 * j + 2 * r] *= alpha;
+                    o[4 * j + 2 * r + 1] *= alpha;
+                }
+            }
+        }
+        const float mr[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) s[nt][q] = fast_exp2(fmaf(s[nt][q], sl2, -mr[q >> 1]));
+            l[0] += s[nt][0] + s[nt][1];
+            l[1] += s[nt][2] + s[nt][3];
+        }
+        // O += P V_g: P as the A fragment (k = the chunk's 16 slots), V_g's
+        // B fragments of keys 2 t4, + 1 (b0) and 2 t4 + 8, + 9 (b1), dim 8 j + g
+        const uint32_t pa[4] = {TypeTraits<T>::pack(s[0][0], s[0][1]), TypeTraits<T>::pack(s[0][2], s[0][3]),
+                                TypeTraits<T>::pack(s[1][0], s[1][1]), TypeTraits<T>::pack(s[1][2], s[1][3])};
+        const uint16_t* vrow[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) vrow[i] = vbase + token(n0 + 2 * t4 + (i & 1) + 8 * (i >> 1)) * p.v_row_stride + g;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const uint32_t b0 = uint32_t(__ldg(vrow[0] + 8 * j)) | (uint32_t(__ldg(vrow[1] + 8 * j)) << 16);
+            const uint32_t b1 = uint32_t(__ldg(vrow[2] + 8 * j)) | (uint32_t(__ldg(vrow[3] + 8 * j)) << 16);
+            mma_16816<T>(*reinterpret_cast<float(*)[4]>(&o[4 * j]), pa, b0, b1);
+        }
+    }
+}
+
 // __launch_bounds__ tells the host which code the device got (as
 // seq_bwd_keys_kernel: 32 threads where sm_90a was not built).
 //
@@ -197,7 +295,7 @@ struct SeqBandGroup {
 // first key tiles while the consumers finish the current one and write its
 // output; the Q tiles have two buffers for that ("q_full" / "q_empty"), and
 // the key tiles' ring runs on across items.
-template <typename T>
+template <typename T, bool kGlobal>
 __global__ void __launch_bounds__(GT_WGMMA ? SeqBandConfig::kThreads : 32, 1)
 seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ SeqBandMaps maps,
                     int64_t num_groups) {
@@ -292,6 +390,12 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
         const uint32_t q_off = q_tiles(qb) - smem0 + c * kTmaTileBytes;
         mbar_wait(smem_addr(&q_full[qb]), (items >> 1) & 1);
+        if constexpr (kGlobal) {   // Local | Global: the global keys first (warp-uniform)
+            if (crows > 0) {
+                seq_band_global_keys<T>(p, w, q_tiles(qb) + c * kTmaTileBytes + 2048 * warp, head, row_a, left, width,
+                                        sl2, lane, o, m, l);
+            }
+        }
 
         for (int t = 0; t < grp.ntiles; ++t, ++tiles) {
             const int s = tiles % kStages, ps = grp.pass_at(t);
@@ -420,7 +524,7 @@ template <typename T>
 bool seq_band_ready() {
     static const bool ready = [] {
         cudaFuncAttributes attr{};
-        if (cudaFuncGetAttributes(&attr, seq_band_fwd_kernel<T>) != cudaSuccess) {
+        if (cudaFuncGetAttributes(&attr, seq_band_fwd_kernel<T, false>) != cudaSuccess) {
             (void)cudaGetLastError();
             return false;
         }
@@ -444,17 +548,19 @@ inline int seq_band_sm_count() {
 }
 
 // The forward of p by the band kernel where it serves it (head dim 64
-// checked by the caller; one local window, row stride 1, the forward's
-// 64-query row blocks, q, k, v as TMA describes them, sm_90a): true when
-// launched (or nothing to do), false where the caller runs another.
+// checked by the caller; a mask of one local window, or a local window and
+// global keys (Longformer's), row stride 1, the forward's 64-query row
+// blocks, q, k, v as TMA describes them, sm_90a): true when launched (or
+// nothing to do), false where the caller runs another.
 template <typename T>
 bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     using Cfg = SeqBandConfig;
-    const SeqMaskPart& pt = p.mask.parts[0];
-    // A/B experiments: "0" runs the band instance, "g" this kernel with a block an item
+    const SeqMask& mk = p.mask;
+    const bool global = mk.num_parts == 2 && mk.parts[1].kind == kSeqGlobal;
+    // A/B experiments: "0" runs the sequence kernel's instances, "g" this kernel with a block an item
     const char* env = std::getenv("GT_FUSED3S_SEQ_BAND");
-    if ((env != nullptr && env[0] == '0') || p.mask.num_parts != 1 || pt.kind != kSeqLocal || p.mask.row_stride != 1 || pt.a < 0 || pt.b < 0 ||
-        p.block_rows != 64 || !seq_band_ready<T>()) {
+    if ((env != nullptr && env[0] == '0') || !(mk.num_parts == 1 || global) || mk.parts[0].kind != kSeqLocal ||
+        mk.row_stride != 1 || mk.parts[0].a < 0 || mk.parts[0].b < 0 || p.block_rows != 64 || !seq_band_ready<T>()) {
         return false;
     }
     SeqBandMaps maps{};
@@ -464,13 +570,20 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
         return false;
     }
     if (p.num_windows <= 0 || p.num_heads <= 0) return true;
-    constexpr auto kernel = seq_band_fwd_kernel<T>;
-    set_max_dynamic_smem<kernel>(Cfg::kSmemBytes);   // (an error shows at the launch)
     const int64_t groups = (p.num_windows + SeqBandGroup::kRows - 1) / SeqBandGroup::kRows;
     const int64_t items = groups * p.num_heads;
     // one block an SM, each walking items; "g": a block an item (A/B experiments)
     const int64_t blocks = env != nullptr && env[0] == 'g' ? items : std::min<int64_t>(items, seq_band_sm_count());
-    kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, groups);
+    auto launch = [&](auto with_global) {
+        constexpr auto kernel = seq_band_fwd_kernel<T, decltype(with_global)::value>;
+        set_max_dynamic_smem<kernel>(Cfg::kSmemBytes);   // (an error shows at the launch)
+        kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, groups);
+    };
+    if (global) {
+        launch(std::true_type{});
+    } else {
+        launch(std::false_type{});
+    }
     return true;
 }
 
