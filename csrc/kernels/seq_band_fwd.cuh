@@ -73,8 +73,10 @@ struct SeqBandConfig {
     static constexpr int kStages = 3;
     static constexpr uint32_t kTileBytes = kKeys * 128;    // 128 rows of 64 16-bit elements
     static constexpr uint32_t kQBytes = kConsumers * kTmaTileBytes;
-    // two buffers of Q tiles, the key tiles' stages, the 1024-byte alignment
-    static constexpr int kSmemBytes = 2 * kQBytes + kStages * 2 * kTileBytes + 1024;
+    // two buffers of Q tiles, the key tiles' stages, the global keys' rows, the 1024-byte alignment
+    // each consumer's copy of its document's global keys' K and V rows (kGlobal)
+    static constexpr int kGlobalBytes = 2 * kSeqMaxGlobal * RowTile<64>::kRowElems * 2;
+    static constexpr int kSmemBytes = 2 * kQBytes + kStages * 2 * kTileBytes + kConsumers * kGlobalBytes + 1024;
     static constexpr int kProducerRegs = 32, kConsumerRegs = 160;
 };
 
@@ -191,27 +193,51 @@ struct SeqBandGroup {
     }
 };
 
-// The global keys of a mask Local | Global (Longformer's) for one
-// consumer warp's 16 queries, before its band's tiles: chunks of 16 global
-// keys of the row block's document by mma.sync (m16n8k16), whose C layout
-// is the wgmma accumulator's for the warp's rows, so the scores and O
-// continue in the same registers. Q from its shared-memory slice (swizzled:
-// Sw128Tile), K and V rows straight from global memory (a few rows every
-// warp reads: cached). A global key that the band gives the query counts
-// once (the band's); a slot past the document's global keys is masked (its
-// V row clamped to a real one, so that P = 0 meets a finite value).
-template <typename T>
-__device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, const SeqWindow& w, uint32_t q_slice,
-                                                     int head, int32_t row_a, int32_t left, uint32_t width, float sl2,
-                                                     int lane, float (&o)[32], float (&m)[2], float (&l)[2]) {
+// The global keys of a mask Local | Global (Longformer's): their K and V
+// rows (the document's, one head) copied into this consumer's shared rows
+// `kv` (RowTile<64> layout: K rows, then V rows at kSeqMaxGlobal) by its 128
+// threads, where the item's document or head differs from the copy's. Slots
+// past the document's keys repeat its last key (finite values under P = 0).
+// Returns the document's number of global keys.
+__device__ __forceinline__ int seq_band_global_rows(const SeqFwdParams& p, const SeqWindow& w, int head, uint32_t kv,
+                                                    int64_t& cached_doc, int& cached_head, int c) {
     const SeqMask& mk = p.mask;
     int nvalid = 0;   // the document's global keys (sorted positions)
     while (nvalid < mk.num_global && mk.global_idx[nvalid] < w.len) ++nvalid;
-    if (nvalid == 0) return;
-    const int g = lane >> 2, t4 = lane & 3;
-    const uint16_t* kbase = reinterpret_cast<const uint16_t*>(p.k_ptr) + head * p.k_head_stride;
-    const uint16_t* vbase = reinterpret_cast<const uint16_t*>(p.v_ptr) + head * p.v_head_stride;
-    auto token = [&](int slot) { return w.doc_start + mk.global_idx[min(slot, nvalid - 1)]; };
+    if (nvalid == 0 || (w.doc_start == cached_doc && head == cached_head)) return nvalid;
+    cached_doc = w.doc_start;
+    cached_head = head;
+    const int rows = (nvalid + 15) & ~15;
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");   // every warp done with the old copy
+    const int tid = threadIdx.x & 127;
+    for (int i = tid; i < 2 * rows * 8; i += 128) {   // 16-byte chunks: (tensor, row, chunk)
+        const int ch = i & 7, row = (i >> 3) % rows, which = (i >> 3) / rows;
+        const int64_t tok = w.doc_start + mk.global_idx[min(row, nvalid - 1)];
+        const uint16_t* src = which == 0
+            ? reinterpret_cast<const uint16_t*>(p.k_ptr) + tok * p.k_row_stride + head * p.k_head_stride
+            : reinterpret_cast<const uint16_t*>(p.v_ptr) + tok * p.v_row_stride + head * p.v_head_stride;
+        const uint4 x = __ldg(reinterpret_cast<const uint4*>(src) + ch);
+        const uint32_t dst = kv + RowTile<64>::at(which * kSeqMaxGlobal + row, 8 * ch);
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w)
+                     : "memory");
+    }
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+    return nvalid;
+}
+
+// The global keys for one consumer warp's 16 queries, before its band's
+// tiles: chunks of 16 global keys by mma.sync (m16n8k16), whose C layout is
+// the wgmma accumulator's for the warp's rows, so the scores and O continue
+// in the same registers. Q from its shared-memory slice (swizzled:
+// Sw128Tile), K and V from the rows seq_band_global_rows copied (ldmatrix).
+// A global key that the band gives the query counts once (the band's).
+template <typename T>
+__device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, int nvalid, uint32_t q_slice, uint32_t kv,
+                                                     int32_t row_a, int32_t left, uint32_t width, float sl2, int lane,
+                                                     float (&o)[32], float (&m)[2], float (&l)[2]) {
+    using Rows = RowTile<64>;
+    const SeqMask& mk = p.mask;
+    const int t4 = lane & 3;
     uint32_t qa[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) Sw128Tile::a_frag(qa[ks], q_slice, ks, lane);
@@ -219,12 +245,11 @@ __device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, cons
         // S [16, 16] = Q K_g^T: n-tile nt holds global slots n0 + 8 nt ..
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            const uint32_t* krow = reinterpret_cast<const uint32_t*>(kbase + token(n0 + 8 * nt + g) * p.k_row_stride);
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
-                mma_16816<T>(s[nt], qa[ks], __ldg(krow + 8 * ks + t4), __ldg(krow + 8 * ks + 4 + t4));
-            }
+        for (int ks = 0; ks < 4; ++ks) {
+            uint32_t b[4];
+            Rows::bt_frags(b, kv + Rows::at(n0, 0), ks, lane);
+            mma_16816<T>(s[0], qa[ks], b[0], b[1]);
+            mma_16816<T>(s[1], qa[ks], b[2], b[3]);
         }
         // mask: slots past the document's keys, keys the band gives
 #pragma unroll
@@ -271,18 +296,15 @@ __device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, cons
             l[0] += s[nt][0] + s[nt][1];
             l[1] += s[nt][2] + s[nt][3];
         }
-        // O += P V_g: P as the A fragment (k = the chunk's 16 slots), V_g's
-        // B fragments of keys 2 t4, + 1 (b0) and 2 t4 + 8, + 9 (b1), dim 8 j + g
+        // O += P V_g: P as the A fragment (k = the chunk's 16 slots)
         const uint32_t pa[4] = {TypeTraits<T>::pack(s[0][0], s[0][1]), TypeTraits<T>::pack(s[0][2], s[0][3]),
                                 TypeTraits<T>::pack(s[1][0], s[1][1]), TypeTraits<T>::pack(s[1][2], s[1][3])};
-        const uint16_t* vrow[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) vrow[i] = vbase + token(n0 + 2 * t4 + (i & 1) + 8 * (i >> 1)) * p.v_row_stride + g;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const uint32_t b0 = uint32_t(__ldg(vrow[0] + 8 * j)) | (uint32_t(__ldg(vrow[1] + 8 * j)) << 16);
-            const uint32_t b1 = uint32_t(__ldg(vrow[2] + 8 * j)) | (uint32_t(__ldg(vrow[3] + 8 * j)) << 16);
-            mma_16816<T>(*reinterpret_cast<float(*)[4]>(&o[4 * j]), pa, b0, b1);
+        for (int jj = 0; jj < 4; ++jj) {
+            uint32_t b[4];
+            Rows::b_frags(b, kv + Rows::at(kSeqMaxGlobal + n0, 0), jj, lane);
+            mma_16816<T>(*reinterpret_cast<float(*)[4]>(&o[8 * jj]), pa, b[0], b[1]);
+            mma_16816<T>(*reinterpret_cast<float(*)[4]>(&o[8 * jj + 4]), pa, b[2], b[3]);
         }
     }
 }
@@ -370,6 +392,10 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
     const uint32_t width = static_cast<uint32_t>(left) + static_cast<uint32_t>(right);
     const float sl2 = p.scale_log2;
     const uint32_t desc_lo = wgmma_desc_sw128_lo(smem0);
+    // this consumer's copy of the global keys' rows (kGlobal), of the document and head last copied
+    const uint32_t global_kv = k_tile(kStages) + static_cast<uint32_t>(c) * Cfg::kGlobalBytes;
+    int64_t cached_doc = -1;
+    int cached_head = -1;
     uint32_t tiles = 0, items = 0;   // as the producer's
     for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
         SeqBandGroup grp;
@@ -390,10 +416,13 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
         const uint32_t q_off = q_tiles(qb) - smem0 + c * kTmaTileBytes;
         mbar_wait(smem_addr(&q_full[qb]), (items >> 1) & 1);
-        if constexpr (kGlobal) {   // Local | Global: the global keys first (warp-uniform)
+        if constexpr (kGlobal) {   // Local | Global: the global keys first (warpgroup-uniform)
             if (crows > 0) {
-                seq_band_global_keys<T>(p, w, q_tiles(qb) + c * kTmaTileBytes + 2048 * warp, head, row_a, left, width,
-                                        sl2, lane, o, m, l);
+                const int nvalid = seq_band_global_rows(p, w, head, global_kv, cached_doc, cached_head, c);
+                if (nvalid > 0) {
+                    seq_band_global_keys<T>(p, nvalid, q_tiles(qb) + c * kTmaTileBytes + 2048 * warp, global_kv, row_a,
+                                            left, width, sl2, lane, o, m, l);
+                }
             }
         }
 
