@@ -73,9 +73,9 @@ struct SeqBandConfig {
     static constexpr int kStages = 3;
     static constexpr uint32_t kTileBytes = kKeys * 128;    // 128 rows of 64 16-bit elements
     static constexpr uint32_t kQBytes = kConsumers * kTmaTileBytes;
-    // two buffers of Q tiles, the key tiles' stages, the global keys' rows, the 1024-byte alignment
     // each consumer's copy of its document's global keys' K and V rows (kGlobal)
     static constexpr int kGlobalBytes = 2 * kSeqMaxGlobal * RowTile<64>::kRowElems * 2;
+    // two buffers of Q tiles, the key tiles' stages, the global keys' rows, the 1024-byte alignment
     static constexpr int kSmemBytes = 2 * kQBytes + kStages * 2 * kTileBytes + kConsumers * kGlobalBytes + 1024;
     static constexpr int kProducerRegs = 32, kConsumerRegs = 160;
 };
