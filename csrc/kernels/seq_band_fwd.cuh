@@ -93,22 +93,6 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 #endif
 }
 
-// Register accesses kept on their side of an asynchronous MMA's wait (the
-// MMA reads or writes them after its issue; see wgmma_fence_operands).
-template <int kN>
-__device__ __forceinline__ void fence_regs(float (&d)[kN]) {
-#pragma unroll
-    for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-template <int kN>
-__device__ __forceinline__ void fence_regs(uint32_t (&a)[kN][4]) {
-#pragma unroll
-    for (int i = 0; i < kN; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
-    }
-}
-
 // One pass of a group: the key tiles [kbeg, kbeg + 128 n) of one document.
 struct SeqBandPass {
     int64_t doc_start;
@@ -441,7 +425,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                 }
                 wgmma_commit();
                 wgmma_wait<0>();
-                fence_regs(sc);
+                wgmma_fence_operands(sc);
                 // inside the band for all 64 rows and the document: no mask
                 const bool inside = crows == 64 && ks >= cr0 + 63 - left &&
                                     int64_t(ks) + kKeys - 1 <= int64_t(cr0) + right && ks + kKeys <= w.len;
@@ -515,8 +499,8 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                 }
                 wgmma_commit();
                 wgmma_wait<0>();
-                fence_regs(o);
-                fence_regs(pa);
+                wgmma_fence_operands(o);
+                wgmma_fence_operands(pa);
             }
             if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
         }

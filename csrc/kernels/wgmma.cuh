@@ -66,9 +66,20 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
-__device__ __forceinline__ void wgmma_fence_operands(float (&d)[32]) {
+// Register accesses kept on their side of an asynchronous MMA's wait (the
+// MMA reads or writes them after its issue): accumulators, or A fragments.
+template <int kN>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[kN]) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int kN>
+__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[kN][4]) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+    }
 }
 #define GT_WGMMA_D32                                                                                                   \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
