@@ -177,6 +177,31 @@ struct SeqBandGroup {
     }
 };
 
+// The online softmax's reference m (log2 units) of the thread's rows g and
+// g + 8, given their maxima mx over new scores: it moves, for every row of
+// the warp, when a row's grew by more than 2^8 (online_softmax_full's rule),
+// and l and O (the wgmma accumulator's layout) follow it.
+__device__ __forceinline__ void seq_band_move_reference(const float (&mx)[2], float (&m)[2], float (&l)[2],
+                                                        float (&o)[32]) {
+    if (__any_sync(0xffffffffu, mx[0] > m[0] + 8.f || mx[1] > m[1] + 8.f)) {
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float m_new = fmaxf(m[r], mx[r]);
+            alpha[r] = m_new == -INFINITY ? 1.f : fast_exp2(m[r] - m_new);   // from -inf: 0 (o, l are 0)
+            m[r] = m_new;
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            o[4 * j] *= alpha[0];
+            o[4 * j + 1] *= alpha[0];
+            o[4 * j + 2] *= alpha[1];
+            o[4 * j + 3] *= alpha[1];
+        }
+    }
+}
+
 // The global keys of a mask Local | Global (Longformer's): their K and V
 // rows (the document's, one head) copied into this consumer's shared rows
 // `kv` (RowTile<64> layout: K rows, then V rows at kSeqMaxGlobal) by its 128
@@ -257,21 +282,7 @@ __device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, int 
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
             mx[r] *= sl2;
         }
-        // the band tiles' rule: the reference moves when a row's maximum grew by more than 2^8
-        if (__any_sync(0xffffffffu, mx[0] > m[0] + 8.f || mx[1] > m[1] + 8.f)) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float m_new = fmaxf(m[r], mx[r]);
-                const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(m[r] - m_new);
-                m[r] = m_new;
-                l[r] *= alpha;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    o[4 * j + 2 * r] *= alpha;
-                    o[4 * j + 2 * r + 1] *= alpha;
-                }
-            }
-        }
+        seq_band_move_reference(mx, m, l, o);
         const float mr[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
@@ -456,24 +467,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
                     mx[r] *= sl2;
                 }
-                // the reference moves, for every row of the warp, when a row's grew by more than 2^8
-                if (__any_sync(0xffffffffu, mx[0] > m[0] + 8.f || mx[1] > m[1] + 8.f)) {
-                    float alpha[2];
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const float m_new = fmaxf(m[r], mx[r]);
-                        alpha[r] = m_new == -INFINITY ? 1.f : fast_exp2(m[r] - m_new);   // from -inf: 0 (o, l are 0)
-                        m[r] = m_new;
-                        l[r] *= alpha[r];
-                    }
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        o[4 * j] *= alpha[0];
-                        o[4 * j + 1] *= alpha[0];
-                        o[4 * j + 2] *= alpha[1];
-                        o[4 * j + 3] *= alpha[1];
-                    }
-                }
+                seq_band_move_reference(mx, m, l, o);
                 const float mr[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
                 // P as the A fragments of P V's k-steps: k-step k from column
                 // tiles 2 k (a0: row g, a1: row g + 8) and 2 k + 1 (a2, a3)
