@@ -40,9 +40,11 @@
 // beside it (GT_FUSED3S_SEQ_BAND=g launches a block an item). Tried
 // and not kept (README): the warpgroups' score products, or their
 // softmax, in a fixed ring order (named barriers), FlashAttention-3's
-// overlap of tile t's softmax with tile t - 1's P V, 192-key tiles, and a
+// overlap of tile t's softmax with tile t - 1's P V, that overlap and the
+// ring together (branch wip/seq-band-overlap-ring), 192-key tiles, and a
 // quarter or half of the exponentials on the FMA pipe (a cubic): each
-// slower.
+// slower. Nsight Compute (README): the tensor pipe and the MUFU each near
+// 48% of their peaks, in turn rather than beside each other.
 #pragma once
 
 #include <cstdint>
