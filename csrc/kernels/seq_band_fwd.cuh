@@ -77,8 +77,11 @@ struct SeqBandConfig {
     static constexpr uint32_t kQBytes = kConsumers * kTmaTileBytes;
     // each consumer's copy of its document's global keys' K and V rows (kGlobal)
     static constexpr int kGlobalBytes = 2 * kSeqMaxGlobal * RowTile<64>::kRowElems * 2;
-    // two buffers of Q tiles, the key tiles' stages, the global keys' rows, the 1024-byte alignment
-    static constexpr int kSmemBytes = 2 * kQBytes + kStages * 2 * kTileBytes + kConsumers * kGlobalBytes + 1024;
+    // two buffers of Q tiles, the key tiles' stages, the global keys' rows
+    // (kGlobal only: the rest of shared memory is L1's), the 1024-byte alignment
+    static constexpr int smem_bytes(bool global) {
+        return 2 * kQBytes + kStages * 2 * kTileBytes + (global ? kConsumers * kGlobalBytes : 0) + 1024;
+    }
     static constexpr int kProducerRegs = 32, kConsumerRegs = 160;
 };
 
@@ -585,8 +588,9 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     const int64_t blocks = env != nullptr && env[0] == 'g' ? items : std::min<int64_t>(items, seq_band_sm_count());
     auto launch = [&](auto with_global) {
         constexpr auto kernel = seq_band_fwd_kernel<T, decltype(with_global)::value>;
-        set_max_dynamic_smem<kernel>(Cfg::kSmemBytes);   // (an error shows at the launch)
-        kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, groups);
+        constexpr int smem = Cfg::smem_bytes(decltype(with_global)::value);
+        set_max_dynamic_smem<kernel>(smem);   // (an error shows at the launch)
+        kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(p, maps, groups);
     };
     if (global) {
         launch(std::true_type{});
