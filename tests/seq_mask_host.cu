@@ -6,7 +6,9 @@
 // lengths, line 3 the queries per row block, line 4 (optional) 1 for the
 // backward's transposed walk (keys as rows), 2 for the walk of the backward
 // by key blocks (seq_bwd_keys_kernel.cuh: the forward's walk over the
-// transposed mask, seq_mask_transpose; printed as (query, key) all the same). Built by the test with nvcc (the header is host + device code).
+// transposed mask, seq_mask_transpose; printed as (query, key) all the same),
+// 3 for the band kernel's schedule (band_walk). Built by the test with nvcc
+// (the headers are host + device code).
 // stderr: counts of the forward walk's tiles (per warp pair: computed, full;
 // per block tile: full, and where the walk's per-segment interval,
 // seq_cursor_full, disagreed with seq_tile_full; per warp tile: those a
@@ -19,9 +21,75 @@
 #include <string>
 #include <vector>
 
+#include "seq_band_fwd.cuh"
 #include "seq_mask.cuh"
 
 using namespace gt_fused3s;
+
+// Line 4 = 3: the band kernel's schedule (seq_band_fwd.cuh: groups of three
+// 64-query row blocks found by SeqBandGroup, their passes over 128-key
+// tiles, each consumer's tiles, its per-score mask test, and the global keys'
+// test as seq_band_global_keys makes it): prints the pairs its consumers
+// compute. stderr: "band 1" where run_seq_band_fwd takes the mask (one local
+// window, or one and global keys, row stride 1), else "band 0" and no pairs;
+// "lost" counts groups below the launch's count that find no query.
+static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
+    const bool global = mk.num_parts == 2 && mk.parts[1].kind == kSeqGlobal;
+    const bool takes = mk.row_stride == 1 && mk.parts[0].kind == kSeqLocal && mk.parts[0].a >= 0 && mk.parts[0].b >= 0 &&
+                       (mk.num_parts == 1 || global);
+    std::fprintf(stderr, "band %d ", takes ? 1 : 0);
+    if (!takes) return 0;
+    std::vector<int32_t> cu{0}, cw{0};
+    for (long long len : lens) {
+        cu.push_back(cu.back() + static_cast<int32_t>(len));
+        cw.push_back(cw.back() + static_cast<int32_t>((len + 63) / 64));
+    }
+    SeqFwdParams p{};
+    p.cu_seqlens = cu.data();
+    p.cu_windows = cw.data();
+    p.num_docs = static_cast<int32_t>(lens.size());
+    p.block_rows = 64;
+    p.mask = mk;
+    const int32_t left = mk.parts[0].a, right = mk.parts[0].b;
+    const uint32_t width = static_cast<uint32_t>(left) + static_cast<uint32_t>(right);
+    constexpr int kKeys = SeqBandConfig::kKeys;
+    const int64_t groups = (cw.back() + SeqBandGroup::kRows - 1) / SeqBandGroup::kRows;
+    long long lost = 0;
+    for (int64_t g = 0; g <= groups; ++g) {   // (one past the launch's groups: find says no)
+        SeqBandGroup grp;
+        if (!grp.find(p, g, left, right, kKeys)) {
+            lost += g < groups;
+            continue;
+        }
+        for (int c = 0; c < SeqBandGroup::kRows; ++c) {
+            if (grp.pass_of[c] < 0) continue;
+            const SeqWindow& w = grp.win[c];
+            for (int t = 0; t < grp.ntiles; ++t) {   // the consumer's loop
+                const int ps = grp.pass_at(t);
+                const int32_t ks = grp.tile_key(t, ps, kKeys);
+                if (!(grp.pass_of[c] == ps && ks < grp.wke[c] && ks + kKeys > grp.wkb[c])) continue;
+                for (int32_t row = w.base; row < w.base + w.rows; ++row) {
+                    for (int32_t key = ks; key < ks + kKeys; ++key) {
+                        const uint32_t d = static_cast<uint32_t>(key - row) + static_cast<uint32_t>(left);
+                        if (key < w.len && d <= width) std::printf("%lld %lld\n", w.doc_start + row, w.doc_start + key);
+                    }
+                }
+            }
+            if (!global) continue;
+            int nvalid = 0;
+            while (nvalid < mk.num_global && mk.global_idx[nvalid] < w.len) ++nvalid;
+            for (int slot = 0; slot < nvalid; ++slot) {
+                const int32_t j = mk.global_idx[slot];
+                for (int32_t row = w.base; row < w.base + w.rows; ++row) {
+                    const uint32_t d = static_cast<uint32_t>(j - row) + static_cast<uint32_t>(left);
+                    if (!(d <= width)) std::printf("%lld %lld\n", w.doc_start + row, w.doc_start + j);
+                }
+            }
+        }
+    }
+    std::fprintf(stderr, "lost %lld ", lost);
+    return 0;
+}
 
 int main() {
     std::string line;
@@ -45,6 +113,7 @@ int main() {
     }
     mk.num_global = static_cast<int32_t>(code[at++]);
     for (int i = 0; i < mk.num_global; ++i) mk.global_idx[i] = static_cast<int32_t>(code[at++]);
+    if (key_rows == 3) return band_walk(mk, lens);
     const bool by_keys = key_rows == 2;
     if (by_keys) {
         SeqMask t{};

@@ -70,12 +70,12 @@ def seq_host(host_program):
     return host_program("seq_mask_host.cu")
 
 
-WALKS = {"forward": 0, "backward": 1, "keys": 2}   # seq_mask_host.cu's line 4
+WALKS = {"forward": 0, "backward": 1, "keys": 2}   # seq_mask_host.cu's line 4 (3: the band kernel's schedule)
 
 
 def kernel_pairs(exe, mask, lens, block_rows=128, walk="forward") -> tuple[list[tuple[int, int]], str]:
     stdin = (" ".join(map(str, kernel_code(mask))) + "\n" + " ".join(map(str, lens)) + f"\n{block_rows}\n"
-             f"{WALKS[walk]}\n")
+             f"{3 if walk == 'band' else WALKS[walk]}\n")
     run = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
     pairs = [tuple(map(int, ln.split())) for ln in run.stdout.splitlines()]
     return pairs, run.stderr
@@ -111,6 +111,40 @@ def test_kernel_key_sets_equal_dense_truth(seq_host, name, lens, block_rows, wal
     got_rest = [p for p in got if p[0] not in grow]
     assert len(got_rest) == len(set(got_rest)), "a key given twice to a query"
     assert set(got_rest) == truth
+
+
+# Documents whose 64-query row blocks fall three to a group of the band
+# kernel across one, two and three documents (test_sequence_cuda.py's BAND_DOCS).
+BAND_LENGTHS = {"band-docs": [1, 63, 64, 65, 130, 1, 200, 5, 192, 191, 193, 3, 70, 400, 700], "one": [1000]}
+BAND_MASKS = {**MASKS, "local-sides": Local(300, right=45), "causal-global": Local(20, causal=True) | Global([0, 5, 64, 199]),
+              "global-32": Local(30) | Global(list(range(1, 700, 22)))}
+
+
+@pytest.mark.parametrize("lens", [*LENGTHS.values(), *BAND_LENGTHS.values()], ids=[*LENGTHS, *BAND_LENGTHS])
+@pytest.mark.parametrize("name", BAND_MASKS.keys())
+def test_band_kernel_schedule_equals_dense_truth(seq_host, name, lens):
+    """The band kernel's schedule on the CPU (seq_band_fwd.cuh's SeqBandGroup:
+    groups of three row blocks, their passes per document, each consumer's
+    128-key tiles, its mask test and the global keys'): where the kernel
+    takes the mask (one local window, alone or with global keys), its pairs
+    equal the dense truth, each once; elsewhere it takes none."""
+    mask = BAND_MASKS[name]
+    got, stats = kernel_pairs(seq_host, mask, lens, 64, "band")
+    parts = mask.parts()
+    takes = isinstance(parts[0], Local) and (len(parts) == 1 or (len(parts) == 2 and isinstance(parts[1], Global)))
+    counts = walk_counts(stats)
+    assert counts["band"] == int(takes)
+    if not takes:
+        assert got == []
+        return
+    assert counts["lost"] == 0
+    start, grow = 0, set()   # global rows: computed apart (the kernel's values overwritten)
+    for L in lens:
+        grow |= {start + r for r in mask.global_rows(L)}
+        start += L
+    got_rest = [p for p in got if p[0] not in grow]
+    assert len(got_rest) == len(set(got_rest)), "a key given twice to a query"
+    assert set(got_rest) == dense_truth(mask, lens)
 
 
 @pytest.mark.parametrize("block_rows", [64, 128])

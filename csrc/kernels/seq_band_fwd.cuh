@@ -108,15 +108,15 @@ struct SeqBandPass {
 // without its divisions (every thread of the block finds three, and the
 // general form's four integer divisions each were a tenth of a block's
 // instructions). False past the last block or where it holds no query.
-__device__ __forceinline__ bool seq_band_window(const SeqFwdParams& p, int64_t w, SeqWindow& win) {
-    if (w >= __ldg(p.cu_windows + p.num_docs)) return false;
+GT_SEQ_HD bool seq_band_window(const SeqFwdParams& p, int64_t w, SeqWindow& win) {
+    if (w >= seq_ld(p.cu_windows + p.num_docs)) return false;
     const int lo = seq_window_doc(p, w);
-    const int64_t start = __ldg(p.cu_seqlens + lo);
+    const int64_t start = seq_ld(p.cu_seqlens + lo);
     win.doc_start = start;
-    win.len = __ldg(p.cu_seqlens + lo + 1) - static_cast<int32_t>(start);
-    win.base = 64 * static_cast<int32_t>(w - __ldg(p.cu_windows + lo));
+    win.len = seq_ld(p.cu_seqlens + lo + 1) - static_cast<int32_t>(start);
+    win.base = 64 * static_cast<int32_t>(w - seq_ld(p.cu_windows + lo));
     win.stride = 1;
-    win.rows = min(64, win.len - win.base);
+    win.rows = seq_min(64, win.len - win.base);
     win.rmin = win.base;
     win.rmax = win.base + win.rows - 1;
     return win.rows > 0;
@@ -138,12 +138,12 @@ struct SeqBandGroup {
     int end0, end1, ntiles;
 
     // False where the group holds no query (past the last row block).
-    __device__ __forceinline__ bool find(const SeqFwdParams& p, int64_t g, int32_t left, int32_t right, int kKeys) {
+    GT_SEQ_HD bool find(const SeqFwdParams& p, int64_t g, int32_t left, int32_t right, int kKeys) {
 #pragma unroll
         for (int c = 0; c < kRows; ++c) {
             has[c] = seq_band_window(p, int64_t(kRows) * g + c, win[c]);
-            wkb[c] = has[c] ? max(0, win[c].base - left) : 0;
-            wke[c] = has[c] ? static_cast<int32_t>(min(int64_t(win[c].len), int64_t(win[c].base) + win[c].rows + right)) : 0;
+            wkb[c] = has[c] ? seq_max(0, win[c].base - left) : 0;
+            wke[c] = has[c] ? static_cast<int32_t>(seq_min64(win[c].len, int64_t(win[c].base) + win[c].rows + right)) : 0;
         }
         if (!has[0]) return false;
         const bool starts1 = has[1] && win[1].doc_start != win[0].doc_start;
@@ -171,13 +171,13 @@ struct SeqBandGroup {
         ntiles = end1 + (npass > 2 ? pass[2].n : 0);
         return true;
     }
-    __device__ __forceinline__ int pass_at(int t) const { return t < end0 ? 0 : t < end1 ? 1 : 2; }
+    GT_SEQ_HD int pass_at(int t) const { return t < end0 ? 0 : t < end1 ? 1 : 2; }
     // tile t's first key, a position in its pass's document
-    __device__ __forceinline__ int32_t tile_key(int t, int ps, int kKeys) const {
+    GT_SEQ_HD int32_t tile_key(int t, int ps, int kKeys) const {
         return ps == 0 ? pass[0].kbeg + t * kKeys
                        : ps == 1 ? pass[1].kbeg + (t - end0) * kKeys : pass[2].kbeg + (t - end1) * kKeys;
     }
-    __device__ __forceinline__ int64_t doc_start(int ps) const {
+    GT_SEQ_HD int64_t doc_start(int ps) const {
         return ps == 0 ? pass[0].doc_start : ps == 1 ? pass[1].doc_start : pass[2].doc_start;
     }
 };

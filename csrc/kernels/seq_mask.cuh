@@ -24,6 +24,7 @@ namespace gt_fused3s {
 
 GT_SEQ_HD int32_t seq_min(int32_t a, int32_t b) { return a < b ? a : b; }
 GT_SEQ_HD int32_t seq_max(int32_t a, int32_t b) { return a > b ? a : b; }
+GT_SEQ_HD int64_t seq_min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // murmur3's 32-bit finaliser (masks.py: _fmix32).
 GT_SEQ_HD uint32_t seq_mix32(uint32_t x) {
@@ -80,25 +81,35 @@ GT_SEQ_HD SeqWindow seq_sub_window(const SeqWindow& blk, int m) {
     return win;
 }
 
+// A read of the documents' offsets: through the read-only cache on the
+// device, plain on the host (tests/seq_mask_host.cu).
+GT_SEQ_HD int32_t seq_ld(const int32_t* at) {
+#ifdef __CUDA_ARCH__
+    return __ldg(at);
+#else
+    return *at;
+#endif
+}
+
 // The document of row block w (w below cu_windows[num_docs]): the largest
 // doc with cu_windows[doc] <= w.
-__device__ __forceinline__ int seq_window_doc(const SeqFwdParams& p, int64_t w) {
+GT_SEQ_HD int seq_window_doc(const SeqFwdParams& p, int64_t w) {
     int lo = 0, hi = p.num_docs - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (__ldg(p.cu_windows + mid) <= w) lo = mid;
+        if (seq_ld(p.cu_windows + mid) <= w) lo = mid;
         else hi = mid - 1;
     }
     return lo;
 }
 
 // The row block of global index w (false: past the last block).
-__device__ __forceinline__ bool seq_window(const SeqFwdParams& p, int64_t w, SeqWindow& win) {
-    if (w >= __ldg(p.cu_windows + p.num_docs)) return false;
+GT_SEQ_HD bool seq_window(const SeqFwdParams& p, int64_t w, SeqWindow& win) {
+    if (w >= seq_ld(p.cu_windows + p.num_docs)) return false;
     const int lo = seq_window_doc(p, w);
-    const int64_t start = __ldg(p.cu_seqlens + lo);
-    win = seq_window_in(start, __ldg(p.cu_seqlens + lo + 1) - static_cast<int32_t>(start),
-                        static_cast<int32_t>(w - __ldg(p.cu_windows + lo)), p.mask.row_stride, p.block_rows);
+    const int64_t start = seq_ld(p.cu_seqlens + lo);
+    win = seq_window_in(start, seq_ld(p.cu_seqlens + lo + 1) - static_cast<int32_t>(start),
+                        static_cast<int32_t>(w - seq_ld(p.cu_windows + lo)), p.mask.row_stride, p.block_rows);
     return true;
 }
 
