@@ -28,9 +28,9 @@ using namespace gt_fused3s;
 
 // Line 4 = 3: the band kernel's schedule (seq_band_fwd.cuh: groups of three
 // 64-query row blocks found by SeqBandGroup, their passes over 128-key
-// tiles, each consumer's tiles, its per-score mask test, and the global keys'
-// test as seq_band_global_keys makes it): prints the pairs its consumers
-// compute. stderr: "band 1" where run_seq_band_fwd takes the mask (one local
+// tiles, each consumer's tiles; the kernel's own code) with its per-score
+// mask test and the global keys' test (written again here as the kernel
+// writes them inside its loops): prints the pairs its consumers compute. stderr: "band 1" where run_seq_band_fwd takes the mask (one local
 // window, or one and global keys, row stride 1), else "band 0" and no pairs;
 // "lost" counts groups below the launch's count that find no query.
 static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
