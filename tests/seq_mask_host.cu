@@ -28,9 +28,9 @@ using namespace gt_fused3s;
 
 // Line 4 = 3: the band kernel's schedule (seq_band_fwd.cuh: groups of three
 // 64-query row blocks found by SeqBandGroup, their passes over 128-key
-// tiles, each consumer's tiles; the kernel's own code) with its per-score
-// mask test and the global keys' test (written again here as the kernel
-// writes them inside its loops): prints the pairs its consumers compute. stderr: "band 1" where run_seq_band_fwd takes the mask (one local
+// tiles, each consumer's tiles, the band's and the global keys' tests:
+// seq_band_gives, the kernel's own code; the band tiles' loop writes the
+// same test inline): prints the pairs its consumers compute. stderr: "band 1" where run_seq_band_fwd takes the mask (one local
 // window, or one and global keys, row stride 1), else "band 0" and no pairs;
 // "lost" counts groups below the launch's count that find no query.
 static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
@@ -70,19 +70,17 @@ static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
                 if (!(grp.pass_of[c] == ps && ks < grp.wke[c] && ks + kKeys > grp.wkb[c])) continue;
                 for (int32_t row = w.base; row < w.base + w.rows; ++row) {
                     for (int32_t key = ks; key < ks + kKeys; ++key) {
-                        const uint32_t d = static_cast<uint32_t>(key - row) + static_cast<uint32_t>(left);
-                        if (key < w.len && d <= width) std::printf("%lld %lld\n", w.doc_start + row, w.doc_start + key);
+                        if (key < w.len && seq_band_gives(key, row, left, width)) {
+                            std::printf("%lld %lld\n", w.doc_start + row, w.doc_start + key);
+                        }
                     }
                 }
             }
             if (!global) continue;
-            int nvalid = 0;
-            while (nvalid < mk.num_global && mk.global_idx[nvalid] < w.len) ++nvalid;
-            for (int slot = 0; slot < nvalid; ++slot) {
+            for (int slot = 0; slot < seq_global_count(mk, w.len); ++slot) {
                 const int32_t j = mk.global_idx[slot];
                 for (int32_t row = w.base; row < w.base + w.rows; ++row) {
-                    const uint32_t d = static_cast<uint32_t>(j - row) + static_cast<uint32_t>(left);
-                    if (!(d <= width)) std::printf("%lld %lld\n", w.doc_start + row, w.doc_start + j);
+                    if (!seq_band_gives(j, row, left, width)) std::printf("%lld %lld\n", w.doc_start + row, w.doc_start + j);
                 }
             }
         }

@@ -98,6 +98,14 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 #endif
 }
 
+// Whether a local window of `left` keys back and width = left + right
+// gives `row` the key `key` (one unsigned compare: key - row + left in
+// [0, width] mod 2^32). The band tiles' loop writes it inline, with the
+// second row's test as d - 8.
+GT_SEQ_HD bool seq_band_gives(int32_t key, int32_t row, int32_t left, uint32_t width) {
+    return static_cast<uint32_t>(key - row) + static_cast<uint32_t>(left) <= width;
+}
+
 // One pass of a group: the key tiles [kbeg, kbeg + 128 n) of one document.
 struct SeqBandPass {
     int64_t doc_start;
@@ -216,8 +224,7 @@ __device__ __forceinline__ void seq_band_move_reference(const float (&mx)[2], fl
 __device__ __forceinline__ int seq_band_global_rows(const SeqFwdParams& p, const SeqWindow& w, int head, uint32_t kv,
                                                     int64_t& cached_doc, int& cached_head, int c) {
     const SeqMask& mk = p.mask;
-    int nvalid = 0;   // the document's global keys (sorted positions)
-    while (nvalid < mk.num_global && mk.global_idx[nvalid] < w.len) ++nvalid;
+    const int nvalid = seq_global_count(mk, w.len);   // the document's global keys
     if (nvalid == 0 || (w.doc_start == cached_doc && head == cached_head)) return nvalid;
     cached_doc = w.doc_start;
     cached_head = head;
@@ -274,8 +281,7 @@ __device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, int 
                 const int32_t j = slot < nvalid ? mk.global_idx[slot] : 0;
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const uint32_t d = static_cast<uint32_t>(j - (row_a + 8 * r)) + static_cast<uint32_t>(left);
-                    if (slot >= nvalid || d <= width) s[nt][2 * r + e] = -INFINITY;
+                    if (slot >= nvalid || seq_band_gives(j, row_a + 8 * r, left, width)) s[nt][2 * r + e] = -INFINITY;
                 }
             }
         }

@@ -26,6 +26,13 @@ GT_SEQ_HD int32_t seq_min(int32_t a, int32_t b) { return a < b ? a : b; }
 GT_SEQ_HD int32_t seq_max(int32_t a, int32_t b) { return a > b ? a : b; }
 GT_SEQ_HD int64_t seq_min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// The global positions inside a document of L tokens (global_idx is sorted).
+GT_SEQ_HD int32_t seq_global_count(const SeqMask& mk, int32_t L) {
+    int32_t n = 0;
+    while (n < mk.num_global && mk.global_idx[n] < L) ++n;
+    return n;
+}
+
 // murmur3's 32-bit finaliser (masks.py: _fmix32).
 GT_SEQ_HD uint32_t seq_mix32(uint32_t x) {
     x ^= x >> 16;
@@ -186,10 +193,8 @@ GT_SEQ_HD KeySeg seq_segment(const SeqMask& mk, const SeqMaskPart& pt, int32_t s
             break;
         }
         case kSeqGlobal: {
-            int32_t n = 0;   // global positions inside the document (sorted)
-            while (n < mk.num_global && mk.global_idx[n] < L) ++n;
             ks.step = 0;
-            ks.count = n;
+            ks.count = seq_global_count(mk, L);
             break;
         }
         case kSeqRandom: {
