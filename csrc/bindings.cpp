@@ -8,12 +8,15 @@
 #include <string>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -993,10 +996,12 @@ SeqFwdParams seq_params(const at::Tensor& q, const at::Tensor& k, const at::Tens
     return p;
 }
 
-std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                const at::Tensor& v_in, const at::Tensor& cu_seqlens,
-                                                const at::Tensor& cu_windows, c10::IntArrayRef mask_code,
-                                                double scale, int64_t num_windows, int64_t block_rows) {
+// free_sms: SeqFwdParams::free_sms (the op's 0).
+std::tuple<at::Tensor, at::Tensor> seq_fwd_launch(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                  const at::Tensor& v_in, const at::Tensor& cu_seqlens,
+                                                  const at::Tensor& cu_windows, c10::IntArrayRef mask_code,
+                                                  double scale, int64_t num_windows, int64_t block_rows,
+                                                  int free_sms) {
     TORCH_CHECK(q_in.defined() && q_in.is_cuda(), "q must be a CUDA tensor");
     const at::Tensor q = kernel_input(q_in, "q", q_in);
     const at::Tensor k = kernel_input(k_in, "k", q), v = kernel_input(v_in, "v", q);
@@ -1010,11 +1015,19 @@ std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q_in, const at
     SeqFwdParams p = seq_params(q, k, v, lse, cu_seqlens, cu_windows, mask_code, scale, num_windows, block_rows);
     p.o_ptr = out.data_ptr();
     p.o_row_stride = out.stride(0); p.o_head_stride = out.stride(1);
+    p.free_sms = free_sms;
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     if (q.scalar_type() == at::kHalf) launch_seq_for_head_dim<__half>(D, p, stream);
     else launch_seq_for_head_dim<__nv_bfloat16>(D, p, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> seq_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const at::Tensor& cu_seqlens, const at::Tensor& cu_windows,
+                                                c10::IntArrayRef mask_code, double scale, int64_t num_windows,
+                                                int64_t block_rows) {
+    return seq_fwd_launch(q, k, v, cu_seqlens, cu_windows, mask_code, scale, num_windows, block_rows, 0);
 }
 
 // Gradients of seq_fwd from its output and lse: dq, dk, dv [T, H, D] in q's
@@ -1270,7 +1283,9 @@ at::Tensor gather_rows_cuda(const at::Tensor& x_in, const at::Tensor& index) {
 // ---- dense rows of sequence attention (kernels/dense_rows.h) -------------------
 // qg [B, G, H, D] (G <= 32 queries), k, v [B, L, H, D] (rows 16-byte aligned,
 // any batch / row / head strides), fp16 / bf16, D in {32, 64, 128}.
-DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, double scale) {
+// sms: the multiprocessors the chunks are sized for (0: the device's).
+DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, double scale,
+                                  int sms = 0) {
     TORCH_CHECK(qg.defined() && qg.is_cuda() && qg.dim() == 4 && qg.is_contiguous(),
                 "qg must be a contiguous CUDA tensor [B, G, H, D]");
     TORCH_CHECK(qg.scalar_type() == at::kHalf || qg.scalar_type() == at::kBFloat16, "qg must be fp16 or bf16 (got ",
@@ -1301,8 +1316,7 @@ DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& k, con
     p.keys = static_cast<int32_t>(k.size(1));
     p.scale = static_cast<float>(scale);
     TORCH_CHECK_VALUE(k.size(1) < (int64_t(1) << 31) && B * H < 65536, "dense rows: too many keys or batch x heads");
-    int sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, qg.get_device()));
+    if (sms <= 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, qg.get_device()));
     p.chunk_keys = dense_rows_chunk_keys(p.keys, B * H, sms);
     return p;
 }
@@ -1329,11 +1343,14 @@ void dense_rows_dispatch(const at::Tensor& qg, Fn&& fn) {
     }
 }
 
-// (og fp32 [B, G, H, D], lse fp32 [B, H, G]): softmax attention of the rows qg over all keys.
-std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_cuda(const at::Tensor& qg, const at::Tensor& k_in,
-                                                       const at::Tensor& v_in, double scale) {
+// (og fp32 [B, G, H, D], lse fp32 [B, H, G]): softmax attention of the rows
+// qg over all keys, on the current stream; sms as dense_rows_params.
+std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_on(const at::Tensor& qg, const at::Tensor& k_in,
+                                                     const at::Tensor& v_in, double scale, int sms) {
     const at::Tensor k = dense_rows_input(k_in), v = dense_rows_input(v_in);
-    DenseRowsParams p = dense_rows_params(qg, k, v, scale);
+    if (sms <= 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, qg.get_device()));
+    DenseRowsParams p = dense_rows_params(qg, k, v, scale, sms);
+    p.chunk_keys = dense_rows_fwd_chunk_keys(p.keys, static_cast<int64_t>(p.batch) * p.heads, sms);   // (a warp's)
     const c10::cuda::CUDAGuard device_guard(qg.device());
     const auto f32 = qg.options().dtype(at::kFloat);
     auto og = at::zeros(qg.sizes(), f32);
@@ -1346,6 +1363,11 @@ std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_cuda(const at::Tensor& qg, con
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(qg.get_device()).stream();
     dense_rows_dispatch(qg, [&](auto fwd, auto) { C10_CUDA_CHECK(fwd(p, stream)); });
     return {og, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_cuda(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v,
+                                                       double scale) {
+    return dense_rows_fwd_on(qg, k, v, scale, 0);
 }
 
 // (dqg, dk, dv) in qg's dtype: the gradients of dense_rows_fwd's og (fp32)
@@ -1402,6 +1424,45 @@ at::Tensor tokens_view(const at::Tensor& t, const char* name) {
     return t.reshape({-1, t.size(-2), t.size(-1)});
 }
 
+// SMs for the global rows beside the sequence kernel (seq_eager_forward): the
+// rows read all of K and V once (memory-bound), the band kernel is bound by
+// its products and exponentials, so they share the GPU better than they take
+// turns where both are long: from 2^20 keys x batch x heads (H100, Longformer
+// and dilated + global, 20 SMs: 1M 0.39-0.43 ms against 0.46-0.48 one after
+// the other, 4M 1.42-1.48 against 1.64; at 262k the rows' walks on 20 SMs
+// outlast the kernel: 0.29 against 0.24). GT_FUSED3S_ROWS_SMS=n gives the
+// rows n SMs at any size, 0 runs them after the kernel on one stream (A/B).
+int global_rows_sms(const at::Tensor& q) {
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
+    const int64_t work = q.size(0) * q.size(1) * q.size(2);   // keys x batch x heads ([B, L, H, D])
+    const char* env = std::getenv("GT_FUSED3S_ROWS_SMS");
+    const int want = env != nullptr ? std::atoi(env) : work >= (int64_t(1) << 20) ? (3 * sms + 19) / 20 : 0;
+    return std::clamp(want, 0, sms - 1);   // H100: 20 SMs (of 12, 20, 28, 40: fastest)
+}
+
+// The side stream of the fork and two events (no timing) for the fork and
+// the join, made once per thread and device: no host sync, no allocation. One
+// stream, not the pool's next: the caching allocator keeps its blocks per
+// stream. (Raw CUDA events: at::cuda::CUDAEvent's header needs the CUDA
+// libraries' headers, c10's is not in every torch this builds against.)
+struct StreamFork {
+    c10::cuda::CUDAStream side;
+    cudaEvent_t inputs_ready, side_done;
+    static StreamFork& of(int device) {
+        thread_local std::vector<std::unique_ptr<StreamFork>> made;
+        if (made.size() <= static_cast<size_t>(device)) made.resize(device + 1);
+        if (!made[device]) made[device].reset(new StreamFork(device));
+        return *made[device];
+    }
+
+   private:
+    explicit StreamFork(int device) : side(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)) {
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&inputs_ready, cudaEventDisableTiming));
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&side_done, cudaEventDisableTiming));
+    }
+};
+
 // The forward: out (a fresh contiguous tensor of q's shape), the kernel's
 // lse, and where there are global rows their fp32 output and lse.
 struct SeqEagerForward {
@@ -1415,15 +1476,47 @@ SeqEagerForward seq_eager_forward(const at::Tensor& q, const at::Tensor& k, cons
     const at::Tensor q3 = tokens_view(q, "q");
     TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "k and v must have the shape of q ",
                 shape(q.sizes()), " (got ", shape(k.sizes()), ", ", shape(v.sizes()), ")");
-    auto [out, lse] = seq_fwd_cuda(q3, tokens_view(k, "k"), tokens_view(v, "v"), cu_seqlens, cu_windows, mask_code,
-                                   scale, num_windows, seq_block_rows(static_cast<int>(q.size(-1))));
-    out.resize_(q.sizes());   // a fresh contiguous tensor: q's shape without a view of it
-    SeqEagerForward f{out, lse, at::Tensor(), at::Tensor()};
-    if (global_rows.has_value()) {
-        TORCH_CHECK(q.dim() == 4, "global rows need q, k, v [B, L, H, D] (got q ", shape(q.sizes()), ")");
-        std::tie(f.og, f.lse_rows) = dense_rows_fwd_cuda(q.index_select(1, *global_rows), k, v, scale);
-        out.index_copy_(1, *global_rows, f.og.to(q.scalar_type()));
+    const int64_t block_rows = seq_block_rows(static_cast<int>(q.size(-1)));
+    auto kernel = [&](int free_sms) {
+        auto [out, lse] = seq_fwd_launch(q3, tokens_view(k, "k"), tokens_view(v, "v"), cu_seqlens, cu_windows,
+                                         mask_code, scale, num_windows, block_rows, free_sms);
+        out.resize_(q.sizes());   // a fresh contiguous tensor: q's shape without a view of it
+        return SeqEagerForward{out, lse, at::Tensor(), at::Tensor()};
+    };
+    if (!global_rows.has_value()) return kernel(0);
+    TORCH_CHECK(q.dim() == 4, "global rows need q, k, v [B, L, H, D] (got q ", shape(q.sizes()), ")");
+    const at::Tensor& rows = *global_rows;
+    const int side_sms = global_rows_sms(q);
+    if (side_sms == 0) {   // one stream: the kernel, then the rows
+        SeqEagerForward f = kernel(0);
+        std::tie(f.og, f.lse_rows) = dense_rows_fwd_cuda(q.index_select(1, rows), k, v, scale);
+        f.out.index_copy_(1, rows, f.og.to(q.scalar_type()));
+        return f;
     }
+    // The rows on a second stream beside the kernel: it is launched first
+    // (its blocks take all SMs but side_sms), the rows' blocks fill the rest;
+    // the output's rows are written once both are done.
+    const c10::cuda::CUDAGuard device_guard(q.device());   // (the events are made on the current device)
+    const c10::cuda::CUDAStream main = c10::cuda::getCurrentCUDAStream(q.get_device());
+    const StreamFork& fork = StreamFork::of(q.get_device());
+    const c10::cuda::CUDAStream side = fork.side;
+    C10_CUDA_CHECK(cudaEventRecord(fork.inputs_ready, main.stream()));
+    SeqEagerForward f = kernel(side_sms);
+    C10_CUDA_CHECK(cudaStreamWaitEvent(side.stream(), fork.inputs_ready, 0));
+    at::Tensor og16;
+    {
+        const c10::cuda::CUDAStreamGuard on_side(side);
+        std::tie(f.og, f.lse_rows) = dense_rows_fwd_on(q.index_select(1, rows), k, v, scale, side_sms);
+        og16 = f.og.to(q.scalar_type());
+        C10_CUDA_CHECK(cudaEventRecord(fork.side_done, side.stream()));
+    }
+    C10_CUDA_CHECK(cudaStreamWaitEvent(main.stream(), fork.side_done, 0));
+    // made on side, used on main (the allocator's call, not the aten op
+    // record_stream: opcheck's schema check cannot name its Stream argument)
+    for (const at::Tensor& t : {f.og, f.lse_rows, og16}) {
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), main);
+    }
+    f.out.index_copy_(1, rows, og16);
     return f;
 }
 

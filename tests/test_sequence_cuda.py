@@ -396,16 +396,23 @@ def test_reduce_overhead_steps_equal_eager(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_global_rows_node_equals_the_composition_and_its_capture(monkeypatch):
+@pytest.mark.parametrize("rows_sms", [None, "0", "7"], ids=["default", "one_stream", "7_sms"])
+def test_global_rows_node_equals_the_composition_and_its_capture(rows_sms, monkeypatch):
     """The eager node with a mask's global rows inside (SeqAttentionFn: the
     kernel, the dense rows over its rows, both backwards), at 65k tokens
     (Longformer, 2 heads): its output and gradients equal those of the
     composition through Python (ops.DENSE_ROWS_MAX = 0: the kernel's op,
     then the rows written over it), and a whole step captured in a CUDA
-    graph (gt_fused3s.capture), replayed on new inputs, equals the eager step."""
+    graph (gt_fused3s.capture), replayed on new inputs, equals the eager step.
+    The node's forward runs the rows after the kernel on one stream (=0,
+    and by default below 2^20 keys x batch x heads, as here) or on a second
+    stream beside it (GT_FUSED3S_ROWS_SMS=7: 7 SMs for the rows, the kernel
+    on the others); the kernel's rows are the same bits either way."""
     import gt_fused3s.ops as ops
     from gt_fused3s.capture import CudaGraphRunner
     mask, L = MASKS["longformer"], 1 << 16
+    if rows_sms is not None:
+        monkeypatch.setenv("GT_FUSED3S_ROWS_SMS", rows_sms)
 
     def step(q, k, v, g):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -425,6 +432,13 @@ def test_global_rows_node_equals_the_composition_and_its_capture(monkeypatch):
     eager = step(*x)
     assert "SeqAttentionFn" in eager[0].grad_fn.name()
     with monkeypatch.context() as m:
+        m.setenv("GT_FUSED3S_ROWS_SMS", "0")
+        serial = step(*x)[0]
+    rows = torch.tensor(mask.global_rows(L), device="cuda")
+    kernel_rows = torch.ones(L, dtype=torch.bool, device="cuda").index_fill_(0, rows, False)
+    assert torch.equal(eager[0][:, kernel_rows], serial[:, kernel_rows])
+    torch.testing.assert_close(eager[0][:, rows], serial[:, rows], atol=1e-3, rtol=1e-3)
+    with monkeypatch.context() as m:
         m.setattr(ops, "DENSE_ROWS_MAX", 0)
         one_stream = step(*x)
         assert "SeqAttentionFn" not in one_stream[0].grad_fn.name()
@@ -441,8 +455,9 @@ def test_global_rows_node_equals_the_composition_and_its_capture(monkeypatch):
 @pytest.mark.parametrize("G, L", [(1, 1), (3, 1000), (32, 3000), (5, 2048), (12, 777), (3, 65543)])
 def test_dense_rows_kernels_equal_reference(G, L, D, dtype):
     """The global rows' kernels (csrc/kernels/dense_rows.cu: keys split over
-    blocks, about 2 a multiprocessor, merged; 65543 keys: 43 chunks on an
-    H200; 1 to 32 queries) against fp32 softmax attention: output and the
+    warps (forward: 4 a multiprocessor, 128 keys at least; 65543 keys: 513
+    chunks) or blocks (backward), merged; 1 to 32 queries: one or two m-tiles
+    of 16) against fp32 softmax attention: output and the
     gradients of qg, k and v; k and v as views of [B, H, L, D] tensors (the
     strides Flex's side of the benchmark passes)."""
     from gt_fused3s import ops

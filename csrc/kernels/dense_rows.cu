@@ -56,13 +56,10 @@ __device__ __forceinline__ void load_tile(uint16_t* tile, const void* base, int6
     }
 }
 
-// The K and V tiles of kStages steps: the step of keys j0 .. in stage
-// (j0 / 64) % kStages, its K tile (which = 0) and V tile (1). Two stages
-// (three measured 5-7% slower on an H100 at 1M keys); the backward at
-// D = 128 keeps one (the copies in line), where two would cost the second
-// block an SM that the chunks are sized for (dense_rows.h).
-template <int kD>
-constexpr int kFwdStages = 2;
+// The backward's K and V tiles of kStages steps: the step of keys j0 .. in
+// stage (j0 / 64) % kStages, its K tile (which = 0) and V tile (1). Two
+// stages; at D = 128 one (the copies in line), where two would cost the
+// second block an SM that the chunks are sized for (dense_rows.h).
 template <int kD>
 constexpr int kBwdStages = kD >= 128 ? 1 : 2;
 template <int kD, int kStages>
@@ -131,81 +128,172 @@ __device__ __forceinline__ float elem(const uint16_t* x, int64_t at) {
     else return __bfloat162float(__ushort_as_bfloat16(u));
 }
 
-// Forward: block (chunk, b h) takes keys chunk * p.chunk_keys .., 64 at a
-// time with an online softmax per query, and writes its partial state
-// (o unnormalised, m in log2 units, l) for the merge.
-template <typename T, int kD>
-__global__ void __launch_bounds__(kThreads) dense_rows_fwd_kernel(const DenseRowsParams p) {
-    using Tl = Tiles<kD>;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float(*qs)[kD] = reinterpret_cast<float(*)[kD]>(smem_raw);                           // q scale log2(e)
-    float(*ss)[kStepKeys] = reinterpret_cast<float(*)[kStepKeys]>(qs + kMaxG);         // scores, then probabilities
-    uint16_t* tiles = reinterpret_cast<uint16_t*>(ss + kMaxG);                           // K, V of kStages steps
-    __shared__ float m_s[kMaxG], l_s[kMaxG], alpha_s[kMaxG];
-    const int chunk = blockIdx.x, bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
-    const int G = p.queries, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float scale_log2 = p.scale * kLog2e;
-    const uint16_t* qg = reinterpret_cast<const uint16_t*>(p.qg);
-    for (int x = tid; x < G * kD; x += kThreads) {
-        const int i = x / kD, d = x % kD;
-        qs[i][d] = elem<T>(qg, ((static_cast<int64_t>(b) * G + i) * p.heads + h) * kD + d) * scale_log2;
-    }
-    if (tid < G) {
-        m_s[tid] = -INFINITY;
-        l_s[tid] = 0.f;
-    }
-    const int d = tid % kD, grp = tid / kD;
-    float o[Tl::kPerThread];
-#pragma unroll
-    for (int r = 0; r < Tl::kPerThread; ++r) o[r] = 0.f;
+// Forward: each warp of block (x, b h) walks chunk x kFwdWarps + warp of the
+// keys (p.chunk_keys of them; dense_rows_fwd_chunk_keys), kFwdStepKeys a
+// step, through a ring of its own shared-memory stages filled by cp.async
+// (no block barrier in the walk: a warp waits only for its own copies), on
+// tensor cores: S = Q K^T for the queries as kMT m-tiles of 16 (mma.sync
+// m16n8k16; Q from shared memory, rows past G zero), the online softmax in
+// registers, O += P V; then its partial state (o unnormalised, m in log2
+// units, l) for the merge. Why: the rows' work is reading K and V once; the
+// earlier kernel (fp32 dot products on CUDA cores, four block barriers a
+// 64-key step) was latency-bound at ~8 GB/s a block, 0.54 ms for the 1 GB of
+// K and V at 4M keys on an H100, and too slow on the few SMs it gets beside
+// the band kernel (bindings.cpp: seq_eager_forward).
+constexpr int kFwdWarps = kDenseRowsFwdWarps;
+constexpr int kFwdStepKeys = 32;
+template <int kD>
+constexpr int kFwdStages = kD >= 128 ? 3 : 4;   // (D = 128: three fit 227 KB)
+template <int kD, int kMT>
+struct FwdSmem {
+    using Tile = RowTile<kD>;
+    static constexpr int kQBytes = 16 * kMT * Tile::kRowElems * 2;
+    static constexpr int kStepBytes = kFwdStepKeys * Tile::kRowElems * 2;   // K or V of a step
+    static constexpr int kWarpBytes = kFwdStages<kD> * 2 * kStepBytes;
+    static constexpr int kBytes = kQBytes + kFwdWarps * kWarpBytes;
+};
 
-    for_each_step<kD, kFwdStages<kD>>(tiles, p, b, h, chunk, [&](int64_t, int valid, const uint16_t* kt,
-                                                                  const uint16_t* vt) {
-        for (int x = tid; x < G * kStepKeys; x += kThreads) {   // consecutive threads: consecutive keys
-            const int i = x / kStepKeys, j = x % kStepKeys;
-            ss[i][j] = j < valid ? dot_row<T, kD>(qs[i], kt, j) : -INFINITY;
-        }
-        __syncthreads();
-        for (int i = warp; i < G; i += kThreads / 32) {   // a warp per query: the online softmax step
-            const float s0 = ss[i][lane], s1 = ss[i][lane + 32];
-            float mx = fmaxf(s0, s1);
+template <typename T, int kD, int kMT>
+__global__ void __launch_bounds__(32 * kFwdWarps) dense_rows_fwd_kernel(const DenseRowsParams p) {
+    using Tile = RowTile<kD>;
+    using Sm = FwdSmem<kD, kMT>;
+    constexpr int kStages = kFwdStages<kD>, kChunks = kD / 8;   // 16-byte chunks a row
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const uint32_t q_tile = smem_addr(smem_raw);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads, G = p.queries;
+    const uint32_t ring = q_tile + Sm::kQBytes + warp * Sm::kWarpBytes;
+    const uint16_t* qg = reinterpret_cast<const uint16_t*>(p.qg);
+    for (int c = threadIdx.x; c < 16 * kMT * kChunks; c += blockDim.x) {   // Q (zeros past G)
+        const int i = c / kChunks, ch = c % kChunks;
+        const int64_t row = (static_cast<int64_t>(b) * G + (i < G ? i : 0)) * p.heads + h;
+        cp_async_16(q_tile + Tile::at(i, 8 * ch), qg + row * kD + 8 * ch, i < G);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kFwdWarps + warp;
+    const int64_t k0 = chunk * p.chunk_keys;
+    if (k0 >= p.keys) return;
+    const int64_t k1 = k0 + p.chunk_keys < p.keys ? k0 + p.chunk_keys : p.keys;
+    const uint16_t* kp = reinterpret_cast<const uint16_t*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride;
+    const uint16_t* vp = reinterpret_cast<const uint16_t*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride;
+    // the copy of the step of keys j0 .. into its stage (zeros past k1; an
+    // empty group past the chunk, so that every step commits one)
+    auto load = [&](int64_t j0) {
+        if (j0 < k1) {
+            const uint32_t st = ring + static_cast<uint32_t>(((j0 - k0) / kFwdStepKeys) % kStages) * 2 * Sm::kStepBytes;
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            const float m_new = fmaxf(m_s[i], mx);
-            const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
-            ss[i][lane] = p0;
-            ss[i][lane + 32] = p1;
-            float sum = p0 + p1;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            __syncwarp();
-            if (lane == 0) {
-                const float alpha = exp2f(m_s[i] - m_new);   // 0 on the first step (m = -inf)
-                l_s[i] = l_s[i] * alpha + sum;
-                m_s[i] = m_new;
-                alpha_s[i] = alpha;
+            for (int c = lane; c < kFwdStepKeys * kChunks; c += 32) {
+                const int r = c / kChunks, ch = c % kChunks;
+                const bool ok = j0 + r < k1;
+                const int64_t key = ok ? j0 + r : k0;
+                cp_async_16(st + Tile::at(r, 8 * ch), kp + key * p.k_row_stride + 8 * ch, ok);
+                cp_async_16(st + Sm::kStepBytes + Tile::at(r, 8 * ch), vp + key * p.v_row_stride + 8 * ch, ok);
             }
         }
-        __syncthreads();   // probabilities and alpha in place
+        cp_async_commit();
+    };
+    const float sl2 = p.scale * kLog2e;
+    float o[kMT][kD / 8][4] = {}, m[kMT][2], l[kMT][2] = {};
 #pragma unroll
-        for (int r = 0; r < Tl::kPerThread; ++r) {
-            const int i = grp + Tl::kGroups * r;
-            if (i >= G) break;
-            float acc = o[r] * alpha_s[i];
-            for (int j = 0; j < kStepKeys; ++j) acc = fmaf(ss[i][j], elem<T>(vt, j * Tl::kRow + d), acc);
-            o[r] = acc;
+    for (int mt = 0; mt < kMT; ++mt) m[mt][0] = m[mt][1] = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) load(k0 + s * kFwdStepKeys);
+    for (int64_t j0 = k0; j0 < k1; j0 += kFwdStepKeys) {
+        load(j0 + (kStages - 1) * kFwdStepKeys);
+        cp_async_wait<kStages - 1>();
+        __syncwarp();   // every lane's copies of this step
+        const uint32_t kt = ring + static_cast<uint32_t>(((j0 - k0) / kFwdStepKeys) % kStages) * 2 * Sm::kStepBytes;
+        const uint32_t vt = kt + Sm::kStepBytes;
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+            float s[kFwdStepKeys / 8][4] = {};   // S [16, 32]: n-tile nt holds keys j0 + 8 nt ..
+#pragma unroll
+            for (int ks = 0; ks < kD / 16; ++ks) {
+                uint32_t a[4];
+                Tile::a_frag(a, q_tile + Tile::at(16 * mt, 0), ks, lane);
+#pragma unroll
+                for (int np = 0; np < kFwdStepKeys / 16; ++np) {
+                    uint32_t bf[4];
+                    Tile::bt_frags(bf, kt + Tile::at(16 * np, 0), ks, lane);
+                    mma_16816<T>(s[2 * np], a, bf[0], bf[1]);
+                    mma_16816<T>(s[2 * np + 1], a, bf[2], bf[3]);
+                }
+            }
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int nt = 0; nt < kFwdStepKeys / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {   // (rows g, g + 8; keys 8 nt + 2 t4 + e % 2)
+                    const bool ok = j0 + 8 * nt + 2 * t4 + (e & 1) < k1;
+                    s[nt][e] = ok ? s[nt][e] * sl2 : -INFINITY;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+                }
+            }
+            float alpha[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {   // a step holds a key of the chunk: the new max is finite
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float m_new = fmaxf(m[mt][r], mx[r]);
+                alpha[r] = fast_exp2(m[mt][r] - m_new);   // m = -inf: 0
+                m[mt][r] = m_new;
+                l[mt][r] *= alpha[r];
+            }
+#pragma unroll
+            for (int nt = 0; nt < kFwdStepKeys / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[nt][e] = fast_exp2(s[nt][e] - m[mt][e >> 1]);
+                    l[mt][e >> 1] += s[nt][e];
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < kD / 8; ++n) {
+                o[mt][n][0] *= alpha[0], o[mt][n][1] *= alpha[0];
+                o[mt][n][2] *= alpha[1], o[mt][n][3] *= alpha[1];
+            }
+            // O += P V: P as the A fragments of k-steps of 16 keys
+#pragma unroll
+            for (int kk = 0; kk < kFwdStepKeys / 16; ++kk) {
+                const uint32_t pa[4] = {TypeTraits<T>::pack(s[2 * kk][0], s[2 * kk][1]),
+                                        TypeTraits<T>::pack(s[2 * kk][2], s[2 * kk][3]),
+                                        TypeTraits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                        TypeTraits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int jj = 0; jj < kD / 16; ++jj) {
+                    uint32_t bf[4];
+                    Tile::b_frags(bf, vt + Tile::at(16 * kk, 0), jj, lane);
+                    mma_16816<T>(o[mt][2 * jj], pa, bf[0], bf[1]);
+                    mma_16816<T>(o[mt][2 * jj + 1], pa, bf[2], bf[3]);
+                }
+            }
         }
-    });
-    const int64_t bhs = static_cast<int64_t>(p.batch) * p.heads;
-    float* part = p.partial + (static_cast<int64_t>(chunk) * bhs + bh) * G * (kD + 2);
-#pragma unroll
-    for (int r = 0; r < Tl::kPerThread; ++r) {
-        const int i = grp + Tl::kGroups * r;
-        if (i < G) part[i * (kD + 2) + d] = o[r];
+        __syncwarp();   // every lane's reads of the stage before a later step's copy into it
     }
-    if (tid < G) {
-        part[tid * (kD + 2) + kD] = m_s[tid];
-        part[tid * (kD + 2) + kD + 1] = l_s[tid];
+    cp_async_wait<0>();   // (the empty groups)
+    const int64_t bhs = static_cast<int64_t>(p.batch) * p.heads;
+    float* part = p.partial + (chunk * bhs + bh) * G * (kD + 2);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float lr = l[mt][r];
+            lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+            lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+            const int i = 16 * mt + 8 * r + g;
+            if (i >= G) continue;
+            float* st = part + i * (kD + 2);
+#pragma unroll
+            for (int n = 0; n < kD / 8; ++n) {
+                *reinterpret_cast<float2*>(st + 8 * n + 2 * t4) = make_float2(o[mt][n][2 * r], o[mt][n][2 * r + 1]);
+            }
+            if (t4 == 0) {
+                st[kD] = m[mt][r];
+                st[kD + 1] = lr;
+            }
+        }
     }
 }
 
@@ -354,10 +442,6 @@ __global__ void __launch_bounds__(kThreads) dense_rows_bwd_kernel(const DenseRow
 }
 
 template <int kD>
-constexpr int fwd_smem_bytes() {
-    return kMaxG * kD * 4 + kMaxG * kStepKeys * 4 + 2 * kFwdStages<kD> * kStepKeys * Tiles<kD>::kRow * 2;
-}
-template <int kD>
 constexpr int bwd_smem_bytes() {
     return 2 * kMaxG * kD * 4 + 2 * kBwdStages<kD> * kStepKeys * Tiles<kD>::kRow * 2 + 2 * kMaxG * kStepKeys * 4 +
            2 * kMaxG * 4;
@@ -368,11 +452,18 @@ constexpr int bwd_smem_bytes() {
 template <typename T, int HeadDim>
 cudaError_t run_dense_rows_fwd(const DenseRowsParams& p, cudaStream_t stream) {
     if (p.keys <= 0 || p.queries <= 0 || p.batch <= 0 || p.heads <= 0) return cudaSuccess;
-    constexpr int kSmem = fwd_smem_bytes<HeadDim>();
-    const cudaError_t e = set_max_dynamic_smem<dense_rows_fwd_kernel<T, HeadDim>>(kSmem);
+    const int64_t chunks = dense_rows_chunks(p.keys, p.chunk_keys);
+    const dim3 grid(static_cast<unsigned>((chunks + kFwdWarps - 1) / kFwdWarps), static_cast<unsigned>(p.batch * p.heads));
+    auto launch = [&](auto m_tiles) -> cudaError_t {
+        constexpr int kMT = decltype(m_tiles)::value;
+        constexpr auto kernel = dense_rows_fwd_kernel<T, HeadDim, kMT>;
+        constexpr int kSmem = FwdSmem<HeadDim, kMT>::kBytes;
+        const cudaError_t e = set_max_dynamic_smem<kernel>(kSmem);
+        if (e == cudaSuccess) kernel<<<grid, 32 * kFwdWarps, kSmem, stream>>>(p);
+        return e;
+    };
+    const cudaError_t e = p.queries <= 16 ? launch(std::integral_constant<int, 1>{}) : launch(std::integral_constant<int, 2>{});
     if (e != cudaSuccess) return e;
-    const dim3 grid(static_cast<unsigned>(dense_rows_chunks(p.keys, p.chunk_keys)), static_cast<unsigned>(p.batch * p.heads));
-    dense_rows_fwd_kernel<T, HeadDim><<<grid, kThreads, kSmem, stream>>>(p);
     dense_rows_merge_kernel<HeadDim><<<dim3(static_cast<unsigned>(p.batch * p.heads), static_cast<unsigned>(p.queries)),
                                        kThreads, 0, stream>>>(p);
     return cudaGetLastError();

@@ -34,7 +34,7 @@ struct DenseRowsParams {
     int64_t k_batch_stride, k_row_stride, k_head_stride;
     int64_t v_batch_stride, v_row_stride, v_head_stride;
     int32_t batch, queries, heads, keys;   // B, G (<= 32), H, L
-    int64_t chunk_keys;    // keys a thread block takes (dense_rows_chunk_keys), the forward's and backward's
+    int64_t chunk_keys;    // keys a chunk has: a forward warp's (dense_rows_fwd_chunk_keys), a backward block's
     float scale;
     // forward: the merged output and log-sum-exp; the chunks' partial states
     float* og;             // [B, G, H, D] fp32
@@ -48,7 +48,7 @@ struct DenseRowsParams {
     void* dv;
 };
 
-// Keys per thread block of the forward and backward (a chunk): as many as
+// Keys per thread block of the backward (a chunk): as many as
 // spread the rows' keys over about 2 blocks a streaming multiprocessor, at
 // least 256, in steps of 64 keys. (H200, Longformer's 3 rows, forward's
 // kernels: a fixed 1024 gave a 65k-key row 64 blocks walking 16 steps each,
@@ -60,6 +60,16 @@ inline int64_t dense_rows_chunk_keys(int64_t keys, int64_t batch_heads, int64_t 
     const int64_t per = (keys * batch_heads + blocks - 1) / blocks;
     const int64_t steps = (per + kDenseRowsStepKeys - 1) / kDenseRowsStepKeys;
     return (steps > 4 ? steps : 4) * kDenseRowsStepKeys;
+}
+// The forward's chunks: a warp's keys (kDenseRowsFwdWarps warps a block, a
+// block an SM by its shared memory): as many as spread the keys over every
+// warp of `sms` SMs, at least 4 steps of 32 keys.
+constexpr int kDenseRowsFwdWarps = 4;
+inline int64_t dense_rows_fwd_chunk_keys(int64_t keys, int64_t batch_heads, int64_t sms) {
+    const int64_t warps = kDenseRowsFwdWarps * (sms > 0 ? sms : 1);
+    const int64_t per = (keys * batch_heads + warps - 1) / warps;
+    const int64_t steps = (per + 31) / 32;
+    return (steps > 4 ? steps : 4) * 32;
 }
 inline int64_t dense_rows_chunks(int64_t keys, int64_t chunk_keys) { return (keys + chunk_keys - 1) / chunk_keys; }
 // Floats of the forward's workspace.

@@ -590,8 +590,10 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     if (p.num_windows <= 0 || p.num_heads <= 0) return true;
     const int64_t groups = (p.num_windows + SeqBandGroup::kRows - 1) / SeqBandGroup::kRows;
     const int64_t items = groups * p.num_heads;
-    // one block an SM, each walking items; "g": a block an item (A/B experiments)
-    const int64_t blocks = env != nullptr && env[0] == 'g' ? items : std::min<int64_t>(items, seq_band_sm_count());
+    // one block an SM (but the SMs left to the global rows), each walking
+    // items; "g": a block an item (A/B experiments)
+    const int64_t sms = std::max(1, seq_band_sm_count() - std::max(0, p.free_sms));
+    const int64_t blocks = env != nullptr && env[0] == 'g' ? items : std::min<int64_t>(items, sms);
     auto launch = [&](auto with_global) {
         constexpr auto kernel = seq_band_fwd_kernel<T, decltype(with_global)::value>;
         constexpr int smem = Cfg::smem_bytes(decltype(with_global)::value);
