@@ -1,6 +1,7 @@
 // Dense rows of sequence attention (dense_rows.h): a few queries against all
-// keys, the keys split over thread blocks; fp32 on CUDA cores (the rows are
-// few, so the work is reading K and V once, not arithmetic).
+// keys, the keys split over warps (forward, tensor cores) or thread blocks
+// (backward, fp32 on CUDA cores); the rows are few, so the work is reading
+// K and V once, not arithmetic.
 #include "dense_rows.h"
 
 #include <cmath>
@@ -39,10 +40,10 @@ __device__ __forceinline__ void to_float8(const uint4& w, float (&x)[8]) {
 }
 
 // Keys j0 .. j0 + valid - 1 of (b, h) into a padded tile, by cp.async
-// (zeros past valid; the caller commits the group). The kernels copy the
+// (zeros past valid; the caller commits the group). The backward copies the
 // next step's K and V while this step computes: with the copies in line
-// (each step waiting for its own) the forward was latency-bound, 0.23 ms
-// for the 256 MB of K and V at 1M keys on an H200 (README).
+// (each step waiting for its own) the earlier forward was latency-bound,
+// 0.23 ms for the 256 MB of K and V at 1M keys on an H200 (README).
 template <int kD>
 __device__ __forceinline__ void load_tile(uint16_t* tile, const void* base, int64_t batch_stride, int64_t row_stride,
                                           int64_t head_stride, int b, int h, int64_t j0, int valid) {

@@ -1,6 +1,6 @@
 // Dense rows of sequence attention: a few queries (the global rows of a
 // mask: at most 32, each attending to every key of its sequence) against
-// all L keys, forward and backward, on CUDA cores in fp32.
+// all L keys, forward (tensor cores) and backward (CUDA cores, fp32).
 //
 // Why kernels of their own: as torch ops (chunked bmm and softmax, ~15
 // small ops, fp32 copies of K and V under autograd) they were most of a
@@ -8,11 +8,11 @@
 // kernel takes 0.043 ms, and ~3.7 of 6.1 ms of a 1M-token forward +
 // backward on an H200 (README). torch's scaled_dot_product_attention gives
 // the few queries one thread block for all keys (9.3 ms at 1M). Here the
-// keys are split over thread blocks (as flash-decoding does): each block
-// takes a chunk of keys and writes its partial softmax state (max, sum,
-// weighted values), and a second kernel merges the chunks; the backward
-// needs no merge for dK and dV (a block owns its keys) and adds dQ of the
-// few queries with atomics.
+// keys are split into chunks (as flash-decoding does): the forward's a warp
+// each, which writes its partial softmax state (max, sum, weighted values),
+// and a second kernel merges the chunks; the backward's a thread block
+// each, which needs no merge for dK and dV (a block owns its keys) and adds
+// dQ of the few queries with atomics.
 //
 // Layout: qg, dog [B, G, H, D] (contiguous), k, v [B, L, H, D] (last dim
 // contiguous, rows and heads 16-byte aligned, any batch / row / head
