@@ -1281,16 +1281,25 @@ at::Tensor gather_rows_cuda(const at::Tensor& x_in, const at::Tensor& index) {
 }
 
 // ---- dense rows of sequence attention (kernels/dense_rows.h) -------------------
-// qg [B, G, H, D] (G <= 32 queries), k, v [B, L, H, D] (rows 16-byte aligned,
-// any batch / row / head strides), fp16 / bf16, D in {32, 64, 128}.
+// The queries: qg [B, G, H, D] contiguous (G <= 32), or where rows (int64
+// [G], positions in [0, L)) is defined the rows of qg = q [B, L, H, D] (rows
+// 16-byte aligned) at those positions. k, v [B, L, H, D] (rows 16-byte
+// aligned, any batch / row / head strides), fp16 / bf16, D in {32, 64, 128}.
 // sms: the multiprocessors the chunks are sized for (0: the device's).
-DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, double scale,
-                                  int sms = 0) {
-    TORCH_CHECK(qg.defined() && qg.is_cuda() && qg.dim() == 4 && qg.is_contiguous(),
+DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& rows, const at::Tensor& k,
+                                  const at::Tensor& v, double scale, int sms = 0) {
+    TORCH_CHECK(qg.defined() && qg.is_cuda() && qg.dim() == 4 && (rows.defined() || qg.is_contiguous()),
                 "qg must be a contiguous CUDA tensor [B, G, H, D]");
     TORCH_CHECK(qg.scalar_type() == at::kHalf || qg.scalar_type() == at::kBFloat16, "qg must be fp16 or bf16 (got ",
                 dtype_name(qg.scalar_type()), ")");
-    const int64_t B = qg.size(0), G = qg.size(1), H = qg.size(2), D = qg.size(3);
+    if (rows.defined()) {
+        check_index(rows, "rows", at::kLong, qg);
+        TORCH_CHECK(rows.dim() == 1 && rows.is_contiguous(), "rows must be a contiguous int64 [G]");
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(qg.data_ptr()) % 16 == 0 && qg.stride(3) == 1 &&
+                        qg.stride(0) % 8 == 0 && qg.stride(1) % 8 == 0 && qg.stride(2) % 8 == 0,
+                    "q rows must be 16-byte aligned (dense_rows_input copies them otherwise)");
+    }
+    const int64_t B = qg.size(0), G = rows.defined() ? rows.numel() : qg.size(1), H = qg.size(2), D = qg.size(3);
     TORCH_CHECK_VALUE(G >= 1 && G <= kDenseRowsMaxQueries, "dense rows: 1 to ", num(int64_t(kDenseRowsMaxQueries)),
                       " queries (got ", num(G), ")");
     TORCH_CHECK_VALUE(D == 32 || D == 64 || D == 128, "dense rows: head dim 32, 64 or 128 (got ", num(D), ")");
@@ -1306,6 +1315,9 @@ DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& k, con
     TORCH_CHECK_VALUE(v.size(1) == k.size(1), "k and v must have the same keys");
     DenseRowsParams p{};
     p.qg = qg.data_ptr();
+    p.q_batch_stride = qg.stride(0); p.q_row_stride = qg.stride(1); p.q_head_stride = qg.stride(2);
+    p.q_rows = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
+    p.q_len = qg.size(1);
     p.k = k.data_ptr();
     p.v = v.data_ptr();
     p.k_batch_stride = k.stride(0); p.k_row_stride = k.stride(1); p.k_head_stride = k.stride(2);
@@ -1343,23 +1355,37 @@ void dense_rows_dispatch(const at::Tensor& qg, Fn&& fn) {
     }
 }
 
-// (og fp32 [B, G, H, D], lse fp32 [B, H, G]): softmax attention of the rows
-// qg over all keys, on the current stream; sms as dense_rows_params.
-std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_on(const at::Tensor& qg, const at::Tensor& k_in,
-                                                     const at::Tensor& v_in, double scale, int sms) {
+// (og fp32 [B, G, H, D], lse fp32 [B, H, G]): softmax attention of the
+// queries (qg, rows as dense_rows_params) over all keys, on the current
+// stream. Where out16 is defined the output goes there in qg's dtype too:
+// over the rows' positions of a [B, L, H, D] output (at_rows), or as
+// [B, G, H, D]. sms as dense_rows_params.
+std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_on(const at::Tensor& qg, const at::Tensor& rows,
+                                                     const at::Tensor& k_in, const at::Tensor& v_in, double scale,
+                                                     int sms, const at::Tensor& out16, bool at_rows) {
     const at::Tensor k = dense_rows_input(k_in), v = dense_rows_input(v_in);
     if (sms <= 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, qg.get_device()));
-    DenseRowsParams p = dense_rows_params(qg, k, v, scale, sms);
+    DenseRowsParams p = dense_rows_params(qg, rows, k, v, scale, sms);
     p.chunk_keys = dense_rows_fwd_chunk_keys(p.keys, static_cast<int64_t>(p.batch) * p.heads, sms);   // (a warp's)
     const c10::cuda::CUDAGuard device_guard(qg.device());
     const auto f32 = qg.options().dtype(at::kFloat);
-    auto og = at::zeros(qg.sizes(), f32);
-    auto lse = at::full({qg.size(0), qg.size(2), qg.size(1)}, -INFINITY, f32);
-    if (p.keys == 0) return {og, lse};
-    auto work = at::empty({dense_rows_workspace(p.batch, p.heads, p.queries, qg.size(3), p.keys, p.chunk_keys)}, f32);
+    const int64_t B = p.batch, G = p.queries, H = p.heads, D = qg.size(3);
+    if (p.keys == 0) return {at::zeros({B, G, H, D}, f32), at::full({B, H, G}, -INFINITY, f32)};
+    auto og = at::empty({B, G, H, D}, f32);   // (the merge writes every entry)
+    auto lse = at::empty({B, H, G}, f32);
+    auto work = at::empty({dense_rows_workspace(p.batch, p.heads, p.queries, D, p.keys, p.chunk_keys)}, f32);
     p.og = og.data_ptr<float>();
     p.lse = lse.data_ptr<float>();
     p.partial = work.data_ptr<float>();
+    if (out16.defined()) {
+        TORCH_CHECK(out16.scalar_type() == qg.scalar_type() && out16.dim() == 4 && out16.size(0) == B &&
+                        out16.size(2) == H && out16.size(3) == D && out16.stride(3) == 1 &&
+                        (at_rows ? rows.defined() && out16.size(1) == qg.size(1) : out16.size(1) == G),
+                    "dense rows: out16 must be [B, L, H, D] (at the rows) or [B, G, H, D] in q's dtype");
+        p.out_rows = out16.data_ptr();
+        p.out_batch_stride = out16.stride(0); p.out_row_stride = out16.stride(1); p.out_head_stride = out16.stride(2);
+        p.out_at_q_rows = at_rows;
+    }
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(qg.get_device()).stream();
     dense_rows_dispatch(qg, [&](auto fwd, auto) { C10_CUDA_CHECK(fwd(p, stream)); });
     return {og, lse};
@@ -1367,7 +1393,7 @@ std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_on(const at::Tensor& qg, const
 
 std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_cuda(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v,
                                                        double scale) {
-    return dense_rows_fwd_on(qg, k, v, scale, 0);
+    return dense_rows_fwd_on(qg, at::Tensor(), k, v, scale, 0, at::Tensor(), false);
 }
 
 // (dqg, dk, dv) in qg's dtype: the gradients of dense_rows_fwd's og (fp32)
@@ -1377,7 +1403,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_rows_bwd_cuda(const at::Ten
                                                                    const at::Tensor& og, const at::Tensor& lse,
                                                                    double scale) {
     const at::Tensor k = dense_rows_input(k_in), v = dense_rows_input(v_in);
-    DenseRowsParams p = dense_rows_params(qg, k, v, scale);
+    DenseRowsParams p = dense_rows_params(qg, at::Tensor(), k, v, scale);
     const at::Tensor dog = dog_in.to(qg.scalar_type()).contiguous();
     TORCH_CHECK(dog.sizes() == qg.sizes() && og.sizes() == qg.sizes() && og.scalar_type() == at::kFloat,
                 "dog and og must have qg's shape (og fp32)");
@@ -1486,11 +1512,11 @@ SeqEagerForward seq_eager_forward(const at::Tensor& q, const at::Tensor& k, cons
     if (!global_rows.has_value()) return kernel(0);
     TORCH_CHECK(q.dim() == 4, "global rows need q, k, v [B, L, H, D] (got q ", shape(q.sizes()), ")");
     const at::Tensor& rows = *global_rows;
+    const at::Tensor qr = dense_rows_input(q);   // (the rows' kernel gathers the rows' queries itself)
     const int side_sms = global_rows_sms(q);
-    if (side_sms == 0) {   // one stream: the kernel, then the rows
+    if (side_sms == 0) {   // one stream: the kernel, then the rows (their merge writes them over its rows)
         SeqEagerForward f = kernel(0);
-        std::tie(f.og, f.lse_rows) = dense_rows_fwd_cuda(q.index_select(1, rows), k, v, scale);
-        f.out.index_copy_(1, rows, f.og.to(q.scalar_type()));
+        std::tie(f.og, f.lse_rows) = dense_rows_fwd_on(qr, rows, k, v, scale, 0, f.out, /*at_rows=*/true);
         return f;
     }
     // The rows on a second stream beside the kernel: it is launched first
@@ -1503,11 +1529,11 @@ SeqEagerForward seq_eager_forward(const at::Tensor& q, const at::Tensor& k, cons
     C10_CUDA_CHECK(cudaEventRecord(fork.inputs_ready, main.stream()));
     SeqEagerForward f = kernel(side_sms);
     C10_CUDA_CHECK(cudaStreamWaitEvent(side.stream(), fork.inputs_ready, 0));
-    at::Tensor og16;
+    at::Tensor og16;   // the rows' output in q's dtype, [B, G, H, D]
     {
         const c10::cuda::CUDAStreamGuard on_side(side);
-        std::tie(f.og, f.lse_rows) = dense_rows_fwd_on(q.index_select(1, rows), k, v, scale, side_sms);
-        og16 = f.og.to(q.scalar_type());
+        og16 = at::empty({q.size(0), rows.numel(), q.size(2), q.size(3)}, q.options());
+        std::tie(f.og, f.lse_rows) = dense_rows_fwd_on(qr, rows, k, v, scale, side_sms, og16, /*at_rows=*/false);
         C10_CUDA_CHECK(cudaEventRecord(fork.side_done, side.stream()));
     }
     C10_CUDA_CHECK(cudaStreamWaitEvent(main.stream(), fork.side_done, 0));

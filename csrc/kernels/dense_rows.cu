@@ -164,11 +164,12 @@ __global__ void __launch_bounds__(32 * kFwdWarps) dense_rows_fwd_kernel(const De
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads, G = p.queries;
     const uint32_t ring = q_tile + Sm::kQBytes + warp * Sm::kWarpBytes;
-    const uint16_t* qg = reinterpret_cast<const uint16_t*>(p.qg);
+    const uint16_t* qg = reinterpret_cast<const uint16_t*>(p.qg) + b * p.q_batch_stride + h * p.q_head_stride;
     for (int c = threadIdx.x; c < 16 * kMT * kChunks; c += blockDim.x) {   // Q (zeros past G)
-        const int i = c / kChunks, ch = c % kChunks;
-        const int64_t row = (static_cast<int64_t>(b) * G + (i < G ? i : 0)) * p.heads + h;
-        cp_async_16(q_tile + Tile::at(i, 8 * ch), qg + row * kD + 8 * ch, i < G);
+        const int i = c / kChunks, ch = c % kChunks, i0 = i < G ? i : 0;
+        const int64_t r = p.q_rows != nullptr ? p.q_rows[i0] : i0;
+        if (r < 0 || r >= p.q_len) __trap();   // (a wrong position must not read elsewhere)
+        cp_async_16(q_tile + Tile::at(i, 8 * ch), qg + r * p.q_row_stride + 8 * ch, i < G);
     }
     cp_async_commit();
     cp_async_wait<0>();
@@ -301,7 +302,7 @@ __global__ void __launch_bounds__(32 * kFwdWarps) dense_rows_fwd_kernel(const De
 // Merge: block (b h, i) folds the chunks' states of query i; thread (part,
 // d) folds chunks part, part + kParts, ..., then the parts are folded in
 // shared memory (a row has up to ~4 x SMs / (B H) chunks: dense_rows_chunk_keys).
-template <int kD>
+template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads) dense_rows_merge_kernel(const DenseRowsParams p) {
     constexpr int kParts = kThreads / kD;
     __shared__ float ms[kParts], ls[kParts][kD], os[kParts][kD];
@@ -346,7 +347,15 @@ __global__ void __launch_bounds__(kThreads) dense_rows_merge_kernel(const DenseR
             L += ls[q][d] * a;
             O += os[q][d] * a;
         }
-        p.og[((static_cast<int64_t>(b) * G + i) * p.heads + h) * kD + d] = L > 0.f ? O / L : 0.f;
+        const float out = L > 0.f ? O / L : 0.f;
+        p.og[((static_cast<int64_t>(b) * G + i) * p.heads + h) * kD + d] = out;
+        if (p.out_rows != nullptr) {
+            const int64_t r = p.out_at_q_rows ? p.q_rows[i] : i;
+            T* dst = reinterpret_cast<T*>(p.out_rows) + b * p.out_batch_stride + r * p.out_row_stride +
+                     h * p.out_head_stride + d;
+            if constexpr (std::is_same<T, __half>::value) *dst = __float2half_rn(out);
+            else *dst = __float2bfloat16_rn(out);
+        }
         if (d == 0) p.lse[static_cast<int64_t>(bh) * G + i] = L > 0.f ? (M + log2f(L)) * 0.69314718055994531f : -INFINITY;
     }
 }
@@ -465,7 +474,7 @@ cudaError_t run_dense_rows_fwd(const DenseRowsParams& p, cudaStream_t stream) {
     };
     const cudaError_t e = p.queries <= 16 ? launch(std::integral_constant<int, 1>{}) : launch(std::integral_constant<int, 2>{});
     if (e != cudaSuccess) return e;
-    dense_rows_merge_kernel<HeadDim><<<dim3(static_cast<unsigned>(p.batch * p.heads), static_cast<unsigned>(p.queries)),
+    dense_rows_merge_kernel<T, HeadDim><<<dim3(static_cast<unsigned>(p.batch * p.heads), static_cast<unsigned>(p.queries)),
                                        kThreads, 0, stream>>>(p);
     return cudaGetLastError();
 }

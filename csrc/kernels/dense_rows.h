@@ -28,7 +28,14 @@ namespace gt_fused3s {
 constexpr int kDenseRowsMaxQueries = 32;
 
 struct DenseRowsParams {
-    const void* qg;        // [B, G, H, D]
+    // The queries: query i of batch b, head h at qg + b q_batch_stride +
+    // r q_row_stride + h q_head_stride (16-bit elements), r = q_rows[i] where
+    // q_rows is set (the forward gathers the rows of q [B, L, H, D]; r in
+    // [0, q_len)), else r = i (qg [B, G, H, D] contiguous: the backward's).
+    const void* qg;
+    int64_t q_batch_stride, q_row_stride, q_head_stride;
+    const int64_t* q_rows;
+    int64_t q_len;
     const void* k;
     const void* v;
     int64_t k_batch_stride, k_row_stride, k_head_stride;
@@ -40,6 +47,13 @@ struct DenseRowsParams {
     float* og;             // [B, G, H, D] fp32
     float* lse;            // [B, H, G] fp32
     float* partial;        // [chunks, B H, G, D + 2] fp32 workspace (dense_rows_workspace)
+    // forward, where set: the output in qg's dtype too, query i of (b, h) at
+    // out_rows + b out_batch_stride + r out_row_stride + h out_head_stride,
+    // r = q_rows[i] where out_at_q_rows (over the kernel's rows of the whole
+    // output), else i
+    void* out_rows;
+    int64_t out_batch_stride, out_row_stride, out_head_stride;
+    bool out_at_q_rows;
     // backward (dog, delta = rowsum(dog og) [B, H, G], lse as the forward's)
     const void* dog;       // [B, G, H, D], the dtype of qg
     const float* delta;
