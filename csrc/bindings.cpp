@@ -1455,8 +1455,9 @@ at::Tensor tokens_view(const at::Tensor& t, const char* name) {
 // its products and exponentials, so they share the GPU better than they take
 // turns where both are long: from 2^20 keys x batch x heads (H100, Longformer
 // and dilated + global, 20 SMs: 1M 0.39-0.43 ms against 0.46-0.48 one after
-// the other, 4M 1.42-1.48 against 1.64; at 262k the rows' walks on 20 SMs
-// outlast the kernel: 0.29 against 0.24). GT_FUSED3S_ROWS_SMS=n gives the
+// the other, 4M 1.42-1.48 against 1.64; at 262k 0.29 against 0.24 with a
+// pool stream a call: the rows' walks, sized for 20 SMs, outlast the small
+// kernel there). GT_FUSED3S_ROWS_SMS=n gives the
 // rows n SMs at any size, 0 runs them after the kernel on one stream (A/B).
 int global_rows_sms(const at::Tensor& q) {
     int sms = 0;
