@@ -28,21 +28,23 @@ using namespace gt_fused3s;
 
 // Line 4 = 3: the band kernel's schedule (seq_band_fwd.cuh: groups of three
 // 64-query row blocks found by SeqBandGroup, their passes over 128-key
-// tiles, each consumer's tiles, the band's and the global keys' tests:
-// seq_band_gives, the kernel's own code; the band tiles' loop writes the
-// same test inline): prints the pairs its consumers compute. stderr: "band 1" where run_seq_band_fwd takes the mask (one local
-// window, or one and global keys, row stride 1), else "band 0" and no pairs;
-// "lost" counts groups below the launch's count that find no query.
+// tiles of a residue's positions, each consumer's tiles, the band's and the
+// global keys' tests: seq_band_gives and seq_band_position, the kernel's own
+// code; the band tiles' loop writes the same test inline): prints the pairs
+// its consumers compute. stderr: "band 1" where the kernel takes the mask
+// (seq_band_takes: one local window, or a dilated one at its rate, alone or
+// with global keys), else "band 0" and no pairs; "lost" counts row blocks
+// with queries in groups that find none.
 static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
-    const bool global = mk.num_parts == 2 && mk.parts[1].kind == kSeqGlobal;
-    const bool takes = mk.row_stride == 1 && mk.parts[0].kind == kSeqLocal && mk.parts[0].a >= 0 && mk.parts[0].b >= 0 &&
-                       (mk.num_parts == 1 || global);
+    const bool takes = seq_band_takes(mk);
     std::fprintf(stderr, "band %d ", takes ? 1 : 0);
     if (!takes) return 0;
+    const bool global = mk.num_parts == 2;
+    const int32_t rate = mk.row_stride;
     std::vector<int32_t> cu{0}, cw{0};
-    for (long long len : lens) {
+    for (long long len : lens) {   // (ops.seq_windows)
         cu.push_back(cu.back() + static_cast<int32_t>(len));
-        cw.push_back(cw.back() + static_cast<int32_t>((len + 63) / 64));
+        cw.push_back(cw.back() + static_cast<int32_t>(rate * (((len + rate - 1) / rate + 63) / 64)));
     }
     SeqFwdParams p{};
     p.cu_seqlens = cu.data();
@@ -54,33 +56,40 @@ static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
     const uint32_t width = static_cast<uint32_t>(left) + static_cast<uint32_t>(right);
     constexpr int kKeys = SeqBandConfig::kKeys;
     const int64_t groups = (cw.back() + SeqBandGroup::kRows - 1) / SeqBandGroup::kRows;
+    const int64_t slots = seq_band_slots(groups, rate);
     long long lost = 0;
-    for (int64_t g = 0; g <= groups; ++g) {   // (one past the launch's groups: find says no)
+    for (int64_t t = 0; t < slots; ++t) {   // the kernel's order of the groups
+        const int64_t g = seq_band_group(t, slots, rate);
         SeqBandGroup grp;
-        if (!grp.find(p, g, left, right, kKeys)) {
-            lost += g < groups;
+        if (!grp.find(p, g, left, right, kKeys)) {   // lost: a block holds queries (seq_window, the general form)
+            for (int c = 0; c < SeqBandGroup::kRows; ++c) {
+                SeqWindow w{};
+                lost += seq_window(p, SeqBandGroup::kRows * g + c, w) && w.rows > 0;
+            }
             continue;
         }
         for (int c = 0; c < SeqBandGroup::kRows; ++c) {
             if (grp.pass_of[c] < 0) continue;
-            const SeqWindow& w = grp.win[c];
+            const SeqBandWindow& w = grp.win[c];
+            auto token = [&](int32_t x) { return static_cast<long long>(w.first) + static_cast<long long>(rate) * x; };
             for (int t = 0; t < grp.ntiles; ++t) {   // the consumer's loop
                 const int ps = grp.pass_at(t);
                 const int32_t ks = grp.tile_key(t, ps, kKeys);
                 if (!(grp.pass_of[c] == ps && ks < grp.wke[c] && ks + kKeys > grp.wkb[c])) continue;
                 for (int32_t row = w.base; row < w.base + w.rows; ++row) {
                     for (int32_t key = ks; key < ks + kKeys; ++key) {
-                        if (key < w.len && seq_band_gives(key, row, left, width)) {
-                            std::printf("%lld %lld\n", w.doc_start + row, w.doc_start + key);
-                        }
+                        if (key < w.len && seq_band_gives(key, row, left, width)) std::printf("%lld %lld\n", token(row), token(key));
                     }
                 }
             }
             if (!global) continue;
-            for (int slot = 0; slot < seq_global_count(mk, w.len); ++slot) {
+            const long long doc = static_cast<long long>(w.first) - w.rho;
+            for (int slot = 0; slot < seq_global_count(mk, w.doc_len); ++slot) {
                 const int32_t j = mk.global_idx[slot];
+                int32_t pos = 0;
+                const bool in_residue = seq_band_position(j, w.rho, rate, pos);
                 for (int32_t row = w.base; row < w.base + w.rows; ++row) {
-                    if (!seq_band_gives(j, row, left, width)) std::printf("%lld %lld\n", w.doc_start + row, w.doc_start + j);
+                    if (!(in_residue && seq_band_gives(pos, row, left, width))) std::printf("%lld %lld\n", token(row), doc + j);
                 }
             }
         }

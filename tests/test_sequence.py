@@ -117,21 +117,26 @@ def test_kernel_key_sets_equal_dense_truth(seq_host, name, lens, block_rows, wal
 # kernel across one, two and three documents (test_sequence_cuda.py's BAND_DOCS).
 BAND_LENGTHS = {"band-docs": [1, 63, 64, 65, 130, 1, 200, 5, 192, 191, 193, 3, 70, 400, 700], "one": [1000]}
 BAND_MASKS = {**MASKS, "local-sides": Local(300, right=45), "causal-global": Local(20, causal=True) | Global([0, 5, 64, 199]),
-              "global-32": Local(30) | Global(list(range(1, 700, 22)))}
+              "global-32": Local(30) | Global(list(range(1, 700, 22))),
+              # dilated windows: local ones among a residue's positions (rates 1 to 5)
+              "dilated-rate1": Dilated(20, 1), "dilated-sides": Dilated(70, 3, right=9),
+              "dilated-rate5-global": Dilated(30, 5) | Global([0, 3, 64, 199, 650]),
+              "dilated-causal-global-32": Dilated(40, 2, causal=True) | Global(list(range(1, 700, 22)))}
 
 
 @pytest.mark.parametrize("lens", [*LENGTHS.values(), *BAND_LENGTHS.values()], ids=[*LENGTHS, *BAND_LENGTHS])
 @pytest.mark.parametrize("name", BAND_MASKS.keys())
 def test_band_kernel_schedule_equals_dense_truth(seq_host, name, lens):
     """The band kernel's schedule on the CPU (seq_band_fwd.cuh's SeqBandGroup:
-    groups of three row blocks, their passes per document, each consumer's
-    128-key tiles, its mask test and the global keys'): where the kernel
-    takes the mask (one local window, alone or with global keys), its pairs
-    equal the dense truth, each once; elsewhere it takes none."""
+    groups of three row blocks, their passes per document and residue, each
+    consumer's 128-key tiles, its mask test and the global keys'): where the
+    kernel takes the mask (one local window, or one dilated window, alone or
+    with global keys), its pairs equal the dense truth, each once; elsewhere
+    it takes none."""
     mask = BAND_MASKS[name]
     got, stats = kernel_pairs(seq_host, mask, lens, 64, "band")
     parts = mask.parts()
-    takes = isinstance(parts[0], Local) and (len(parts) == 1 or (len(parts) == 2 and isinstance(parts[1], Global)))
+    takes = isinstance(parts[0], (Local, Dilated)) and (len(parts) == 1 or (len(parts) == 2 and isinstance(parts[1], Global)))
     counts = walk_counts(stats)
     assert counts["band"] == int(takes)
     if not takes:

@@ -97,13 +97,18 @@ def _backward_kernels(mask, D: int) -> set[str]:
     return {e.key.split("<")[0].split("(")[0] for e in prof.key_averages() if "seq_bwd" in e.key}
 
 
+def _hopper_built() -> bool:
+    """An H100 / H200 running sm_90a code (not GT_FUSED3S_JIT_ARCH's sm_80)."""
+    import os
+    return torch.cuda.get_device_capability() == (9, 0) and "9.0a" in os.environ.get("GT_FUSED3S_JIT_ARCH", "9.0a")
+
+
 def test_backward_by_key_blocks_where_it_runs():
     """Hopper built for sm_90a (not GT_FUSED3S_JIT_ARCH's sm_80 code), D = 64
     and a mask whose transpose the walk knows (local, dilated, block-dilated
     parts): the backward by key blocks; global or random parts, another head
     dim, another GPU: by query blocks. (Both against the reference above.)"""
-    import os
-    hopper = torch.cuda.get_device_capability() == (9, 0) and "9.0a" in os.environ.get("GT_FUSED3S_JIT_ARCH", "9.0a")
+    hopper = _hopper_built()
     keys, queries = "gt_fused3s::seq_bwd_keys_kernel", "gt_fused3s::seq_bwd_kernel"
     for name, D, by_keys in (("local-wider", 64, hopper), ("dilated", 64, hopper), ("two-block-dilated", 64, hopper),
                              ("causal", 64, hopper), ("longformer", 64, False), ("bigbird", 64, False),
@@ -222,14 +227,18 @@ BAND_DOCS = [1, 63, 64, 65, 130, 1, 200, 5, 192, 191, 193, 3, 70, 400, 2000]
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("mask", [Local(20), Local(100, causal=True), Local(0, right=130), Local(2000, right=10),
                                   Local(0), Local(50) | Global(3), Local(20, causal=True) | Global([0, 5, 64, 199, 1999]),
-                                  Local(30) | Global(list(range(1, 2000, 63)))],
+                                  Local(30) | Global(list(range(1, 2000, 63))), Dilated(60, 2, causal=True),
+                                  Dilated(25, 2) | Global(3), Dilated(30, 2, right=7) | Global(list(range(1, 2000, 63)))],
                          ids=["local20", "causal100", "right130", "left2000", "diagonal", "longformer",
-                              "causal+global", "local+32global"])
+                              "causal+global", "local+32global", "causal-dilated", "dilated+global",
+                              "dilated+32global"])
 def test_band_kernel_documents_equal_reference(mask, dtype):
-    """The forward of one local window, alone or with global keys, at D = 64
-    (on Hopper the warp-specialised band kernel, three row blocks a thread
-    block, a pass per document among them; the global keys by mma.sync
-    first, each document its own, a key both global and in the band once):
+    """The forward of one local window, or one dilated window (rate 2: the
+    documents' 3,578 tokens a multiple of it), alone or with global keys, at
+    D = 64 (on Hopper the warp-specialised band kernel, three row blocks a
+    thread block, a pass per document and residue among them; the global
+    keys by mma.sync first, each document its own, a key both global and in
+    the band once):
     output and gradients against the reference on packed documents of every
     length class."""
     torch.manual_seed(11)
@@ -247,29 +256,49 @@ def test_band_kernel_documents_equal_reference(mask, dtype):
         check_grads(got, q.detach(), k.detach(), v.detach(), g, mask, cu, dtype)
 
 
-@pytest.mark.parametrize("mask", [Local(300, right=450), Local(50) | Global([0, 7, 4000])], ids=["local", "longformer"])
-@pytest.mark.parametrize("shape", [(1, 70001, 1), (3, 1000, 4), (2, 4096, 2), (5, 9001, 3)],
-                         ids=["L70001", "B3", "B2H2", "B5H3"])
+def _forward_kernels(fn):
+    """fn's result and the names of the sequence kernels it ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    return result, {e.key.split("<")[0].split("(")[0] for e in prof.key_averages() if "seq_" in e.key}
+
+
+@pytest.mark.parametrize("mask", [Local(300, right=450), Local(50) | Global([0, 7, 4000]), Dilated(150, 2),
+                                  Dilated(60, 3, right=20) | Global([0, 7, 4000]), Dilated(100, 4, causal=True)],
+                         ids=["local", "longformer", "dilated2", "dilated3+global", "causal-dilated4"])
+@pytest.mark.parametrize("shape", [(1, 70001, 1), (3, 1000, 4), (2, 4096, 2), (5, 9001, 3), (1, 72000, 1)],
+                         ids=["L70001", "B3", "B2H2", "B5H3", "L72000"])
 def test_band_kernel_equals_the_band_instance(shape, mask, monkeypatch):
     """GT_FUSED3S_SEQ_BAND=0 runs the sequence kernel's instances instead
     (the A/B switch of the benchmarks): outputs within fp16's
     rounding of each other, log-sum-exps (the backward's input) to 1e-5.
     GT_FUSED3S_SEQ_BAND=g launches the band kernel with a block a work item
     instead of a block an SM walking items (L70001 and B5H3 give a block
-    several items, several heads): the same bits."""
+    several items, several heads): the same bits. On Hopper the band kernel
+    runs where it takes the mask: a local window, or a dilated one where the
+    tokens are a multiple of its rate (its TMA maps' rows rate apart)."""
     from gt_fused3s.sequence.masks import kernel_code
     torch.manual_seed(12)
     B, L, H = shape
     q, k, v = (torch.randn(B * L, H, 64, device="cuda", dtype=torch.float16) * 2 for _ in range(3))
     code = kernel_code(mask)
     cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * L
-    windows = ops.seq_windows(cu, 1, ops.seq_block_rows(64))
-    num_windows = B * ((L + 63) // 64)
+    rate = code[0]
+    windows = ops.seq_windows(cu, rate, ops.seq_block_rows(64))
+    num_windows = B * rate * (((L + rate - 1) // rate + 63) // 64)
     runs = []
     for env in ("1", "g", "0"):
         monkeypatch.setenv("GT_FUSED3S_SEQ_BAND", env)
         assert ops.kernel_available(q.device)   # (loads the extension)
-        runs.append(torch.ops.gt_fused3s.seq_fwd(q, k, v, cu, windows, code, 0.125, num_windows, 64))
+        fwd = lambda: torch.ops.gt_fused3s.seq_fwd(q, k, v, cu, windows, code, 0.125, num_windows, 64)  # noqa: E731
+        if env != "1":
+            runs.append(fwd())
+            continue
+        run, ran = _forward_kernels(fwd)
+        runs.append(run)
+        band = _hopper_built() and B * L % rate == 0
+        assert any(r.endswith("gt_fused3s::seq_band_fwd_kernel") for r in ran) == band, ran
     (out, lse), (out_g, lse_g), (out0, lse0) = runs
     assert torch.equal(out, out_g) and torch.equal(lse, lse_g)
     err = (out.float() - out0.float()).abs().max().item()
@@ -396,21 +425,25 @@ def test_reduce_overhead_steps_equal_eager(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("rows_sms", [None, "0", "7"], ids=["default", "one_stream", "7_sms"])
-def test_global_rows_node_equals_the_composition_and_its_capture(rows_sms, monkeypatch):
+@pytest.mark.parametrize("mask_name", ["longformer", "dilated+global"])
+@pytest.mark.parametrize("rows_sms, L", [(None, 1 << 16), ("0", 1 << 16), ("7", 1 << 16), (None, 1 << 19)],
+                         ids=["default", "one_stream", "7_sms", "default_512k"])
+def test_global_rows_node_equals_the_composition_and_its_capture(rows_sms, L, mask_name, monkeypatch):
     """The eager node with a mask's global rows inside (SeqAttentionFn: the
-    kernel, the dense rows over its rows, both backwards), at 65k tokens
-    (Longformer, 2 heads): its output and gradients equal those of the
+    kernel, the dense rows over its rows, both backwards), at 65k and 512k
+    tokens (Longformer and dilated + global, 2 heads; on Hopper both the
+    band kernel's): its output and gradients equal those of the
     composition through Python (ops.DENSE_ROWS_MAX = 0: the kernel's op,
     then the rows written over it), and a whole step captured in a CUDA
     graph (gt_fused3s.capture), replayed on new inputs, equals the eager step.
     The node's forward runs the rows after the kernel on one stream (=0,
-    and by default below 2^20 keys x batch x heads, as here) or on a second
+    and by default below 2^20 keys x batch x heads: 65k) or on a second
     stream beside it (GT_FUSED3S_ROWS_SMS=7: 7 SMs for the rows, the kernel
-    on the others); the kernel's rows are the same bits either way."""
+    on the others; by default from 2^20: 512k x 2 heads); the kernel's rows
+    are the same bits either way."""
     import gt_fused3s.ops as ops
     from gt_fused3s.capture import CudaGraphRunner
-    mask, L = MASKS["longformer"], 1 << 16
+    mask = MASKS[mask_name]
     if rows_sms is not None:
         monkeypatch.setenv("GT_FUSED3S_ROWS_SMS", rows_sms)
 

@@ -3,7 +3,10 @@
 // and global keys (Longformer's: kGlobal, seq_band_global_keys), at head dim
 // 64 on Hopper (sm_90a): FlashAttention-3's block shape with warp
 // specialisation, in place of seq_fwd_kernel.cuh's instances
-// (run_seq_fwd<T, 64> calls it).
+// (run_seq_fwd<T, 64> calls it). A dilated window of rate r (alone or with
+// global keys) is a local window among the positions of one residue mod r:
+// the kernel walks each residue's positions as it walks a document's, its
+// TMA maps taking 64 rows r apart (SeqBandWindow, tma_encode_rate_rows).
 //
 // A block of four warpgroups (512 threads, one block an SM, as many blocks
 // as SMs) walks work items: an item is a group of three of the forward's
@@ -63,10 +66,21 @@
 
 namespace gt_fused3s {
 
-// The launch's tensor maps (boxes of 64 rows, tma_encode_rows).
+// The launch's tensor maps (boxes of 64 rows of one residue, tma_encode_rate_rows).
 struct SeqBandMaps {
     CUtensorMap q, k, v;
 };
+
+// The work's order: the groups as a [rate, groups / rate] matrix walked by
+// columns (t -> group), so that blocks at work at once read neighbouring
+// residues of the same tokens, which share DRAM pages (a residue after
+// another: dilated + global at 4M tokens, rate 2, 1.86 ms against 1.76).
+// Rate 1: the identity. `slots`: seq_band_slots (rate x ceil(groups /
+// rate)); the slots past the last group find no query.
+GT_SEQ_HD int64_t seq_band_slots(int64_t groups, int32_t rate) { return rate * ((groups + rate - 1) / rate); }
+GT_SEQ_HD int64_t seq_band_group(int64_t t, int64_t slots, int32_t rate) {
+    return rate == 1 ? t : (t % rate) * (slots / rate) + t / rate;
+}
 
 struct SeqBandConfig {
     static constexpr int kConsumers = 3;                   // warpgroups of 64 queries
@@ -106,88 +120,141 @@ GT_SEQ_HD bool seq_band_gives(int32_t key, int32_t row, int32_t left, uint32_t w
     return static_cast<uint32_t>(key - row) + static_cast<uint32_t>(left) <= width;
 }
 
-// One pass of a group: the key tiles [kbeg, kbeg + 128 n) of one document.
-struct SeqBandPass {
-    int64_t doc_start;
-    int32_t kbeg, n;
+// Whether the band kernel serves the mask: one local window, or one dilated
+// window at its rate (the mask's row stride: the window is then a local one
+// among the positions of one residue mod the rate), alone or with global
+// keys (Longformer's, dilated + global).
+GT_SEQ_HD bool seq_band_takes(const SeqMask& mk) {
+    const SeqMaskPart& pt = mk.parts[0];
+    const bool window = (pt.kind == kSeqLocal && mk.row_stride == 1) || (pt.kind == kSeqDilated && mk.row_stride == pt.c);
+    return window && pt.a >= 0 && pt.b >= 0 &&
+           (mk.num_parts == 1 || (mk.num_parts == 2 && mk.parts[1].kind == kSeqGlobal));
+}
+
+// A row block of the band kernel: 64 queries of one residue rho mod the rate
+// (rate 1: rho = 0, every position). Its queries and keys are positions of
+// the residue, numbered 0 .. len - 1: position x is the document's position
+// rho + rate x, the token first + rate x. In these positions the window is a
+// local one (left, right), and consecutive positions are consecutive rows of
+// the rate's TMA map (tma_encode_rate_rows). Tokens below 2^31 (the maps'
+// bound, tma_rows_layout_ok): 32-bit (the producer's 32 registers spilled
+// with 64-bit ones).
+struct SeqBandWindow {
+    int32_t first;       // the token of position 0: the document's first token + rho
+    int32_t doc_len;     // the document's tokens
+    int32_t rho, len;    // the residue and its positions in the document
+    int32_t base, rows;  // the block's queries: positions base .. base + rows - 1
 };
 
-// Row block w of the forward's 64-query blocks at row stride 1: seq_window
-// without its divisions (every thread of the block finds three, and the
-// general form's four integer divisions each were a tenth of a block's
-// instructions). False past the last block or where it holds no query.
-GT_SEQ_HD bool seq_band_window(const SeqFwdParams& p, int64_t w, SeqWindow& win) {
+// The TMA map's coordinates (residue, row) of the token first + rate x.
+GT_SEQ_HD void seq_band_map_coords(int32_t first, int32_t x, int32_t rate, int32_t& residue, int32_t& row) {
+    const int32_t q = rate == 1 ? first : first / rate;
+    residue = first - q * rate;
+    row = q + x;
+}
+
+// Where the document's position j lies among residue rho's positions (rate
+// apart): false where it is not one of them.
+GT_SEQ_HD bool seq_band_position(int32_t j, int32_t rho, int32_t rate, int32_t& pos) {
+    const int32_t d = j - rho;
+    if (rate == 1) {
+        pos = d;
+        return true;
+    }
+    pos = d / rate;
+    return d >= 0 && d == pos * rate;
+}
+
+// One pass of a group: the key tiles [kbeg, kbeg + 128 n) of one residue of
+// one document (positions; `first` as SeqBandWindow's).
+struct SeqBandPass {
+    int32_t first, kbeg, n;
+};
+
+// Row block w of the forward's 64-query blocks (seq_window_in's order: a
+// residue's blocks, residue after residue; at rate 1 without its divisions:
+// every thread of the block finds three, and the general form's four
+// integer divisions each were a tenth of a block's instructions). False
+// past the last block or where it holds no query (a residue past a short
+// document's end).
+GT_SEQ_HD bool seq_band_window(const SeqFwdParams& p, int64_t w, SeqBandWindow& win) {
     if (w >= seq_ld(p.cu_windows + p.num_docs)) return false;
     const int lo = seq_window_doc(p, w);
     const int64_t start = seq_ld(p.cu_seqlens + lo);
-    win.doc_start = start;
-    win.len = seq_ld(p.cu_seqlens + lo + 1) - static_cast<int32_t>(start);
-    win.base = 64 * static_cast<int32_t>(w - seq_ld(p.cu_windows + lo));
-    win.stride = 1;
+    const int32_t rate = p.mask.row_stride, wl = static_cast<int32_t>(w - seq_ld(p.cu_windows + lo));
+    win.doc_len = seq_ld(p.cu_seqlens + lo + 1) - static_cast<int32_t>(start);
+    if (rate == 1) {
+        win.rho = 0;
+        win.len = win.doc_len;
+        win.base = 64 * wl;
+    } else {
+        const int32_t per_residue = ((win.doc_len + rate - 1) / rate + 63) / 64;
+        win.rho = wl / per_residue;
+        win.base = 64 * (wl - win.rho * per_residue);
+        win.len = (win.doc_len - win.rho + rate - 1) / rate;
+    }
+    win.first = static_cast<int32_t>(start) + win.rho;
     win.rows = seq_min(64, win.len - win.base);
-    win.rmin = win.base;
-    win.rmax = win.base + win.rows - 1;
     return win.rows > 0;
 }
 
 // A group: three consecutive row blocks 3 g .. 3 g + 2, their key ranges,
 // and the passes over their keys (a row block starts a pass unless the one
-// before is of its document). All passes' tiles form one sequence
-// t = 0 .. ntiles - 1 (one loop body: a loop per pass tripled the code,
-// which the instruction cache holds). Every array is indexed by constants
-// only (an index known at run time put them in local memory).
+// before it that holds queries is of its document and residue). All
+// passes' tiles form one sequence t = 0 .. ntiles - 1 (one loop body: a
+// loop per pass tripled the code, which the instruction cache holds).
+// Every array is indexed by constants only (an index known at run time put
+// them in local memory).
 struct SeqBandGroup {
     static constexpr int kRows = 3;
-    SeqWindow win[kRows];
+    SeqBandWindow win[kRows];
     bool has[kRows];
-    int32_t wkb[kRows], wke[kRows];   // each row block's keys [wkb, wke) in its document
+    int32_t wkb[kRows], wke[kRows];   // each row block's keys [wkb, wke) among its residue's positions
     int pass_of[kRows];               // the pass of each row block, -1 where it holds no query
     SeqBandPass pass[kRows];
     int end0, end1, ntiles;
 
     // False where the group holds no query (past the last row block).
     GT_SEQ_HD bool find(const SeqFwdParams& p, int64_t g, int32_t left, int32_t right, int kKeys) {
+        int npass = 0;
+        int32_t prev = -1;   // the token of position 0 of the last row block with queries
 #pragma unroll
         for (int c = 0; c < kRows; ++c) {
             has[c] = seq_band_window(p, int64_t(kRows) * g + c, win[c]);
             wkb[c] = has[c] ? seq_max(0, win[c].base - left) : 0;
             wke[c] = has[c] ? static_cast<int32_t>(seq_min64(win[c].len, int64_t(win[c].base) + win[c].rows + right)) : 0;
+            pass_of[c] = -1;
+            if (!has[c]) continue;
+            npass += npass == 0 || win[c].first != prev;
+            pass_of[c] = npass - 1;
+            prev = win[c].first;
         }
-        if (!has[0]) return false;
-        const bool starts1 = has[1] && win[1].doc_start != win[0].doc_start;
-        const bool starts2 = has[2] && win[2].doc_start != win[1].doc_start;
-        const int npass = 1 + starts1 + starts2;
-        pass_of[0] = 0;
-        pass_of[1] = has[1] ? int(starts1) : -1;
-        pass_of[2] = has[2] ? int(starts1) + int(starts2) : -1;
+        if (npass == 0) return false;
 #pragma unroll
         for (int ps = 0; ps < kRows; ++ps) {
-            int32_t kb = 0, ke = 0;
-            int64_t doc = 0;
-            bool first = true;
+            int32_t kb = 0, ke = 0, first = 0;
+            bool opens = true;
 #pragma unroll
             for (int c = 0; c < kRows; ++c) {
                 if (pass_of[c] != ps) continue;
-                if (first) kb = wkb[c], doc = win[c].doc_start;
-                first = false;
+                if (opens) kb = wkb[c], first = win[c].first;
+                opens = false;
                 ke = wke[c];   // the pass's last row block's end
             }
-            pass[ps] = SeqBandPass{doc, kb, (ke - kb + kKeys - 1) / kKeys};
+            pass[ps] = SeqBandPass{first, kb, (ke - kb + kKeys - 1) / kKeys};
         }
         end0 = pass[0].n;
-        end1 = end0 + (npass > 1 ? pass[1].n : 0);
-        ntiles = end1 + (npass > 2 ? pass[2].n : 0);
+        end1 = end0 + pass[1].n;
+        ntiles = end1 + pass[2].n;
         return true;
     }
     GT_SEQ_HD int pass_at(int t) const { return t < end0 ? 0 : t < end1 ? 1 : 2; }
-    // tile t's first key, a position in its pass's document
+    // tile t's first key, a position of its pass's residue
     GT_SEQ_HD int32_t tile_key(int t, int ps, int kKeys) const {
         return ps == 0 ? pass[0].kbeg + t * kKeys
                        : ps == 1 ? pass[1].kbeg + (t - end0) * kKeys : pass[2].kbeg + (t - end1) * kKeys;
     }
-    GT_SEQ_HD int64_t doc_start(int ps) const {
-        return ps == 0 ? pass[0].doc_start : ps == 1 ? pass[1].doc_start : pass[2].doc_start;
-    }
+    GT_SEQ_HD int32_t first(int ps) const { return ps == 0 ? pass[0].first : ps == 1 ? pass[1].first : pass[2].first; }
 };
 
 // The online softmax's reference m (log2 units) of the thread's rows g and
@@ -215,25 +282,27 @@ __device__ __forceinline__ void seq_band_move_reference(const float (&mx)[2], fl
     }
 }
 
-// The global keys of a mask Local | Global (Longformer's): their K and V
-// rows (the document's, one head) copied into this consumer's shared rows
+// The global keys of a mask Local | Global (Longformer's) or Dilated | Global:
+// their K and V rows (the document's, one head; each residue's band sees
+// them at their token positions) copied into this consumer's shared rows
 // `kv` (RowTile<64> layout: K rows, then V rows at kSeqMaxGlobal) by its 128
-// threads, where the item's document or head differs from the copy's. Slots
-// past the document's keys repeat its last key (finite values under P = 0).
-// Returns the document's number of global keys.
-__device__ __forceinline__ int seq_band_global_rows(const SeqFwdParams& p, const SeqWindow& w, int head, uint32_t kv,
-                                                    int64_t& cached_doc, int& cached_head, int c) {
+// threads, where the item's document or head differs from the copy's
+// (`copied`: its document's first token and head, in shared memory: two
+// registers fewer across the tile loop, where dilated + global spilled).
+// Slots past the document's keys repeat its last key (finite values under
+// P = 0). Returns the document's number of global keys.
+__device__ __forceinline__ int seq_band_global_rows(const SeqFwdParams& p, int32_t doc, int32_t doc_len, int head,
+                                                    uint32_t kv, int32_t* copied, int c) {
     const SeqMask& mk = p.mask;
-    const int nvalid = seq_global_count(mk, w.len);   // the document's global keys
-    if (nvalid == 0 || (w.doc_start == cached_doc && head == cached_head)) return nvalid;
-    cached_doc = w.doc_start;
-    cached_head = head;
+    const int nvalid = seq_global_count(mk, doc_len);   // the document's global keys
+    if (nvalid == 0 || (doc == copied[0] && head == copied[1])) return nvalid;
     const int rows = (nvalid + 15) & ~15;
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");   // every warp done with the old copy
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");   // every warp done with the old copy (and read `copied`)
+    if ((threadIdx.x & 127) == 0) copied[0] = doc, copied[1] = head;
     const int tid = threadIdx.x & 127;
     for (int i = tid; i < 2 * rows * 8; i += 128) {   // 16-byte chunks: (tensor, row, chunk)
         const int ch = i & 7, row = (i >> 3) % rows, which = (i >> 3) / rows;
-        const int64_t tok = w.doc_start + mk.global_idx[min(row, nvalid - 1)];
+        const int64_t tok = doc + mk.global_idx[min(row, nvalid - 1)];
         const uint16_t* src = which == 0
             ? reinterpret_cast<const uint16_t*>(p.k_ptr) + tok * p.k_row_stride + head * p.k_head_stride
             : reinterpret_cast<const uint16_t*>(p.v_ptr) + tok * p.v_row_stride + head * p.v_head_stride;
@@ -251,11 +320,13 @@ __device__ __forceinline__ int seq_band_global_rows(const SeqFwdParams& p, const
 // the wgmma accumulator's for the warp's rows, so the scores and O continue
 // in the same registers. Q from its shared-memory slice (swizzled:
 // Sw128Tile), K and V from the rows seq_band_global_rows copied (ldmatrix).
-// A global key that the band gives the query counts once (the band's).
-template <typename T>
+// A global key that the band gives the query counts once (the band's):
+// where it is a position of the warp's residue (kResidues, a dilated
+// window: seq_band_position) and inside the query's window.
+template <typename T, bool kResidues>
 __device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, int nvalid, uint32_t q_slice, uint32_t kv,
-                                                     int32_t row_a, int32_t left, uint32_t width, float sl2, int lane,
-                                                     float (&o)[32], float (&m)[2], float (&l)[2]) {
+                                                     int32_t row_a, int32_t rho, int32_t left, uint32_t width,
+                                                     float sl2, int lane, float (&o)[32], float (&m)[2], float (&l)[2]) {
     using Rows = RowTile<64>;
     const SeqMask& mk = p.mask;
     const int t4 = lane & 3;
@@ -278,10 +349,14 @@ __device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, int 
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int slot = n0 + 8 * nt + 2 * t4 + e;
-                const int32_t j = slot < nvalid ? mk.global_idx[slot] : 0;
+                int32_t j = 0;
+                const bool in_residue =
+                    slot < nvalid && seq_band_position(mk.global_idx[slot], kResidues ? rho : 0, kResidues ? mk.row_stride : 1, j);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    if (slot >= nvalid || seq_band_gives(j, row_a + 8 * r, left, width)) s[nt][2 * r + e] = -INFINITY;
+                    if (slot >= nvalid || (in_residue && seq_band_gives(j, row_a + 8 * r, left, width))) {
+                        s[nt][2 * r + e] = -INFINITY;
+                    }
                 }
             }
         }
@@ -323,18 +398,23 @@ __device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, int 
 // first key tiles while the consumers finish the current one and write its
 // output; the Q tiles have two buffers for that ("q_full" / "q_empty"), and
 // the key tiles' ring runs on across items.
-template <typename T, bool kGlobal>
+//
+// kResidues: the global keys' test of a dilated window's residues (its own
+// instance: the test's divisions in Longformer's cost it 8% at 4M tokens,
+// its registers spilling).
+template <typename T, bool kGlobal, bool kResidues>
 __global__ void __launch_bounds__(GT_WGMMA ? SeqBandConfig::kThreads : 32, 1)
 seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ SeqBandMaps maps,
-                    int64_t num_groups) {
+                    int64_t num_slots) {
 #if GT_WGMMA
     using Cfg = SeqBandConfig;
     constexpr int kKeys = Cfg::kKeys, kStages = Cfg::kStages;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ alignas(8) uint64_t full_bar[kStages], empty_bar[kStages], q_full[2], q_empty[2];
+    __shared__ int32_t global_copied[Cfg::kConsumers][2];   // seq_band_global_rows' (document, head)
 
-    const int32_t left = p.mask.parts[0].a, right = p.mask.parts[0].b;
-    const int64_t num_items = num_groups * p.num_heads;
+    const int32_t left = p.mask.parts[0].a, right = p.mask.parts[0].b, rate = p.mask.row_stride;
+    const int64_t num_items = num_slots * p.num_heads;
     const int wg = threadIdx.x >> 7;
 
     const uint32_t smem0 = (smem_addr(smem) + 1023u) & ~1023u;
@@ -342,6 +422,8 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
     auto k_tile = [&](int s) { return smem0 + 2 * Cfg::kQBytes + static_cast<uint32_t>(s) * 2u * Cfg::kTileBytes; };
     auto v_tile = [&](int s) { return k_tile(s) + Cfg::kTileBytes; };
     if (threadIdx.x == 0) {
+#pragma unroll
+        for (int c = 0; c < Cfg::kConsumers; ++c) global_copied[c][0] = global_copied[c][1] = -1;
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
             mbar_init(smem_addr(&q_full[b]), 1);
@@ -361,29 +443,31 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
         uint32_t tiles = 0, items = 0;   // copied so far (the rings' positions)
         for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
             SeqBandGroup grp;
-            if (!grp.find(p, item / p.num_heads, left, right, kKeys)) continue;   // (every thread skips it)
+            if (!grp.find(p, seq_band_group(item / p.num_heads, num_slots, rate), left, right, kKeys)) continue;
             const int head = static_cast<int>(item % p.num_heads);
             const int qb = items & 1;
             if (items >= 2) mbar_wait(smem_addr(&q_empty[qb]), ((items >> 1) - 1) & 1);
             const uint32_t qbar = smem_addr(&q_full[qb]);
-            mbar_expect_tx(qbar, kTmaTileBytes * (1 + grp.has[1] + grp.has[2]));
+            mbar_expect_tx(qbar, kTmaTileBytes * (grp.has[0] + grp.has[1] + grp.has[2]));
 #pragma unroll
             for (int c = 0; c < Cfg::kConsumers; ++c) {
                 if (grp.has[c]) {
-                    tma_load_rows(q_tiles(qb) + c * kTmaTileBytes, maps.q, head,
-                                  static_cast<int32_t>(grp.win[c].doc_start + grp.win[c].base), qbar);
+                    int32_t residue, row;
+                    seq_band_map_coords(grp.win[c].first, grp.win[c].base, rate, residue, row);
+                    tma_load_rate_rows(q_tiles(qb) + c * kTmaTileBytes, maps.q, head, residue, row, qbar);
                 }
             }
             for (int t = 0; t < grp.ntiles; ++t, ++tiles) {
                 const int s = tiles % kStages, ps = grp.pass_at(t);
                 if (tiles >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((tiles / kStages) - 1) & 1);
-                const int32_t row = static_cast<int32_t>(grp.doc_start(ps) + grp.tile_key(t, ps, kKeys));
+                int32_t residue, row;
+                seq_band_map_coords(grp.first(ps), grp.tile_key(t, ps, kKeys), rate, residue, row);
                 const uint32_t bar = smem_addr(&full_bar[s]);
                 mbar_expect_tx(bar, 2 * Cfg::kTileBytes);
 #pragma unroll
                 for (int b = 0; b < kKeys / 64; ++b) {
-                    tma_load_rows(k_tile(s) + b * kTmaTileBytes, maps.k, head, row + 64 * b, bar);
-                    tma_load_rows(v_tile(s) + b * kTmaTileBytes, maps.v, head, row + 64 * b, bar);
+                    tma_load_rate_rows(k_tile(s) + b * kTmaTileBytes, maps.k, head, residue, row + 64 * b, bar);
+                    tma_load_rate_rows(v_tile(s) + b * kTmaTileBytes, maps.v, head, residue, row + 64 * b, bar);
                 }
             }
             ++items;
@@ -400,17 +484,15 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
     const uint32_t desc_lo = wgmma_desc_sw128_lo(smem0);
     // this consumer's copy of the global keys' rows (kGlobal), of the document and head last copied
     const uint32_t global_kv = k_tile(kStages) + static_cast<uint32_t>(c) * Cfg::kGlobalBytes;
-    int64_t cached_doc = -1;
-    int cached_head = -1;
     uint32_t tiles = 0, items = 0;   // as the producer's
     for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
         SeqBandGroup grp;
-        if (!grp.find(p, item / p.num_heads, left, right, kKeys)) continue;
+        if (!grp.find(p, seq_band_group(item / p.num_heads, num_slots, rate), left, right, kKeys)) continue;
         const int head = static_cast<int>(item % p.num_heads);
         const int qb = items & 1;
         // this warpgroup's row block (selected with constant indices)
         auto pick = [c](auto a0, auto a1, auto a2) { return c == 0 ? a0 : c == 1 ? a1 : a2; };
-        const SeqWindow w = pick(grp.win[0], grp.win[1], grp.win[2]);
+        const SeqBandWindow w = pick(grp.win[0], grp.win[1], grp.win[2]);
         const int my_pass = pick(grp.pass_of[0], grp.pass_of[1], grp.pass_of[2]);
         const int32_t my_kb = pick(grp.wkb[0], grp.wkb[1], grp.wkb[2]), my_ke = pick(grp.wke[0], grp.wke[1], grp.wke[2]);
         const int32_t cr0 = w.base, crows = my_pass >= 0 ? w.rows : 0;   // this warpgroup's queries [cr0, cr0 + crows)
@@ -424,17 +506,19 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
         mbar_wait(smem_addr(&q_full[qb]), (items >> 1) & 1);
         if constexpr (kGlobal) {   // Local | Global: the global keys first (warpgroup-uniform)
             if (crows > 0) {
-                const int nvalid = seq_band_global_rows(p, w, head, global_kv, cached_doc, cached_head, c);
+                // (rate 1: the residue is the document; fewer live registers)
+                const int32_t rho = kResidues ? w.rho : 0, doc_len = kResidues ? w.doc_len : w.len;
+                const int nvalid = seq_band_global_rows(p, w.first - rho, doc_len, head, global_kv, global_copied[c], c);
                 if (nvalid > 0) {
-                    seq_band_global_keys<T>(p, nvalid, q_tiles(qb) + c * kTmaTileBytes + 2048 * warp, global_kv, row_a,
-                                            left, width, sl2, lane, o, m, l);
+                    seq_band_global_keys<T, kResidues>(p, nvalid, q_tiles(qb) + c * kTmaTileBytes + 2048 * warp,
+                                                       global_kv, row_a, rho, left, width, sl2, lane, o, m, l);
                 }
             }
         }
 
         for (int t = 0; t < grp.ntiles; ++t, ++tiles) {
             const int s = tiles % kStages, ps = grp.pass_at(t);
-            const int32_t ks = grp.tile_key(t, ps, kKeys);   // the tile's first key (document position)
+            const int32_t ks = grp.tile_key(t, ps, kKeys);   // the tile's first key (a position of the residue)
             const bool mine = my_pass == ps;
             mbar_wait(smem_addr(&full_bar[s]), (tiles / kStages) & 1);
             if (mine && ks < my_ke && ks + kKeys > my_kb) {   // warpgroup-uniform
@@ -520,7 +604,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
             const int32_t row = row_a + 8 * r;
             if (row - cr0 >= crows) continue;
             const float inv = l[r] != 0.f ? 1.f / l[r] : 0.f;
-            const int64_t tok = w.doc_start + row;
+            const int64_t tok = w.first + int64_t(p.mask.row_stride) * row;
             uint32_t* dst = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.o_ptr) + tok * p.o_row_stride +
                                                         head * p.o_head_stride + 2 * t4);
 #pragma unroll
@@ -542,7 +626,7 @@ template <typename T>
 bool seq_band_ready() {
     static const bool ready = [] {
         cudaFuncAttributes attr{};
-        if (cudaFuncGetAttributes(&attr, seq_band_fwd_kernel<T, false>) != cudaSuccess) {
+        if (cudaFuncGetAttributes(&attr, seq_band_fwd_kernel<T, false, false>) != cudaSuccess) {
             (void)cudaGetLastError();
             return false;
         }
@@ -566,44 +650,47 @@ inline int seq_band_sm_count() {
 }
 
 // The forward of p by the band kernel where it serves it (head dim 64
-// checked by the caller; a mask of one local window, or a local window and
-// global keys (Longformer's), row stride 1, the forward's 64-query row
-// blocks, q, k, v as TMA describes them, sm_90a): true when launched (or
+// checked by the caller; seq_band_takes' masks, the forward's 64-query row
+// blocks, q, k, v as TMA describes them at the mask's rate: for a dilated
+// window, tokens a multiple of the rate; sm_90a): true when launched (or
 // nothing to do), false where the caller runs another.
 template <typename T>
 bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     using Cfg = SeqBandConfig;
     const SeqMask& mk = p.mask;
-    const bool global = mk.num_parts == 2 && mk.parts[1].kind == kSeqGlobal;
+    const bool global = mk.num_parts == 2;   // (seq_band_takes: the second part is the global keys)
     // A/B experiments: "0" runs the sequence kernel's instances, "g" this kernel with a block an item
     const char* env = std::getenv("GT_FUSED3S_SEQ_BAND");
-    if ((env != nullptr && env[0] == '0') || !(mk.num_parts == 1 || global) || mk.parts[0].kind != kSeqLocal ||
-        mk.row_stride != 1 || mk.parts[0].a < 0 || mk.parts[0].b < 0 || p.block_rows != 64 || !seq_band_ready<T>()) {
+    if ((env != nullptr && env[0] == '0') || !seq_band_takes(mk) || p.block_rows != 64 || !seq_band_ready<T>()) {
         return false;
     }
     SeqBandMaps maps{};
-    if (!tma_encode_rows(&maps.q, p.q_ptr, p.num_tokens, p.num_heads, p.q_row_stride, p.q_head_stride) ||
-        !tma_encode_rows(&maps.k, p.k_ptr, p.num_tokens, p.num_heads, p.k_row_stride, p.k_head_stride) ||
-        !tma_encode_rows(&maps.v, p.v_ptr, p.num_tokens, p.num_heads, p.v_row_stride, p.v_head_stride)) {
+    const int64_t tokens = p.num_tokens, H = p.num_heads, rate = mk.row_stride;
+    if (!tma_encode_rate_rows(&maps.q, p.q_ptr, tokens, H, p.q_row_stride, p.q_head_stride, rate) ||
+        !tma_encode_rate_rows(&maps.k, p.k_ptr, tokens, H, p.k_row_stride, p.k_head_stride, rate) ||
+        !tma_encode_rate_rows(&maps.v, p.v_ptr, tokens, H, p.v_row_stride, p.v_head_stride, rate)) {
         return false;
     }
     if (p.num_windows <= 0 || p.num_heads <= 0) return true;
     const int64_t groups = (p.num_windows + SeqBandGroup::kRows - 1) / SeqBandGroup::kRows;
-    const int64_t items = groups * p.num_heads;
+    const int64_t slots = seq_band_slots(groups, static_cast<int32_t>(rate)), items = slots * p.num_heads;
     // one block an SM (but the SMs left to the global rows), each walking
     // items; "g": a block an item (A/B experiments)
     const int64_t sms = std::max(1, seq_band_sm_count() - std::max(0, p.free_sms));
     const int64_t blocks = env != nullptr && env[0] == 'g' ? items : std::min<int64_t>(items, sms);
-    auto launch = [&](auto with_global) {
-        constexpr auto kernel = seq_band_fwd_kernel<T, decltype(with_global)::value>;
-        constexpr int smem = Cfg::smem_bytes(decltype(with_global)::value);
+    auto launch = [&](auto global_keys, auto residues) {
+        constexpr bool kGlobal = decltype(global_keys)::value;
+        constexpr auto kernel = seq_band_fwd_kernel<T, kGlobal, decltype(residues)::value>;
+        constexpr int smem = Cfg::smem_bytes(kGlobal);
         set_max_dynamic_smem<kernel>(smem);   // (an error shows at the launch)
-        kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(p, maps, groups);
+        kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(p, maps, slots);
     };
-    if (global) {
-        launch(std::true_type{});
+    if (global && rate > 1) {
+        launch(std::true_type{}, std::true_type{});
+    } else if (global) {
+        launch(std::true_type{}, std::false_type{});
     } else {
-        launch(std::false_type{});
+        launch(std::false_type{}, std::false_type{});
     }
     return true;
 }

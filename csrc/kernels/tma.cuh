@@ -54,6 +54,14 @@ inline TmaEncode tma_encode_fn() {
     return encode;
 }
 
+// Whether rows of 64 16-bit elements (`heads` a row, `tokens` rows) at
+// `base` with these byte strides are a layout the TMA takes.
+inline bool tma_rows_layout_ok(const void* base, int64_t tokens, int64_t heads, int64_t head_bytes, int64_t row_bytes) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && tokens > 0 && tokens < (int64_t(1) << 31) && heads > 0 &&
+           head_bytes % 16 == 0 && row_bytes % 16 == 0 && head_bytes >= 128 && row_bytes >= head_bytes * heads &&
+           row_bytes < (int64_t(1) << 40);
+}
+
 // Rows of 64 16-bit elements: dims (64, heads, tokens), boxes of 64 x 1 x 64,
 // 128-byte swizzle. False where the driver or the layout does not allow it.
 inline bool tma_encode_rows(CUtensorMap* map, const void* base, int64_t tokens, int64_t heads, int64_t row_stride,
@@ -61,16 +69,38 @@ inline bool tma_encode_rows(CUtensorMap* map, const void* base, int64_t tokens, 
     const TmaEncode encode = tma_encode_fn();
     const int64_t head_bytes = heads == 1 ? 128 : head_stride * 2;   // a single head's stride is never stepped
     const int64_t row_bytes = row_stride * 2;
-    if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || tokens <= 0 ||
-        tokens >= (int64_t(1) << 31) || heads <= 0 || head_bytes % 16 != 0 || row_bytes % 16 != 0 ||
-        head_bytes < 128 || row_bytes < head_bytes * heads || row_bytes >= (int64_t(1) << 40)) {
-        return false;
-    }
+    if (encode == nullptr || !tma_rows_layout_ok(base, tokens, heads, head_bytes, row_bytes)) return false;
     const cuuint64_t dims[3] = {64, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(tokens)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_bytes), static_cast<cuuint64_t>(row_bytes)};
     const cuuint32_t box[3] = {64, 1, kTmaRows};
     const cuuint32_t elem[3] = {1, 1, 1};
     return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The same rows seen as [tokens / rate, rate, heads, 64] (dims 64, heads,
+// rate, tokens / rate), boxes of 64 x 1 x 1 x 64: 64 rows `rate` apart, one
+// residue mod rate (a dilated window's keys in their compacted order,
+// seq_band_fwd.cuh). tokens must be a multiple of rate: else the last
+// residues' rows of the map would lie past the tensor. Rate 1 is
+// tma_encode_rows' map with a dim of 1.
+inline bool tma_encode_rate_rows(CUtensorMap* map, const void* base, int64_t tokens, int64_t heads, int64_t row_stride,
+                                 int64_t head_stride, int64_t rate) {
+    const TmaEncode encode = tma_encode_fn();
+    const int64_t head_bytes = heads == 1 ? 128 : head_stride * 2;
+    const int64_t row_bytes = row_stride * 2;
+    if (encode == nullptr || rate < 1 || tokens % rate != 0 ||
+        !tma_rows_layout_ok(base, tokens, heads, head_bytes, row_bytes) || row_bytes * rate >= (int64_t(1) << 40)) {
+        return false;
+    }
+    const cuuint64_t dims[4] = {64, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(rate),
+                                static_cast<cuuint64_t>(tokens / rate)};
+    const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_bytes), static_cast<cuuint64_t>(row_bytes),
+                                   static_cast<cuuint64_t>(row_bytes * rate)};
+    const cuuint32_t box[4] = {64, 1, 1, kTmaRows};
+    const cuuint32_t elem[4] = {1, 1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box, elem,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -167,6 +197,22 @@ __device__ __forceinline__ void tma_load_rows(uint32_t dst, const CUtensorMap& m
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
             "r"(dst),
         "l"(reinterpret_cast<uint64_t>(&map)), "r"(0), "r"(head), "r"(row), "r"(bar)
+        : "memory");
+#else
+    __trap();
+#endif
+}
+
+// Rows row .. row + 63 of residue `residue` (tokens rate row + residue ..)
+// of a tma_encode_rate_rows map, head `head`, into shared memory at `dst`
+// (1024-byte aligned), its bytes counted on `bar`.
+__device__ __forceinline__ void tma_load_rate_rows(uint32_t dst, const CUtensorMap& map, int32_t head, int32_t residue,
+                                                   int32_t row, uint32_t bar) {
+#if GT_WGMMA
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::
+            "r"(dst),
+        "l"(reinterpret_cast<uint64_t>(&map)), "r"(0), "r"(head), "r"(residue), "r"(row), "r"(bar)
         : "memory");
 #else
     __trap();
