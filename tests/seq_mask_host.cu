@@ -61,7 +61,7 @@ static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
     for (int64_t t = 0; t < slots; ++t) {   // the kernel's order of the groups
         const int64_t g = seq_band_group(t, slots, rate);
         SeqBandGroup grp;
-        if (!grp.find(p, g, left, right, kKeys)) {   // lost: a block holds queries (seq_window, the general form)
+        if (!grp.find(p, g, left, right, kKeys, rate)) {   // lost: a block holds queries (seq_window, the general form)
             for (int c = 0; c < SeqBandGroup::kRows; ++c) {
                 SeqWindow w{};
                 lost += seq_window(p, SeqBandGroup::kRows * g + c, w) && w.rows > 0;

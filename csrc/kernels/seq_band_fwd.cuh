@@ -177,11 +177,11 @@ struct SeqBandPass {
 // integer divisions each were a tenth of a block's instructions). False
 // past the last block or where it holds no query (a residue past a short
 // document's end).
-GT_SEQ_HD bool seq_band_window(const SeqFwdParams& p, int64_t w, SeqBandWindow& win) {
+GT_SEQ_HD bool seq_band_window(const SeqFwdParams& p, int64_t w, int32_t rate, SeqBandWindow& win) {
     if (w >= seq_ld(p.cu_windows + p.num_docs)) return false;
     const int lo = seq_window_doc(p, w);
     const int64_t start = seq_ld(p.cu_seqlens + lo);
-    const int32_t rate = p.mask.row_stride, wl = static_cast<int32_t>(w - seq_ld(p.cu_windows + lo));
+    const int32_t wl = static_cast<int32_t>(w - seq_ld(p.cu_windows + lo));
     win.doc_len = seq_ld(p.cu_seqlens + lo + 1) - static_cast<int32_t>(start);
     if (rate == 1) {
         win.rho = 0;
@@ -215,12 +215,14 @@ struct SeqBandGroup {
     int end0, end1, ntiles;
 
     // False where the group holds no query (past the last row block).
-    GT_SEQ_HD bool find(const SeqFwdParams& p, int64_t g, int32_t left, int32_t right, int kKeys) {
+    // rate: the mask's row stride (the kernel's rate-1 instances pass a
+    // constant 1: their code is the local window's alone).
+    GT_SEQ_HD bool find(const SeqFwdParams& p, int64_t g, int32_t left, int32_t right, int kKeys, int32_t rate) {
         int npass = 0;
         int32_t prev = -1;   // the token of position 0 of the last row block with queries
 #pragma unroll
         for (int c = 0; c < kRows; ++c) {
-            has[c] = seq_band_window(p, int64_t(kRows) * g + c, win[c]);
+            has[c] = seq_band_window(p, int64_t(kRows) * g + c, rate, win[c]);
             wkb[c] = has[c] ? seq_max(0, win[c].base - left) : 0;
             wke[c] = has[c] ? static_cast<int32_t>(seq_min64(win[c].len, int64_t(win[c].base) + win[c].rows + right)) : 0;
             pass_of[c] = -1;
@@ -351,7 +353,7 @@ __device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, int 
                 const int slot = n0 + 8 * nt + 2 * t4 + e;
                 int32_t j = 0;
                 const bool in_residue =
-                    slot < nvalid && seq_band_position(mk.global_idx[slot], kResidues ? rho : 0, kResidues ? mk.row_stride : 1, j);
+                    slot < nvalid && seq_band_position(mk.global_idx[slot], rho, kResidues ? mk.row_stride : 1, j);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     if (slot >= nvalid || (in_residue && seq_band_gives(j, row_a + 8 * r, left, width))) {
@@ -399,9 +401,10 @@ __device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, int 
 // output; the Q tiles have two buffers for that ("q_full" / "q_empty"), and
 // the key tiles' ring runs on across items.
 //
-// kResidues: the global keys' test of a dilated window's residues (its own
-// instance: the test's divisions in Longformer's cost it 8% at 4M tokens,
-// its registers spilling).
+// kResidues: a dilated window (rate > 1): its residues' positions, and the
+// global keys' residue test. The rate-1 instances compile to the local
+// window's code alone (the rate-general code's registers and divisions in
+// Longformer's cost it 5-8% at 4M tokens).
 template <typename T, bool kGlobal, bool kResidues>
 __global__ void __launch_bounds__(GT_WGMMA ? SeqBandConfig::kThreads : 32, 1)
 seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ SeqBandMaps maps,
@@ -413,7 +416,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
     __shared__ alignas(8) uint64_t full_bar[kStages], empty_bar[kStages], q_full[2], q_empty[2];
     __shared__ int32_t global_copied[Cfg::kConsumers][2];   // seq_band_global_rows' (document, head)
 
-    const int32_t left = p.mask.parts[0].a, right = p.mask.parts[0].b, rate = p.mask.row_stride;
+    const int32_t left = p.mask.parts[0].a, right = p.mask.parts[0].b, rate = kResidues ? p.mask.row_stride : 1;
     const int64_t num_items = num_slots * p.num_heads;
     const int wg = threadIdx.x >> 7;
 
@@ -443,7 +446,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
         uint32_t tiles = 0, items = 0;   // copied so far (the rings' positions)
         for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
             SeqBandGroup grp;
-            if (!grp.find(p, seq_band_group(item / p.num_heads, num_slots, rate), left, right, kKeys)) continue;
+            if (!grp.find(p, seq_band_group(item / p.num_heads, num_slots, rate), left, right, kKeys, rate)) continue;
             const int head = static_cast<int>(item % p.num_heads);
             const int qb = items & 1;
             if (items >= 2) mbar_wait(smem_addr(&q_empty[qb]), ((items >> 1) - 1) & 1);
@@ -487,7 +490,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
     uint32_t tiles = 0, items = 0;   // as the producer's
     for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
         SeqBandGroup grp;
-        if (!grp.find(p, seq_band_group(item / p.num_heads, num_slots, rate), left, right, kKeys)) continue;
+        if (!grp.find(p, seq_band_group(item / p.num_heads, num_slots, rate), left, right, kKeys, rate)) continue;
         const int head = static_cast<int>(item % p.num_heads);
         const int qb = items & 1;
         // this warpgroup's row block (selected with constant indices)
@@ -604,7 +607,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
             const int32_t row = row_a + 8 * r;
             if (row - cr0 >= crows) continue;
             const float inv = l[r] != 0.f ? 1.f / l[r] : 0.f;
-            const int64_t tok = w.first + int64_t(p.mask.row_stride) * row;
+            const int64_t tok = w.first + int64_t(rate) * row;
             uint32_t* dst = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.o_ptr) + tok * p.o_row_stride +
                                                         head * p.o_head_stride + 2 * t4);
 #pragma unroll
@@ -685,12 +688,10 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
         set_max_dynamic_smem<kernel>(smem);   // (an error shows at the launch)
         kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(p, maps, slots);
     };
-    if (global && rate > 1) {
-        launch(std::true_type{}, std::true_type{});
-    } else if (global) {
-        launch(std::true_type{}, std::false_type{});
+    if (rate > 1) {
+        global ? launch(std::true_type{}, std::true_type{}) : launch(std::false_type{}, std::true_type{});
     } else {
-        launch(std::false_type{}, std::false_type{});
+        global ? launch(std::true_type{}, std::false_type{}) : launch(std::false_type{}, std::false_type{});
     }
     return true;
 }
