@@ -1457,15 +1457,18 @@ at::Tensor tokens_view(const at::Tensor& t, const char* name) {
 // and dilated + global, 20 SMs: 1M 0.39-0.43 ms against 0.46-0.48 one after
 // the other, 4M 1.42-1.48 against 1.64; at 262k 0.29 against 0.24 with a
 // pool stream a call: the rows' walks, sized for 20 SMs, outlast the small
-// kernel there). GT_FUSED3S_ROWS_SMS=n gives the
+// kernel there). An eighth of the SMs (16 of 132) since dilated + global
+// runs the band kernel too (H100, 4M, ms, 12 / 16 / 20 / 28 SMs: Longformer
+// 1.82 / 1.41 / 1.44 / 1.55, dilated + global 1.91 / 1.64-1.67 / 1.74 /
+// 1.87: with 12 the rows outlast the band). GT_FUSED3S_ROWS_SMS=n gives the
 // rows n SMs at any size, 0 runs them after the kernel on one stream (A/B).
 int global_rows_sms(const at::Tensor& q) {
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
     const int64_t work = q.size(0) * q.size(1) * q.size(2);   // keys x batch x heads ([B, L, H, D])
     const char* env = std::getenv("GT_FUSED3S_ROWS_SMS");
-    const int want = env != nullptr ? std::atoi(env) : work >= (int64_t(1) << 20) ? (3 * sms + 19) / 20 : 0;
-    return std::clamp(want, 0, sms - 1);   // H100: 20 SMs (of 12, 20, 28, 40: fastest)
+    const int want = env != nullptr ? std::atoi(env) : work >= (int64_t(1) << 20) ? std::max(1, sms / 8) : 0;
+    return std::clamp(want, 0, sms - 1);
 }
 
 // The side stream of the fork and two events (no timing) for the fork and
