@@ -332,7 +332,7 @@ template <typename T, int kHeadDim>
 void run_seq_fwd(const SeqFwdParams& params, cudaStream_t stream) {
     using Cfg = SeqFwdConfig<kHeadDim>;
     if (params.num_windows <= 0 || params.num_heads <= 0) return;
-    if constexpr (kHeadDim == 64) {   // one local window on Hopper: the warp-specialised band kernel
+    if constexpr (kHeadDim == 64) {   // one local or dilated window on Hopper: the warp-specialised band kernel
         if (run_seq_band_fwd<T>(params, stream)) return;
     }
     int smem = Cfg::kSmemBytes;
