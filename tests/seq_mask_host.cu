@@ -69,13 +69,16 @@ static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
             continue;
         }
         for (int c = 0; c < SeqBandGroup::kRows; ++c) {
-            if (grp.pass_of[c] < 0) continue;
-            const SeqBandWindow& w = grp.win[c];
+            SeqBandItem rec{};   // what the producer publishes; the consumers read only this
+            rec.set(grp, 0);
+            if (rec.pass_of[c] < 0) continue;
+            const SeqBandWindow& w = rec.win[c];
+            const int32_t kb[3] = {rec.kbeg[0], rec.kbeg[1], rec.kbeg[2]};
             auto token = [&](int32_t x) { return static_cast<long long>(w.first) + static_cast<long long>(rate) * x; };
-            for (int t = 0; t < grp.ntiles; ++t) {   // the consumer's loop
-                const int ps = grp.pass_at(t);
-                const int32_t ks = grp.tile_key(t, ps, kKeys);
-                if (!(grp.pass_of[c] == ps && ks < grp.wke[c] && ks + kKeys > grp.wkb[c])) continue;
+            for (int t = 0; t < rec.ntiles; ++t) {   // the consumer's loop
+                const int ps = rec.pass_at(t);
+                const int32_t ks = seq_band_tile_key(kb, rec.end0, rec.end1, t, ps, kKeys);
+                if (!(rec.pass_of[c] == ps && ks < rec.wke[c] && ks + kKeys > rec.wkb[c])) continue;
                 for (int32_t row = w.base; row < w.base + w.rows; ++row) {
                     for (int32_t key = ks; key < ks + kKeys; ++key) {
                         if (key < w.len && seq_band_gives(key, row, left, width)) std::printf("%lld %lld\n", token(row), token(key));

@@ -198,6 +198,14 @@ GT_SEQ_HD bool seq_band_window(const SeqFwdParams& p, int64_t w, int32_t rate, S
     return win.rows > 0;
 }
 
+// Of a group's tiles t = 0 .. ntiles - 1 (its passes' tiles in turn, the
+// passes ending at end0, end1): tile t's pass, and its first key (kb: each
+// pass's first key).
+GT_SEQ_HD int seq_band_pass_at(int t, int end0, int end1) { return t < end0 ? 0 : t < end1 ? 1 : 2; }
+GT_SEQ_HD int32_t seq_band_tile_key(const int32_t (&kb)[3], int end0, int end1, int t, int ps, int kKeys) {
+    return ps == 0 ? kb[0] + t * kKeys : ps == 1 ? kb[1] + (t - end0) * kKeys : kb[2] + (t - end1) * kKeys;
+}
+
 // A group: three consecutive row blocks 3 g .. 3 g + 2, their key ranges,
 // and the passes over their keys (a row block starts a pass unless the one
 // before it that holds queries is of its document and residue). All
@@ -250,13 +258,42 @@ struct SeqBandGroup {
         ntiles = end1 + pass[2].n;
         return true;
     }
-    GT_SEQ_HD int pass_at(int t) const { return t < end0 ? 0 : t < end1 ? 1 : 2; }
+    GT_SEQ_HD int pass_at(int t) const { return seq_band_pass_at(t, end0, end1); }
     // tile t's first key, a position of its pass's residue
     GT_SEQ_HD int32_t tile_key(int t, int ps, int kKeys) const {
-        return ps == 0 ? pass[0].kbeg + t * kKeys
-                       : ps == 1 ? pass[1].kbeg + (t - end0) * kKeys : pass[2].kbeg + (t - end1) * kKeys;
+        const int32_t kb[3] = {pass[0].kbeg, pass[1].kbeg, pass[2].kbeg};
+        return seq_band_tile_key(kb, end0, end1, t, ps, kKeys);
     }
     GT_SEQ_HD int32_t first(int ps) const { return ps == 0 ? pass[0].first : ps == 1 ? pass[1].first : pass[2].first; }
+};
+
+// A work item as the producer found it (SeqBandGroup::find), published in
+// shared memory for its consumers with the item's Q tiles (one record a Q
+// buffer, written before the q_full arrival that releases it): the 384
+// consumer threads no longer each find the group's three row blocks.
+// head < 0: no more items.
+struct SeqBandItem {
+    int32_t head, ntiles, end0, end1;
+    int32_t kbeg[SeqBandGroup::kRows];   // each pass's first key
+    // per row block (consumer): its pass (-1: no query), keys [wkb, wke), window
+    int32_t pass_of[SeqBandGroup::kRows], wkb[SeqBandGroup::kRows], wke[SeqBandGroup::kRows];
+    SeqBandWindow win[SeqBandGroup::kRows];
+
+    GT_SEQ_HD void set(const SeqBandGroup& grp, int32_t h) {
+        head = h;
+        ntiles = grp.ntiles;
+        end0 = grp.end0;
+        end1 = grp.end1;
+#pragma unroll
+        for (int c = 0; c < SeqBandGroup::kRows; ++c) {
+            kbeg[c] = grp.pass[c].kbeg;
+            pass_of[c] = grp.pass_of[c];
+            wkb[c] = grp.wkb[c];
+            wke[c] = grp.wke[c];
+            win[c] = grp.win[c];
+        }
+    }
+    GT_SEQ_HD int pass_at(int t) const { return seq_band_pass_at(t, end0, end1); }
 };
 
 // The online softmax's reference m (log2 units) of the thread's rows g and
@@ -399,7 +436,9 @@ __device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, int 
 // a group and a head), so that the producer copies the next item's Q and
 // first key tiles while the consumers finish the current one and write its
 // output; the Q tiles have two buffers for that ("q_full" / "q_empty"), and
-// the key tiles' ring runs on across items.
+// the key tiles' ring runs on across items. The producer finds each item's
+// group and publishes it beside its Q tiles (SeqBandItem); the consumers
+// read the record (no search of their own) and stop at one without an item.
 //
 // kResidues: a dilated window (rate > 1): its residues' positions, and the
 // global keys' residue test. The rate-1 instances compile to the local
@@ -415,6 +454,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ alignas(8) uint64_t full_bar[kStages], empty_bar[kStages], q_full[2], q_empty[2];
     __shared__ int32_t global_copied[Cfg::kConsumers][2];   // seq_band_global_rows' (document, head)
+    __shared__ SeqBandItem published[2];                     // the item of each Q buffer
 
     const int32_t left = p.mask.parts[0].a, right = p.mask.parts[0].b, rate = kResidues ? p.mask.row_stride : 1;
     const int64_t num_items = num_slots * p.num_heads;
@@ -451,6 +491,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
             const int qb = items & 1;
             if (items >= 2) mbar_wait(smem_addr(&q_empty[qb]), ((items >> 1) - 1) & 1);
             const uint32_t qbar = smem_addr(&q_full[qb]);
+            published[qb].set(grp, head);   // (released by the arrival below)
             mbar_expect_tx(qbar, kTmaTileBytes * (grp.has[0] + grp.has[1] + grp.has[2]));
 #pragma unroll
             for (int c = 0; c < Cfg::kConsumers; ++c) {
@@ -475,6 +516,10 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
             }
             ++items;
         }
+        const int qb = items & 1;   // the end: a record without an item
+        if (items >= 2) mbar_wait(smem_addr(&q_empty[qb]), ((items >> 1) - 1) & 1);
+        published[qb].head = -1;
+        mbar_arrive(smem_addr(&q_full[qb]));
         return;
     }
 
@@ -487,17 +532,19 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
     const uint32_t desc_lo = wgmma_desc_sw128_lo(smem0);
     // this consumer's copy of the global keys' rows (kGlobal), of the document and head last copied
     const uint32_t global_kv = k_tile(kStages) + static_cast<uint32_t>(c) * Cfg::kGlobalBytes;
-    uint32_t tiles = 0, items = 0;   // as the producer's
-    for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
-        SeqBandGroup grp;
-        if (!grp.find(p, seq_band_group(item / p.num_heads, num_slots, rate), left, right, kKeys, rate)) continue;
-        const int head = static_cast<int>(item % p.num_heads);
+    uint32_t tiles = 0;   // as the producer's
+    for (uint32_t items = 0;; ++items) {
         const int qb = items & 1;
-        // this warpgroup's row block (selected with constant indices)
-        auto pick = [c](auto a0, auto a1, auto a2) { return c == 0 ? a0 : c == 1 ? a1 : a2; };
-        const SeqBandWindow w = pick(grp.win[0], grp.win[1], grp.win[2]);
-        const int my_pass = pick(grp.pass_of[0], grp.pass_of[1], grp.pass_of[2]);
-        const int32_t my_kb = pick(grp.wkb[0], grp.wkb[1], grp.wkb[2]), my_ke = pick(grp.wke[0], grp.wke[1], grp.wke[2]);
+        mbar_wait(smem_addr(&q_full[qb]), (items >> 1) & 1);
+        const SeqBandItem& rec = published[qb];
+        const int head = rec.head;
+        if (head < 0) break;
+        const int ntiles = rec.ntiles, end0 = rec.end0, end1 = rec.end1;
+        const int32_t kb[3] = {rec.kbeg[0], rec.kbeg[1], rec.kbeg[2]};
+        // this warpgroup's row block
+        const SeqBandWindow w = rec.win[c];
+        const int my_pass = rec.pass_of[c];
+        const int32_t my_kb = rec.wkb[c], my_ke = rec.wke[c];
         const int32_t cr0 = w.base, crows = my_pass >= 0 ? w.rows : 0;   // this warpgroup's queries [cr0, cr0 + crows)
         const int32_t row_a = cr0 + 16 * warp + g;                 // the thread's rows: row_a, row_a + 8
 
@@ -506,7 +553,6 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
         for (int i = 0; i < 32; ++i) o[i] = 0.f;
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
         const uint32_t q_off = q_tiles(qb) - smem0 + c * kTmaTileBytes;
-        mbar_wait(smem_addr(&q_full[qb]), (items >> 1) & 1);
         if constexpr (kGlobal) {   // Local | Global: the global keys first (warpgroup-uniform)
             if (crows > 0) {
                 // (rate 1: the residue is the document; fewer live registers)
@@ -519,9 +565,9 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
             }
         }
 
-        for (int t = 0; t < grp.ntiles; ++t, ++tiles) {
-            const int s = tiles % kStages, ps = grp.pass_at(t);
-            const int32_t ks = grp.tile_key(t, ps, kKeys);   // the tile's first key (a position of the residue)
+        for (int t = 0; t < ntiles; ++t, ++tiles) {
+            const int s = tiles % kStages, ps = seq_band_pass_at(t, end0, end1);
+            const int32_t ks = seq_band_tile_key(kb, end0, end1, t, ps, kKeys);   // the tile's first key (a position of the residue)
             const bool mine = my_pass == ps;
             mbar_wait(smem_addr(&full_bar[s]), (tiles / kStages) & 1);
             if (mine && ks < my_ke && ks + kKeys > my_kb) {   // warpgroup-uniform
@@ -596,8 +642,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
             }
             if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
         }
-        if (lane == 0) mbar_arrive(smem_addr(&q_empty[qb]));   // this item's Q read: the buffer is free
-        ++items;
+        if (lane == 0) mbar_arrive(smem_addr(&q_empty[qb]));   // this item's Q and record read: the buffer is free
 
         // O in the C layout: row g (o[4j], o[4j + 1]) and g + 8 (o[4j + 2], o[4j + 3]), dims 8j + 2 t4, + 1
 #pragma unroll
