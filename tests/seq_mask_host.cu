@@ -33,19 +33,34 @@ using namespace gt_fused3s;
 // code; the band tiles' loop writes the same test inline): prints the pairs
 // its consumers compute. stderr: "band 1" where the kernel takes the mask
 // (seq_band_takes: one local window, or a dilated one at its rate, alone or
-// with global keys), else "band 0" and no pairs; "lost" counts row blocks
-// with queries in groups that find none.
+// with global keys, and at least as many tokens as the rate: the
+// launch's rule), else "band 0" and no pairs; "lost" counts row blocks
+// with queries in groups that find none. A pair's tokens are those the
+// producer's TMA maps bring (seq_band_map_coords, seq_band_map_of, the
+// bounds tma_encode_rate_rows gives each map), -1 where a map's row lies
+// past its bounds (the TMA's zeros).
 static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
-    const bool takes = seq_band_takes(mk);
-    std::fprintf(stderr, "band %d ", takes ? 1 : 0);
-    if (!takes) return 0;
-    const bool global = mk.num_parts == 2;
     const int32_t rate = mk.row_stride;
     std::vector<int32_t> cu{0}, cw{0};
     for (long long len : lens) {   // (ops.seq_windows)
         cu.push_back(cu.back() + static_cast<int32_t>(len));
         cw.push_back(cw.back() + static_cast<int32_t>(rate * (((len + rate - 1) / rate + 63) / 64)));
     }
+    const bool takes = seq_band_takes(mk) && cu.back() >= rate;
+    std::fprintf(stderr, "band %d ", takes ? 1 : 0);
+    if (!takes) return 0;
+    const bool global = mk.num_parts == 2;
+    const int64_t tokens = cu.back();
+    const int32_t split = static_cast<int32_t>(tokens % rate);
+    // the token of position x of a tile (or Q block) at position x0 of the pass starting at token `first`
+    auto map_token = [&](int32_t first, int32_t x0, int32_t x) -> long long {
+        int32_t residue = 0, row = 0;
+        seq_band_map_coords(first, x0, rate, residue, row);
+        const int m = seq_band_map_of(split, residue);
+        const int64_t first_residue = m ? split : 0, count = m ? rate - split : split;
+        const int64_t positions = (tokens - first_residue + rate - 1) / rate, r = row + (x - x0);
+        return residue < count && r < positions ? first_residue + residue + static_cast<int64_t>(rate) * r : -1;
+    };
     SeqFwdParams p{};
     p.cu_seqlens = cu.data();
     p.cu_windows = cw.data();
@@ -74,14 +89,16 @@ static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
             if (rec.pass_of[c] < 0) continue;
             const SeqBandWindow& w = rec.win[c];
             const int32_t kb[3] = {rec.kbeg[0], rec.kbeg[1], rec.kbeg[2]};
-            auto token = [&](int32_t x) { return static_cast<long long>(w.first) + static_cast<long long>(rate) * x; };
+            auto token = [&](int32_t row) { return map_token(w.first, w.base, row); };   // a query's, by the Q map
             for (int t = 0; t < rec.ntiles; ++t) {   // the consumer's loop
                 const int ps = rec.pass_at(t);
                 const int32_t ks = seq_band_tile_key(kb, rec.end0, rec.end1, t, ps, kKeys);
                 if (!(rec.pass_of[c] == ps && ks < rec.wke[c] && ks + kKeys > rec.wkb[c])) continue;
                 for (int32_t row = w.base; row < w.base + w.rows; ++row) {
                     for (int32_t key = ks; key < ks + kKeys; ++key) {
-                        if (key < w.len && seq_band_gives(key, row, left, width)) std::printf("%lld %lld\n", token(row), token(key));
+                        if (key < w.len && seq_band_gives(key, row, left, width)) {
+                            std::printf("%lld %lld\n", token(row), map_token(w.first, ks, key));
+                        }
                     }
                 }
             }

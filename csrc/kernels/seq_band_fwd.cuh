@@ -6,7 +6,8 @@
 // (run_seq_fwd<T, 64> calls it). A dilated window of rate r (alone or with
 // global keys) is a local window among the positions of one residue mod r:
 // the kernel walks each residue's positions as it walks a document's, its
-// TMA maps taking 64 rows r apart (SeqBandWindow, tma_encode_rate_rows).
+// TMA maps taking 64 rows r apart (SeqBandWindow, tma_encode_rate_rows;
+// two maps a tensor where the tokens are not a multiple of r: SeqBandMaps).
 //
 // A block of four warpgroups (512 threads, one block an SM, as many blocks
 // as SMs) walks work items: an item is a group of three of the forward's
@@ -66,10 +67,22 @@
 
 namespace gt_fused3s {
 
-// The launch's tensor maps (boxes of 64 rows of one residue, tma_encode_rate_rows).
+// The launch's tensor maps (boxes of 64 rows of one residue,
+// tma_encode_rate_rows): [0] of the residues below `split` = tokens % rate,
+// which have one position more than the others, [1] of the others (all of
+// them where the tokens are a multiple of the rate).
 struct SeqBandMaps {
-    CUtensorMap q, k, v;
+    CUtensorMap q[2], k[2], v[2];
+    int32_t split;
 };
+
+// Which of the maps (split: SeqBandMaps::split) holds residue `residue`,
+// and its coordinate there.
+GT_SEQ_HD int seq_band_map_of(int32_t split, int32_t& residue) {
+    const int m = residue >= split;
+    residue -= m ? split : 0;
+    return m;
+}
 
 // The work's order: the groups as a [rate, groups / rate] matrix walked by
 // columns (t -> group), so that blocks at work at once read neighbouring
@@ -498,7 +511,8 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                 if (grp.has[c]) {
                     int32_t residue, row;
                     seq_band_map_coords(grp.win[c].first, grp.win[c].base, rate, residue, row);
-                    tma_load_rate_rows(q_tiles(qb) + c * kTmaTileBytes, maps.q, head, residue, row, qbar);
+                    const int m = seq_band_map_of(maps.split, residue);
+                    tma_load_rate_rows(q_tiles(qb) + c * kTmaTileBytes, maps.q[m], head, residue, row, qbar);
                 }
             }
             for (int t = 0; t < grp.ntiles; ++t, ++tiles) {
@@ -506,12 +520,13 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                 if (tiles >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((tiles / kStages) - 1) & 1);
                 int32_t residue, row;
                 seq_band_map_coords(grp.first(ps), grp.tile_key(t, ps, kKeys), rate, residue, row);
+                const int m = seq_band_map_of(maps.split, residue);
                 const uint32_t bar = smem_addr(&full_bar[s]);
                 mbar_expect_tx(bar, 2 * Cfg::kTileBytes);
 #pragma unroll
                 for (int b = 0; b < kKeys / 64; ++b) {
-                    tma_load_rate_rows(k_tile(s) + b * kTmaTileBytes, maps.k, head, residue, row + 64 * b, bar);
-                    tma_load_rate_rows(v_tile(s) + b * kTmaTileBytes, maps.v, head, residue, row + 64 * b, bar);
+                    tma_load_rate_rows(k_tile(s) + b * kTmaTileBytes, maps.k[m], head, residue, row + 64 * b, bar);
+                    tma_load_rate_rows(v_tile(s) + b * kTmaTileBytes, maps.v[m], head, residue, row + 64 * b, bar);
                 }
             }
             ++items;
@@ -700,8 +715,8 @@ inline int seq_band_sm_count() {
 // The forward of p by the band kernel where it serves it (head dim 64
 // checked by the caller; seq_band_takes' masks, the forward's 64-query row
 // blocks, q, k, v as TMA describes them at the mask's rate: for a dilated
-// window, tokens a multiple of the rate; sm_90a): true when launched (or
-// nothing to do), false where the caller runs another.
+// window, at least as many tokens as the rate; sm_90a): true when launched
+// (or nothing to do), false where the caller runs another.
 template <typename T>
 bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     using Cfg = SeqBandConfig;
@@ -713,12 +728,15 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
         return false;
     }
     SeqBandMaps maps{};
-    const int64_t tokens = p.num_tokens, H = p.num_heads, rate = mk.row_stride;
-    if (!tma_encode_rate_rows(&maps.q, p.q_ptr, tokens, H, p.q_row_stride, p.q_head_stride, rate) ||
-        !tma_encode_rate_rows(&maps.k, p.k_ptr, tokens, H, p.k_row_stride, p.k_head_stride, rate) ||
-        !tma_encode_rate_rows(&maps.v, p.v_ptr, tokens, H, p.v_row_stride, p.v_head_stride, rate)) {
-        return false;
-    }
+    const int64_t tokens = p.num_tokens, H = p.num_heads, rate = mk.row_stride, split = tokens % rate;
+    maps.split = static_cast<int32_t>(split);
+    auto encode = [&](int m, int64_t first, int64_t count) {   // maps m of residues first .. first + count - 1
+        return tma_encode_rate_rows(&maps.q[m], p.q_ptr, tokens, H, p.q_row_stride, p.q_head_stride, rate, first, count) &&
+               tma_encode_rate_rows(&maps.k[m], p.k_ptr, tokens, H, p.k_row_stride, p.k_head_stride, rate, first, count) &&
+               tma_encode_rate_rows(&maps.v[m], p.v_ptr, tokens, H, p.v_row_stride, p.v_head_stride, rate, first, count);
+    };
+    // (fewer tokens than the rate: some residues have none, a map none; the instances take it)
+    if (tokens < rate || (split > 0 && !encode(0, 0, split)) || !encode(1, split, rate - split)) return false;
     if (p.num_windows <= 0 || p.num_heads <= 0) return true;
     const int64_t groups = (p.num_windows + SeqBandGroup::kRows - 1) / SeqBandGroup::kRows;
     const int64_t slots = seq_band_slots(groups, static_cast<int32_t>(rate)), items = slots * p.num_heads;

@@ -79,28 +79,35 @@ inline bool tma_encode_rows(CUtensorMap* map, const void* base, int64_t tokens, 
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The same rows seen as [tokens / rate, rate, heads, 64] (dims 64, heads,
-// rate, tokens / rate), boxes of 64 x 1 x 1 x 64: 64 rows `rate` apart, one
-// residue mod rate (a dilated window's keys in their compacted order,
-// seq_band_fwd.cuh). tokens must be a multiple of rate: else the last
-// residues' rows of the map would lie past the tensor. Rate 1 is
+// The same rows seen as [positions, rate, heads, 64] (a token t at position
+// t / rate of residue t % rate), residues first .. first + count - 1 of them:
+// dims (64, heads, count, positions), boxes of 64 x 1 x 1 x 64, 64 rows
+// `rate` apart, one residue (a dilated window's keys in their compacted
+// order, seq_band_fwd.cuh); coordinate c of the residue dim is residue
+// first + c. Every residue of the range must have as many positions among
+// the tokens (else the map's last row would reach past the tensor for some):
+// tokens % rate == 0 allows all of them at once, else residues below
+// tokens % rate and the others make two maps. Rate 1, first 0, count 1 is
 // tma_encode_rows' map with a dim of 1.
 inline bool tma_encode_rate_rows(CUtensorMap* map, const void* base, int64_t tokens, int64_t heads, int64_t row_stride,
-                                 int64_t head_stride, int64_t rate) {
+                                 int64_t head_stride, int64_t rate, int64_t first, int64_t count) {
     const TmaEncode encode = tma_encode_fn();
     const int64_t head_bytes = heads == 1 ? 128 : head_stride * 2;
     const int64_t row_bytes = row_stride * 2;
-    if (encode == nullptr || rate < 1 || tokens % rate != 0 ||
+    if (encode == nullptr || rate < 1 || first < 0 || count < 1 || first + count > rate ||
         !tma_rows_layout_ok(base, tokens, heads, head_bytes, row_bytes) || row_bytes * rate >= (int64_t(1) << 40)) {
         return false;
     }
-    const cuuint64_t dims[4] = {64, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(rate),
-                                static_cast<cuuint64_t>(tokens / rate)};
+    const int64_t positions = (tokens - first + rate - 1) / rate;   // residue first's
+    if (positions < 1 || (tokens - (first + count - 1) + rate - 1) / rate != positions) return false;
+    const cuuint64_t dims[4] = {64, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(count),
+                                static_cast<cuuint64_t>(positions)};
     const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_bytes), static_cast<cuuint64_t>(row_bytes),
                                    static_cast<cuuint64_t>(row_bytes * rate)};
     const cuuint32_t box[4] = {64, 1, 1, kTmaRows};
     const cuuint32_t elem[4] = {1, 1, 1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box, elem,
+    void* start = const_cast<char*>(static_cast<const char*>(base)) + first * row_bytes;
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, start, dims, strides, box, elem,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -203,8 +210,8 @@ __device__ __forceinline__ void tma_load_rows(uint32_t dst, const CUtensorMap& m
 #endif
 }
 
-// Rows row .. row + 63 of residue `residue` (tokens rate row + residue ..)
-// of a tma_encode_rate_rows map, head `head`, into shared memory at `dst`
+// Rows row .. row + 63 of residue first + `residue` (tokens rate row + first
+// + residue ..) of a tma_encode_rate_rows map, head `head`, into shared memory at `dst`
 // (1024-byte aligned), its bytes counted on `bar`.
 __device__ __forceinline__ void tma_load_rate_rows(uint32_t dst, const CUtensorMap& map, int32_t head, int32_t residue,
                                                    int32_t row, uint32_t bar) {
