@@ -1397,11 +1397,14 @@ std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_cuda(const at::Tensor& qg, con
 }
 
 // (dqg, dk, dv) in qg's dtype: the gradients of dense_rows_fwd's og (fp32)
-// for dog (qg's dtype); dk, dv [B, L, H, D] contiguous.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_rows_bwd_cuda(const at::Tensor& dog_in, const at::Tensor& qg,
-                                                                   const at::Tensor& k_in, const at::Tensor& v_in,
-                                                                   const at::Tensor& og, const at::Tensor& lse,
-                                                                   double scale) {
+// for dog (qg's dtype); dk, dv [B, L, H, D] contiguous. Where dk_into and
+// dv_into are given (contiguous [B, L, H, D] in qg's dtype) the rows' dK and
+// dV are added to them in place and they are returned.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_rows_bwd_add(const at::Tensor& dog_in, const at::Tensor& qg,
+                                                                  const at::Tensor& k_in, const at::Tensor& v_in,
+                                                                  const at::Tensor& og, const at::Tensor& lse,
+                                                                  double scale, const at::Tensor& dk_into,
+                                                                  const at::Tensor& dv_into) {
     const at::Tensor k = dense_rows_input(k_in), v = dense_rows_input(v_in);
     DenseRowsParams p = dense_rows_params(qg, at::Tensor(), k, v, scale);
     const at::Tensor dog = dog_in.to(qg.scalar_type()).contiguous();
@@ -1414,8 +1417,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_rows_bwd_cuda(const at::Ten
     const auto f32 = qg.options().dtype(at::kFloat);
     const at::Tensor delta = (dog.to(at::kFloat) * og).sum(-1).transpose(1, 2).contiguous();   // [B, H, G]
     auto dqg = at::zeros(qg.sizes(), f32);
-    auto dk = at::empty({qg.size(0), k.size(1), qg.size(2), qg.size(3)}, qg.options());
-    auto dv = at::empty_like(dk);
+    const std::vector<int64_t> kv_shape = {qg.size(0), k.size(1), qg.size(2), qg.size(3)};
+    p.dkv_add = dk_into.defined();
+    for (const at::Tensor* t : {&dk_into, &dv_into}) {
+        TORCH_CHECK(t->defined() == p.dkv_add && (!p.dkv_add || (t->device() == qg.device() &&
+                                                                 t->scalar_type() == qg.scalar_type() &&
+                                                                 t->sizes() == kv_shape && t->is_contiguous())),
+                    "dk_into and dv_into must both be contiguous ", shape(kv_shape), " tensors of qg's dtype");
+    }
+    auto dk = p.dkv_add ? dk_into : at::empty(kv_shape, qg.options());
+    auto dv = p.dkv_add ? dv_into : at::empty_like(dk);
     if (p.keys == 0) return {dqg.to(qg.scalar_type()), dk, dv};
     p.dog = dog.data_ptr();
     p.delta = delta.data_ptr<float>();
@@ -1426,6 +1437,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_rows_bwd_cuda(const at::Ten
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(qg.get_device()).stream();
     dense_rows_dispatch(qg, [&](auto, auto bwd) { C10_CUDA_CHECK(bwd(p, stream)); });
     return {dqg.to(qg.scalar_type()), dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_rows_bwd_cuda(const at::Tensor& dog, const at::Tensor& qg,
+                                                                   const at::Tensor& k, const at::Tensor& v,
+                                                                   const at::Tensor& og, const at::Tensor& lse,
+                                                                   double scale) {
+    return dense_rows_bwd_add(dog, qg, k, v, og, lse, scale, at::Tensor(), at::Tensor());
 }
 
 // ---- sequence attention's eager autograd ---------------------------------------
@@ -1566,27 +1584,31 @@ struct SeqAttentionFn : public torch::autograd::Function<SeqAttentionFn> {
         return f.out;
     }
 
-    // The global rows' output was the dense rows': the kernel's share gets
-    // grad_out with those rows zeroed (no gradient through its own rows
-    // there), the rows' share their grad_out.
+    // The global rows' output was the dense rows': no gradient goes through
+    // the kernel's own rows there (their log-sum-exp set to +inf: P = 0, so
+    // dS = 0 in the kernel's backward; a copy of the [T, H] lse, not of
+    // grad_out), the rows' share takes their grad_out and adds its dK, dV
+    // onto the kernel's.
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
         const variable_list s = ctx->get_saved_variables();
         const at::Tensor &q = s[0], &k = s[1], &v = s[2], &rows = s[8];
         const std::vector<int64_t> mask_code = ctx->saved_data["mask_code"].toIntVector();
         const double scale = ctx->saved_data["scale"].toDouble();
         const std::optional<at::Tensor> bwd_windows = s[7].defined() ? std::optional<at::Tensor>(s[7]) : std::nullopt;
-        at::Tensor g = grads[0];
-        if (rows.defined()) g = g.clone(at::MemoryFormat::Contiguous).index_fill_(1, rows, 0);
-        auto [dq3, dk3, dv3] = seq_bwd_cuda(tokens_view(g, "grad_out"), tokens_view(q, "q"), tokens_view(k, "k"),
-                                            tokens_view(v, "v"), tokens_view(s[3], "out"), s[4], s[5], s[6],
-                                            bwd_windows, mask_code, scale, ctx->saved_data["num_windows"].toInt());
+        const at::Tensor lse = rows.defined() ? s[4].view({q.size(0), q.size(1), q.size(2)})
+                                                    .index_fill(1, rows, INFINITY)
+                                                    .view(s[4].sizes())
+                                              : s[4];
+        auto [dq3, dk3, dv3] = seq_bwd_cuda(tokens_view(grads[0], "grad_out"), tokens_view(q, "q"),
+                                            tokens_view(k, "k"), tokens_view(v, "v"), tokens_view(s[3], "out"), lse,
+                                            s[5], s[6], bwd_windows, mask_code, scale,
+                                            ctx->saved_data["num_windows"].toInt());
         at::Tensor dq = dq3.view(q.sizes()), dk = dk3.view(k.sizes()), dv = dv3.view(v.sizes());
         if (rows.defined()) {
-            auto [dqg, dk_rows, dv_rows] = dense_rows_bwd_cuda(grads[0].index_select(1, rows),
-                                                               q.index_select(1, rows), k, v, s[9], s[10], scale);
+            const at::Tensor dqg = std::get<0>(dense_rows_bwd_add(grads[0].index_select(1, rows),
+                                                                  q.index_select(1, rows), k, v, s[9], s[10], scale,
+                                                                  dk, dv));
             dq.index_add_(1, rows, dqg);
-            dk.add_(dk_rows);
-            dv.add_(dv_rows);
         }
         return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
                 at::Tensor()};

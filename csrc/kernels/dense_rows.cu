@@ -361,8 +361,8 @@ __global__ void __launch_bounds__(kThreads) dense_rows_merge_kernel(const DenseR
 }
 
 // Backward: block (chunk, b h) recomputes P and dS of its keys against the
-// G queries, writes dK and dV of its keys (every key is one block's) and
-// adds dQ of the queries with atomics.
+// G queries, writes (or adds to: dkv_add) dK and dV of its keys (every key
+// is one block's) and adds dQ of the queries with atomics.
 //   P = exp2(s scale log2 e - lse log2 e), dS = P (dO . v - delta)
 //   dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i, dQ_i += scale sum_j dS_ij k_j
 template <typename T, int kD>
@@ -424,15 +424,25 @@ __global__ void __launch_bounds__(kThreads) dense_rows_bwd_kernel(const DenseRow
                     ak[e] = fmaf(dsij, qs[i][c + e], ak[e]);
                 }
             }
-            uint32_t wk[4], wv[4];
+            const int64_t at = ((static_cast<int64_t>(b) * p.keys + j0 + j) * p.heads + h) * kD + c;
+            uint4* dk = reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p.dk) + at);
+            uint4* dv = reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p.dv) + at);
+            // dkv_add: onto the sequence kernel's dK, dV (no [B, L, H, D] of
+            // the rows' own and no pass adding the two)
+            uint32_t wk[4] = {0u, 0u, 0u, 0u}, wv[4] = {0u, 0u, 0u, 0u};
+            if (p.dkv_add) {
+                const uint4 ok = *dk, ov = *dv;
+                wk[0] = ok.x; wk[1] = ok.y; wk[2] = ok.z; wk[3] = ok.w;
+                wv[0] = ov.x; wv[1] = ov.y; wv[2] = ov.z; wv[3] = ov.w;
+            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                wk[e] = TypeTraits<T>::pack(p.scale * ak[2 * e], p.scale * ak[2 * e + 1]);
-                wv[e] = TypeTraits<T>::pack(av[2 * e], av[2 * e + 1]);
+                const float2 bk = TypeTraits<T>::unpack(wk[e]), bv = TypeTraits<T>::unpack(wv[e]);   // (0 unless dkv_add)
+                wk[e] = TypeTraits<T>::pack(fmaf(p.scale, ak[2 * e], bk.x), fmaf(p.scale, ak[2 * e + 1], bk.y));
+                wv[e] = TypeTraits<T>::pack(av[2 * e] + bv.x, av[2 * e + 1] + bv.y);
             }
-            const int64_t at = ((static_cast<int64_t>(b) * p.keys + j0 + j) * p.heads + h) * kD + c;
-            *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p.dk) + at) = make_uint4(wk[0], wk[1], wk[2], wk[3]);
-            *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p.dv) + at) = make_uint4(wv[0], wv[1], wv[2], wv[3]);
+            *dk = make_uint4(wk[0], wk[1], wk[2], wk[3]);
+            *dv = make_uint4(wv[0], wv[1], wv[2], wv[3]);
         }
         // dQ of the queries over the step's keys
 #pragma unroll

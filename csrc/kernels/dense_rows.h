@@ -58,8 +58,9 @@ struct DenseRowsParams {
     const void* dog;       // [B, G, H, D], the dtype of qg
     const float* delta;
     float* dqg;            // [B, G, H, D] fp32, added to (zeroed by the caller)
-    void* dk;              // [B, L, H, D] contiguous, the dtype of qg: written
-    void* dv;
+    void* dk;              // [B, L, H, D] contiguous, the dtype of qg: written,
+    void* dv;              // or where dkv_add is set added to (one rounding of the sum)
+    bool dkv_add;
 };
 
 // Keys per thread block of the backward (a chunk): as many as
