@@ -161,6 +161,15 @@ bool check_slots(const std::optional<at::Tensor>& nnz_offset, const std::optiona
     return true;
 }
 
+// The multiprocessors of CUDA device `dev`, asked once per device (no
+// driver call on a launch's path after the first).
+int sm_count(int dev) {
+    static int count[64] = {};
+    int& n = count[dev & 63];
+    if (n == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+}
+
 // The kernel instance: 0 no edge terms, 1 edge terms, 2 edge terms and dropout.
 int edge_mode(bool has_edges, double dropout_p) { return has_edges ? (dropout_p > 0.0 ? 2 : 1) : 0; }
 
@@ -194,10 +203,7 @@ int head_group(int64_t heads, int64_t head_dim, int64_t tcbs, int64_t windows, c
         return g;
     }
     if (g == 1) return 1;
-    static int sms_of[64] = {};   // per device, read once
-    const int dev = on.get_device();
-    int& sms = sms_of[dev & 63];
-    if (sms == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int sms = sm_count(on.get_device());
     const int64_t resident = static_cast<int64_t>(sms) * (g * head_dim <= 32 ? 16 : 12);   // groups an SM holds
     const int64_t per_group = tcbs * (heads / g);   // TCBs x groups: the work in group walks
     if (per_group >= 100 * resident || (heads / g >= 2 && per_group >= 10 * resident)) return g;
@@ -1328,7 +1334,7 @@ DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& rows, 
     p.keys = static_cast<int32_t>(k.size(1));
     p.scale = static_cast<float>(scale);
     TORCH_CHECK_VALUE(k.size(1) < (int64_t(1) << 31) && B * H < 65536, "dense rows: too many keys or batch x heads");
-    if (sms <= 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, qg.get_device()));
+    if (sms <= 0) sms = sm_count(qg.get_device());
     p.chunk_keys = dense_rows_chunk_keys(p.keys, B * H, sms);
     return p;
 }
@@ -1364,7 +1370,7 @@ std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_on(const at::Tensor& qg, const
                                                      const at::Tensor& k_in, const at::Tensor& v_in, double scale,
                                                      int sms, const at::Tensor& out16, bool at_rows) {
     const at::Tensor k = dense_rows_input(k_in), v = dense_rows_input(v_in);
-    if (sms <= 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, qg.get_device()));
+    if (sms <= 0) sms = sm_count(qg.get_device());
     DenseRowsParams p = dense_rows_params(qg, rows, k, v, scale, sms);
     p.chunk_keys = dense_rows_fwd_chunk_keys(p.keys, static_cast<int64_t>(p.batch) * p.heads, sms);   // (a warp's)
     const c10::cuda::CUDAGuard device_guard(qg.device());
@@ -1481,8 +1487,7 @@ at::Tensor tokens_view(const at::Tensor& t, const char* name) {
 // 1.87: with 12 the rows outlast the band). GT_FUSED3S_ROWS_SMS=n gives the
 // rows n SMs at any size, 0 runs them after the kernel on one stream (A/B).
 int global_rows_sms(const at::Tensor& q) {
-    int sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()));
+    const int sms = sm_count(q.get_device());
     const int64_t work = q.size(0) * q.size(1) * q.size(2);   // keys x batch x heads ([B, L, H, D])
     const char* env = std::getenv("GT_FUSED3S_ROWS_SMS");
     const int want = env != nullptr ? std::atoi(env) : work >= (int64_t(1) << 20) ? std::max(1, sms / 8) : 0;
