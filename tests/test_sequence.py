@@ -564,3 +564,62 @@ def test_batched_call_makes_no_row_windows(stand_in_kernels):
         torch.autograd.grad(sequence_attention(q, k, v, mask), (q, k, v), g)
     assert "seq_fwd.default" in seen.names and "seq_bwd.default" in seen.names
     assert not any(n.startswith("cumsum") for n in seen.names), seen.names
+
+
+def test_repeated_eager_calls_take_the_remembered_op(monkeypatch):
+    """A call that took the eager C++ op remembers the op's arguments: the
+    next call with the same mask object and q's shape, dtype, device and
+    scale takes the op with them at once (no checks, caches or lookups);
+    another mask object, shape or scale, k or v unlike q, packed documents,
+    or the kernel switched off take the whole path. (CPU: the op and the
+    conditions for it stood in.)"""
+    from gt_fused3s import ops
+    import gt_fused3s.sequence.attention as att
+    calls, whole = [], []
+
+    def eager(q, k, v, *args):
+        calls.append((q, args))
+        return q * 2
+
+    check = att._check
+    monkeypatch.setattr(att, "_REPEAT", {})
+    monkeypatch.setattr(ops, "kernel_available", lambda device: True)
+    monkeypatch.setattr(ops, "seq_eager_fits", lambda q, k, v: True)
+    monkeypatch.setattr(ops, "_op", lambda name: eager)
+    monkeypatch.setattr(att, "_check", lambda *a: (whole.append(1), check(*a))[1])
+    monkeypatch.delenv("GT_FUSED3S_DISABLE_KERNEL", raising=False)
+    longformer = Local(3) | Global(2)
+    q, k, v = (torch.randn(2, 50, 1, 64, dtype=torch.float16) for _ in range(3))
+
+    def run(*args, **kwargs):
+        n = len(whole)
+        out = sequence_attention(*args, **kwargs)
+        return out, len(whole) > n
+
+    for mask, scale in ((longformer, None), (Local(4), -0.3)):
+        out, full = run(q, k, v, mask, scale)
+        assert full and torch.equal(out, (-q if scale else q) * 2)
+        out, full = run(q, k, v, mask, scale)
+        assert not full and torch.equal(out, (-q if scale else q) * 2)
+        assert calls[-1][1] == calls[-2][1] and calls[-1][0].shape == q.shape
+    assert len(calls[-4][1]) == 7 and len(calls[-1][1]) == 6   # (the global rows' index last)
+    assert calls[-1][1][4] == pytest.approx(0.3)   # -q and -scale
+    n = len(calls)
+    for args, kwargs in [((q, k, v, Local(3) | Global(2)), {}),          # an equal mask, another object
+                         ((q, k, v, longformer, 0.5), {}),                 # another scale
+                         ((q[:1], k[:1], v[:1], longformer), {}),          # another shape
+                         ((q, k.float(), v, longformer), {})]:             # k unlike q
+        fails = args[1].dtype != q.dtype
+        if fails:
+            with pytest.raises(ValueError):
+                run(*args, **kwargs)
+            continue
+        assert run(*args, **kwargs)[1]
+    assert len(calls) == n + 3
+    q3 = q.reshape(100, 1, 64)
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    monkeypatch.setattr(ops, "seq_windows", lambda cu, stride, rows: cu)
+    local = Local(4)
+    assert run(q3, q3, q3, local, cu_seqlens=cu)[1] and run(q3, q3, q3, local, cu_seqlens=cu)[1]
+    monkeypatch.setenv("GT_FUSED3S_DISABLE_KERNEL", "1")   # the op no longer: the whole path (here stood in too)
+    assert run(q, k, v, longformer)[1]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 
 import torch
@@ -226,6 +227,40 @@ def _global_rows_dense(q, k, v, out, rows: list[int], scale: float, cu: list[int
     return out
 
 
+# Repeated eager calls: (id(mask), q's shape, dtype, device, scale) -> (mask,
+# the C++ op, its arguments after q, k, v, whether q is negated). A call of
+# [B, L, H, D] operands that took the eager C++ op once takes it again with
+# the arguments made then, after checks of k and v against q: on an H100
+# machine the checks, caches and lookups of a first-time call were ~17-21 us
+# of a 65k-token Longformer call's ~62 us of host time, above its kernels'
+# ~49 us. The mask is held and compared by identity (equal masks made anew
+# each call take the full path; hashing a Union per call was itself ~1 us).
+# What the path decides from module constants (ops.DENSE_ROWS_MAX) is
+# remembered too: a test that changes one empties this.
+_REPEAT: dict[tuple, tuple] = {}
+
+
+def _repeat_call(q: Tensor, k: Tensor, v: Tensor, mask, scale) -> Tensor | None:
+    """The eager C++ op on the arguments a previous call made, or None where
+    there is none for this call (or k, v do not match q, or the kernel was
+    switched off since)."""
+    hit = _REPEAT.get((id(mask), q.shape, q.dtype, q.device, scale))
+    if (hit is None or hit[0] is not mask or k.shape != q.shape or v.shape != q.shape or k.dtype != q.dtype
+            or v.dtype != q.dtype or k.device != q.device or v.device != q.device
+            or os.environ.get("GT_FUSED3S_DISABLE_KERNEL") == "1"):
+        return None
+    _, op, args, negate = hit
+    return op(-q if negate else q, k, v, *args)
+
+
+def _remember_call(q: Tensor, mask, scale, op_name: str, args: tuple, negate: bool) -> None:
+    if _in_capture_or_compile():
+        return
+    _REPEAT[(id(mask), q.shape, q.dtype, q.device, scale)] = (mask, ops._op(op_name), args, negate)
+    if len(_REPEAT) > 256:
+        _REPEAT.pop(next(iter(_REPEAT)))
+
+
 def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float | None = None, *,
                        cu_seqlens: Tensor | None = None) -> Tensor:
     """Softmax attention where query i of a document attends to the keys j
@@ -250,10 +285,15 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
     random parts the query gradients), so they are not bitwise reproducible
     from run to run.
     """
+    if cu_seqlens is None and not torch.compiler.is_compiling() and isinstance(q, Tensor):
+        out = _repeat_call(q, k, v, mask, scale)
+        if out is not None:
+            return out
     _check(q, k, v, cu_seqlens)
     # (dynamo ignores an lru_cache and warns: traced code takes the function itself)
     umask = as_mask(mask) if torch.compiler.is_compiling() or not isinstance(mask, Mask) else _cached_mask(mask)
     D = q.size(-1)
+    user_scale = scale   # (the repeat cache's key: as the caller gave it)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite (got {scale})")
@@ -290,10 +330,14 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
     # (q, k, v go as they are: ops.seq_attention reads [B, L, H, D] as [B L, H, D])
     qs, ss = (q, scale) if scale >= 0 else (-q, -scale)
     global_rows = umask.global_rows(L if batched else 1 << 62)
+    args = (cu, cu_windows, bwd_windows, code, ss, num_windows)   # (after q, k, v: the eager op's order)
     if global_rows and batched and len(global_rows) <= ops.DENSE_ROWS_MAX and ops.seq_eager_fits(qs, k, v):
         # the kernel, the global rows and both backwards as one C++ autograd node
-        return ops.seq_attention_with_rows(qs, k, v, cu, cu_windows, code, ss, num_windows, bwd_windows,
-                                           _row_index(global_rows, q.device))
+        rows_index = _row_index(global_rows, q.device)
+        _remember_call(q, mask, user_scale, "seq_attention_eager", args + (rows_index,), scale < 0)
+        return ops.seq_attention_with_rows(qs, k, v, cu, cu_windows, code, ss, num_windows, bwd_windows, rows_index)
+    if batched and not global_rows and ops.seq_eager_fits(qs, k, v):
+        _remember_call(q, mask, user_scale, "seq_attention_eager", args, scale < 0)
     out = ops.seq_attention(qs, k, v, cu, cu_windows, code, ss, num_windows, bwd_windows)
     if global_rows:
         return _global_rows_dense(q, k, v, out, global_rows, scale,
