@@ -1140,7 +1140,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     const at::Tensor windows = bwd_windows.has_value() ? *bwd_windows : seq_windows_of(cu_seqlens, stride, rows);
     const int64_t bwd_num_windows = (T + rows - 1) / rows + (cu_seqlens.numel() - 1) * (2 * stride + 1);
     check_seq_inputs(q, cu_seqlens, windows, bwd_num_windows, rows, rows, scale);
-    auto dq = at::empty({T, H, D}, f32);      // every query's row is written by its row block
+    auto dq = at::empty({T, H, D}, q.options());   // every query's row is written by its row block
     auto dk = at::zeros({T, H, D}, f32), dv = at::zeros({T, H, D}, f32);   // added to
     SeqBwdParams p{};
     p.fwd = seq_params(q, k, v, lse, cu_seqlens, windows, mask_code, scale, bwd_num_windows, rows);
@@ -1148,15 +1148,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     p.do_row_stride = dout.stride(0); p.do_head_stride = dout.stride(1);
     p.ld_ptr = ld.data_ptr<float>();
     p.ld_head_stride = ld_head_stride;
-    p.dq_ptr = dq.data_ptr<float>();
+    p.dq_ptr = dq.data_ptr();
     p.dk_ptr = dk.data_ptr<float>();
     p.dv_ptr = dv.data_ptr<float>();
-    p.grad_row_stride = dq.stride(0); p.grad_head_stride = dq.stride(1);
+    p.grad_row_stride = dq.stride(0); p.grad_head_stride = dq.stride(1);   // (dk's and dv's too: all contiguous)
     p.scale = static_cast<float>(scale);
     if (half) launch_seq_bwd_for_head_dim<__half>(D, p, stream);
     else launch_seq_bwd_for_head_dim<__nv_bfloat16>(D, p, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return {dq.to(q.scalar_type()), dk.to(q.scalar_type()), dv.to(q.scalar_type())};
+    return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type())};
 }
 
 // ---- edge-feature products (kernels/edge_terms.h) ------------------------------

@@ -298,11 +298,11 @@ __global__ void __launch_bounds__(SeqBwdConfig<kHeadDim>::kThreads, 1) seq_bwd_k
         for (int r = 0; r < 2; ++r) {
             const int row = 16 * (warp + Cfg::kWarps * i) + g + 8 * r;
             if (row >= blk.rows) continue;
-            float* dqr = p.dq_ptr + token_of(row) * p.grad_row_stride + head * p.grad_head_stride + 2 * t;
+            uint32_t* dqr = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dq_ptr) + token_of(row) * p.grad_row_stride +
+                                                        head * p.grad_head_stride + 2 * t);
 #pragma unroll
             for (int j = 0; j < kNT; ++j) {
-                *reinterpret_cast<float2*>(dqr + 8 * j) =
-                    make_float2(p.scale * dq[i][j][2 * r], p.scale * dq[i][j][2 * r + 1]);
+                dqr[4 * j] = TypeTraits<T>::pack(p.scale * dq[i][j][2 * r], p.scale * dq[i][j][2 * r + 1]);
             }
         }
     }
