@@ -88,13 +88,18 @@ def test_backward_matches_reference(name, dtype, D, shape):
     check_grads(got, *flat, g.reshape(B * L, H, D), mask, list(range(0, B * L + 1, L)), dtype)
 
 
+def _kernels_of(fn, part: str):
+    """fn's result and the names of the kernels it ran whose name holds `part`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    return result, {e.key.split("<")[0].split("(")[0] for e in prof.key_averages() if part in e.key}
+
+
 def _backward_kernels(mask, D: int) -> set[str]:
     q, k, v = (torch.randn(1, 300, 2, D, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
     out = sequence_attention(q, k, v, mask)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
-        torch.cuda.synchronize()
-    return {e.key.split("<")[0].split("(")[0] for e in prof.key_averages() if "seq_bwd" in e.key}
+    return _kernels_of(lambda: torch.autograd.grad(out, (q, k, v), torch.randn_like(out)), "seq_bwd")[1]
 
 
 def _hopper_built() -> bool:
@@ -256,14 +261,6 @@ def test_band_kernel_documents_equal_reference(mask, dtype):
         check_grads(got, q.detach(), k.detach(), v.detach(), g, mask, cu, dtype)
 
 
-def _forward_kernels(fn):
-    """fn's result and the names of the sequence kernels it ran."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        result = fn()
-        torch.cuda.synchronize()
-    return result, {e.key.split("<")[0].split("(")[0] for e in prof.key_averages() if "seq_" in e.key}
-
-
 @pytest.mark.parametrize("mask", [Local(300, right=450), Local(50) | Global([0, 7, 4000]), Dilated(150, 2),
                                   Dilated(60, 3, right=20) | Global([0, 7, 4000]), Dilated(100, 4, causal=True)],
                          ids=["local", "longformer", "dilated2", "dilated3+global", "causal-dilated4"])
@@ -296,7 +293,7 @@ def test_band_kernel_equals_the_band_instance(shape, mask, monkeypatch):
         if env != "1":
             runs.append(fwd())
             continue
-        run, ran = _forward_kernels(fwd)
+        run, ran = _kernels_of(fwd, "seq_")
         runs.append(run)
         band = _hopper_built() and B * L >= rate
         assert any(r.endswith("gt_fused3s::seq_band_fwd_kernel") for r in ran) == band, ran
