@@ -161,13 +161,25 @@ bool check_slots(const std::optional<at::Tensor>& nnz_offset, const std::optiona
     return true;
 }
 
-// The multiprocessors of CUDA device `dev`, asked once per device (no
-// driver call on a launch's path after the first).
+// The multiprocessors of CUDA device `dev`, and whether it is an sm_90
+// (H100 / H200), each asked once per device (no driver call on a launch's
+// path after the first).
 int sm_count(int dev) {
     static int count[64] = {};
     int& n = count[dev & 63];
     if (n == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     return n;
+}
+bool is_sm90(int dev) {
+    static int known[64] = {};   // 0 not asked, 1 no, 2 yes
+    int& k = known[dev & 63];
+    if (k == 0) {
+        int major = 0, minor = 0;
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+        k = major == 9 && minor == 0 ? 2 : 1;
+    }
+    return k == 2;
 }
 
 // The kernel instance: 0 no edge terms, 1 edge terms, 2 edge terms and dropout.
@@ -1109,10 +1121,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
 
     const SeqMask mask = seq_mask_from(mask_code);
     SeqMask transposed{};
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-    const bool by_keys = D == 64 && major == 9 && minor == 0 && seq_mask_transpose(mask, transposed) &&
+    const bool by_keys = D == 64 && is_sm90(q.get_device()) && seq_mask_transpose(mask, transposed) &&
                          (half ? seq_bwd_keys_ready<__half>() : seq_bwd_keys_ready<__nv_bfloat16>());
     if (by_keys) {
         auto dq = at::zeros({T, H, D}, f32);   // added to by every key block that sees a query
