@@ -304,8 +304,9 @@ __global__ void __launch_bounds__(32 * kFwdWarps) dense_rows_fwd_kernel(const De
 // shared memory (a row has up to ~4 x SMs / (B H) chunks: dense_rows_chunk_keys).
 // 1024 threads: with B H = 1 the grid is the G queries' blocks only, and
 // each thread's chain of dependent loads is the kernel's time (H100, 3
-// rows, ~520 chunks at any length: 22 us with 256 threads, 3.5 x the rows'
-// forward at 65k keys; 12.5-13 us with 1024).
+// rows, ~520 chunks below 2^20 keys x batch x heads: 22 us with 256
+// threads, 3.5 x the rows' forward at 65k keys; 12.8-12.9 us with 1024;
+// 11.1-11.2 us with 8 states loaded ahead instead of 4).
 constexpr int kMergeThreads = 1024;
 template <typename T, int kD>
 __global__ void __launch_bounds__(kMergeThreads) dense_rows_merge_kernel(const DenseRowsParams p) {
@@ -315,7 +316,7 @@ __global__ void __launch_bounds__(kMergeThreads) dense_rows_merge_kernel(const D
     const int d = threadIdx.x % kD, part = threadIdx.x / kD;
     const int64_t chunks = (p.keys + p.chunk_keys - 1) / p.chunk_keys, bhs = static_cast<int64_t>(p.batch) * p.heads;
     float m = -INFINITY, l = 0.f, o = 0.f;
-    constexpr int kAhead = 4;   // states loaded before they are folded: the loads overlap, not the fold's latency chain
+    constexpr int kAhead = 8;   // states loaded before they are folded: the loads overlap, not the fold's latency chain
     for (int64_t c0 = part; c0 < chunks; c0 += kAhead * kParts) {
         float mc[kAhead], lc[kAhead], oc[kAhead];
 #pragma unroll
