@@ -244,9 +244,10 @@ def _repeat_call(q: Tensor, k: Tensor, v: Tensor, mask, scale) -> Tensor | None:
     """The eager C++ op on the arguments a previous call made, or None where
     there is none for this call (or k, v do not match q, or the kernel was
     switched off since)."""
-    hit = _REPEAT.get((id(mask), q.shape, q.dtype, q.device, scale))
-    if (hit is None or hit[0] is not mask or k.shape != q.shape or v.shape != q.shape or k.dtype != q.dtype
-            or v.dtype != q.dtype or k.device != q.device or v.device != q.device
+    shape, dtype, device = q.shape, q.dtype, q.device   # (each read makes an object: once)
+    hit = _REPEAT.get((id(mask), shape, dtype, device, scale))
+    if (hit is None or hit[0] is not mask or k.shape != shape or v.shape != shape or k.dtype != dtype
+            or v.dtype != dtype or k.device != device or v.device != device
             or os.environ.get("GT_FUSED3S_DISABLE_KERNEL") == "1"):
         return None
     _, op, args, negate = hit
