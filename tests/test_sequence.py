@@ -623,3 +623,19 @@ def test_repeated_eager_calls_take_the_remembered_op(monkeypatch):
     assert run(q3, q3, q3, local, cu_seqlens=cu)[1] and run(q3, q3, q3, local, cu_seqlens=cu)[1]
     monkeypatch.setenv("GT_FUSED3S_DISABLE_KERNEL", "1")   # the op no longer: the whole path (here stood in too)
     assert run(q, k, v, longformer)[1]
+
+
+def test_band_bound_probe_builds(tmp_path):
+    """scripts/probe_band_fwd_bound.cu (README: what the band forward's tile
+    step reaches without loads, masks or barriers) builds for sm_80 and
+    sm_90a over the kernels' headers; it runs on the GPU machine only."""
+    import shutil
+    from pathlib import Path
+    nvcc = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found: the probe is built where it is installed")
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([nvcc, "-std=c++17", "-O1", "-I", str(root / "csrc" / "kernels"),
+                    "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
+                    str(root / "scripts" / "probe_band_fwd_bound.cu"), "-o", str(tmp_path / "band_bound")], check=True)
+    assert (tmp_path / "band_bound").stat().st_size > 0
