@@ -1034,6 +1034,7 @@ std::tuple<at::Tensor, at::Tensor> seq_fwd_launch(const at::Tensor& q_in, const 
     p.o_ptr = out.data_ptr();
     p.o_row_stride = out.stride(0); p.o_head_stride = out.stride(1);
     p.free_sms = free_sms;
+    p.num_sms = sm_count(q.get_device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     if (q.scalar_type() == at::kHalf) launch_seq_for_head_dim<__half>(D, p, stream);
     else launch_seq_for_head_dim<__nv_bfloat16>(D, p, stream);
@@ -1300,9 +1301,10 @@ at::Tensor gather_rows_cuda(const at::Tensor& x_in, const at::Tensor& index) {
 // [G], positions in [0, L)) is defined the rows of qg = q [B, L, H, D] (rows
 // 16-byte aligned) at those positions. k, v [B, L, H, D] (rows 16-byte
 // aligned, any batch / row / head strides), fp16 / bf16, D in {32, 64, 128}.
-// sms: the multiprocessors the chunks are sized for (0: the device's).
+// The chunks of keys are the caller's to size (chunk_keys: the forward's
+// and the backward's differ).
 DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& rows, const at::Tensor& k,
-                                  const at::Tensor& v, double scale, int sms = 0) {
+                                  const at::Tensor& v, double scale) {
     TORCH_CHECK(qg.defined() && qg.is_cuda() && qg.dim() == 4 && (rows.defined() || qg.is_contiguous()),
                 "qg must be a contiguous CUDA tensor [B, G, H, D]");
     TORCH_CHECK(qg.scalar_type() == at::kHalf || qg.scalar_type() == at::kBFloat16, "qg must be fp16 or bf16 (got ",
@@ -1343,8 +1345,6 @@ DenseRowsParams dense_rows_params(const at::Tensor& qg, const at::Tensor& rows, 
     p.keys = static_cast<int32_t>(k.size(1));
     p.scale = static_cast<float>(scale);
     TORCH_CHECK_VALUE(k.size(1) < (int64_t(1) << 31) && B * H < 65536, "dense rows: too many keys or batch x heads");
-    if (sms <= 0) sms = sm_count(qg.get_device());
-    p.chunk_keys = dense_rows_chunk_keys(p.keys, B * H, sms);
     return p;
 }
 
@@ -1374,13 +1374,14 @@ void dense_rows_dispatch(const at::Tensor& qg, Fn&& fn) {
 // queries (qg, rows as dense_rows_params) over all keys, on the current
 // stream. Where out16 is defined the output goes there in qg's dtype too:
 // over the rows' positions of a [B, L, H, D] output (at_rows), or as
-// [B, G, H, D]. sms as dense_rows_params.
+// [B, G, H, D]. sms: the multiprocessors the key chunks are sized for (0:
+// the device's).
 std::tuple<at::Tensor, at::Tensor> dense_rows_fwd_on(const at::Tensor& qg, const at::Tensor& rows,
                                                      const at::Tensor& k_in, const at::Tensor& v_in, double scale,
                                                      int sms, const at::Tensor& out16, bool at_rows) {
     const at::Tensor k = dense_rows_input(k_in), v = dense_rows_input(v_in);
     if (sms <= 0) sms = sm_count(qg.get_device());
-    DenseRowsParams p = dense_rows_params(qg, rows, k, v, scale, sms);
+    DenseRowsParams p = dense_rows_params(qg, rows, k, v, scale);
     p.chunk_keys = dense_rows_fwd_chunk_keys(p.keys, static_cast<int64_t>(p.batch) * p.heads, sms);   // (a warp's)
     const c10::cuda::CUDAGuard device_guard(qg.device());
     const auto f32 = qg.options().dtype(at::kFloat);
@@ -1422,6 +1423,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_rows_bwd_add(const at::Tens
                                                                   const at::Tensor& dv_into) {
     const at::Tensor k = dense_rows_input(k_in), v = dense_rows_input(v_in);
     DenseRowsParams p = dense_rows_params(qg, at::Tensor(), k, v, scale);
+    p.chunk_keys = dense_rows_chunk_keys(p.keys, static_cast<int64_t>(p.batch) * p.heads, sm_count(qg.get_device()));
     const at::Tensor dog = dog_in.to(qg.scalar_type()).contiguous();
     TORCH_CHECK(dog.sizes() == qg.sizes() && og.sizes() == qg.sizes() && og.scalar_type() == at::kFloat,
                 "dog and og must have qg's shape (og fp32)");

@@ -698,25 +698,12 @@ bool seq_band_ready() {
     return ready;
 }
 
-// The current device's multiprocessors (asked once per device; no device work).
-inline int seq_band_sm_count() {
-    static int count[64] = {};
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (dev < 0 || dev >= 64) return 132;
-    if (count[dev] == 0) {
-        int n = 0;
-        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-        count[dev] = n > 0 ? n : 132;
-    }
-    return count[dev];
-}
-
 // The forward of p by the band kernel where it serves it (head dim 64
 // checked by the caller; seq_band_takes' masks, the forward's 64-query row
 // blocks, q, k, v as TMA describes them at the mask's rate: for a dilated
 // window, at least as many tokens as the rate; sm_90a): true when launched
-// (or nothing to do), false where the caller runs another.
+// (or nothing to do), false where the caller runs another. As many blocks
+// as p.num_sms (the caller's count of the device's SMs) less p.free_sms.
 template <typename T>
 bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     using Cfg = SeqBandConfig;
@@ -742,7 +729,7 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     const int64_t slots = seq_band_slots(groups, static_cast<int32_t>(rate)), items = slots * p.num_heads;
     // one block an SM (but the SMs left to the global rows), each walking
     // items; "g": a block an item (A/B experiments)
-    const int64_t sms = std::max(1, seq_band_sm_count() - std::max(0, p.free_sms));
+    const int64_t sms = std::max(1, p.num_sms - std::max(0, p.free_sms));
     const int64_t blocks = env != nullptr && env[0] == 'g' ? items : std::min<int64_t>(items, sms);
     auto launch = [&](auto global_keys, auto residues) {
         constexpr bool kGlobal = decltype(global_keys)::value;

@@ -66,9 +66,10 @@ struct SeqFwdParams {
     int32_t num_heads;
     float scale_log2;   // scale * log2(e)
     SeqMask mask;
-    // SMs a persistent launch (the band kernel's) leaves to the global rows'
-    // kernels running beside it on another stream; 0: it takes every SM.
-    int32_t free_sms;
+    // The device's SMs (the caller asks once: the band kernel is persistent),
+    // and those it leaves to the global rows' kernels running beside it on
+    // another stream (0: it takes every SM).
+    int32_t num_sms, free_sms;
 };
 
 // The backward (seq_bwd_kernel.cuh): the forward's parameters (q, k, v, the
