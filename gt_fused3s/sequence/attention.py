@@ -332,13 +332,17 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
     qs, ss = (q, scale) if scale >= 0 else (-q, -scale)
     global_rows = umask.global_rows(L if batched else 1 << 62)
     args = (cu, cu_windows, bwd_windows, code, ss, num_windows)   # (after q, k, v: the eager op's order)
-    if global_rows and batched and len(global_rows) <= ops.DENSE_ROWS_MAX and ops.seq_eager_fits(qs, k, v):
-        # the kernel, the global rows and both backwards as one C++ autograd node
+    # one C++ op and autograd node (the kernel, the global rows where there
+    # are some, both backwards), asked once
+    eager = (batched and (not global_rows or len(global_rows) <= ops.DENSE_ROWS_MAX)
+             and ops.seq_eager_fits(qs, k, v))
+    if eager and global_rows:
         rows_index = _row_index(global_rows, q.device)
         _remember_call(q, mask, user_scale, "seq_attention_eager", args + (rows_index,), scale < 0)
         return ops.seq_attention_with_rows(qs, k, v, cu, cu_windows, code, ss, num_windows, bwd_windows, rows_index)
-    if batched and not global_rows and ops.seq_eager_fits(qs, k, v):
+    if eager:
         _remember_call(q, mask, user_scale, "seq_attention_eager", args, scale < 0)
+        return ops._op("seq_attention_eager")(qs, k, v, *args)
     out = ops.seq_attention(qs, k, v, cu, cu_windows, code, ss, num_windows, bwd_windows)
     if global_rows:
         return _global_rows_dense(q, k, v, out, global_rows, scale,
