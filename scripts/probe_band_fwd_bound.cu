@@ -2,9 +2,9 @@
 // in the way: no loads, no mask, no barriers, no producer. One block an SM
 // of kWG warpgroups; each loops the step of seq_band_fwd.cuh's consumers
 // over one Q tile and one K / V stage resident in shared memory (values of
-// no meaning): S = Q K^T (wgmma, kKeys keys), the row maxima and their
-// shuffles, the reference moved by seq_band_move_reference's rule, the
-// exponentials, sums and packing, O += P V (P from registers). It prints
+// no meaning), with the kernel's own pieces: S = Q K^T (wgmma, kKeys
+// keys), seq_band_row_max, seq_band_move_reference, seq_band_softmax_pack
+// (exponentials, sums, packing), O += P V (P from registers). It prints
 // the rate counting the two products' flops, the kernel's "raw" rate (a
 // band's edge tiles included); the kernel's own is in README.md.
 //
@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 
 #include "mma_utils.cuh"
+#include "seq_band_fwd.cuh"
 #include "smem_tile.cuh"
 #include "wgmma.cuh"
 
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(128 * kWG, 1) band_step_kernel(int iters, floa
     float o[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) o[i] = 0.f;
-    float m[2] = {0.f, 0.f}, l[2] = {0.f, 0.f};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     float sc[kKeys / 2];
 #pragma unroll
     for (int i = 0; i < kKeys / 2; ++i) sc[i] = 0.01f * (i + lane);
@@ -78,28 +79,13 @@ __global__ void __launch_bounds__(128 * kWG, 1) band_step_kernel(int iters, floa
                 pa[j >> 1][(j & 1) * 2 + 1] = TypeTraits<__half>::pack(sc[4 * j + 2], sc[4 * j + 3]);
             }
         } else {
-            float mx[2] = {-INFINITY, -INFINITY};
+            float mx[2];
+            seq_band_row_max(sc, sl2, mx);
+            seq_band_move_reference(mx, m, l, o);
+            if constexpr (kMode == kHalfExps) {   // (not the kernel's: P from ex2.approx.f16x2)
+                float sum[2] = {0.f, 0.f};
 #pragma unroll
-            for (int j = 0; j < kKeys / 8; ++j) {
-                mx[0] = fmaxf(mx[0], fmaxf(sc[4 * j], sc[4 * j + 1]));
-                mx[1] = fmaxf(mx[1], fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                mx[r] *= sl2;
-            }
-            if (__any_sync(0xffffffffu, mx[0] > m[0] + 8.f || mx[1] > m[1] + 8.f)) {
-                m[0] = fmaxf(m[0], mx[0]);
-                m[1] = fmaxf(m[1], mx[1]);
-#pragma unroll
-                for (int i = 0; i < 32; ++i) o[i] *= 0.5f;
-            }
-            float sum[2] = {0.f, 0.f};
-#pragma unroll
-            for (int j = 0; j < kKeys / 8; ++j) {
-                if constexpr (kMode == kHalfExps) {
+                for (int j = 0; j < kKeys / 8; ++j) {
                     const __half2 a = __floats2half2_rn(fmaf(sc[4 * j], sl2, -m[0]), fmaf(sc[4 * j + 1], sl2, -m[0]));
                     const __half2 b = __floats2half2_rn(fmaf(sc[4 * j + 2], sl2, -m[1]), fmaf(sc[4 * j + 3], sl2, -m[1]));
                     uint32_t ea, eb;
@@ -111,18 +97,12 @@ __global__ void __launch_bounds__(128 * kWG, 1) band_step_kernel(int iters, floa
                     sum[1] += fb.x + fb.y;
                     pa[j >> 1][(j & 1) * 2] = ea;
                     pa[j >> 1][(j & 1) * 2 + 1] = eb;
-                } else {
-                    float e[4];
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) e[q] = fast_exp2(fmaf(sc[4 * j + q], sl2, -m[q >> 1]));
-                    sum[0] += e[0] + e[1];
-                    sum[1] += e[2] + e[3];
-                    pa[j >> 1][(j & 1) * 2] = TypeTraits<__half>::pack(e[0], e[1]);
-                    pa[j >> 1][(j & 1) * 2 + 1] = TypeTraits<__half>::pack(e[2], e[3]);
                 }
+                l[0] += sum[0];
+                l[1] += sum[1];
+            } else {
+                seq_band_softmax_pack<__half>(sc, sl2, m, pa, l);
             }
-            l[0] += sum[0];
-            l[1] += sum[1];
         }
         if constexpr (kMode == kSoftmaxOnly) {   // P kept live without the product
 #pragma unroll

@@ -334,6 +334,46 @@ __device__ __forceinline__ void seq_band_move_reference(const float (&mx)[2], fl
     }
 }
 
+// The row maxima of a tile's scores (the wgmma accumulator: rows g and
+// g + 8 of the thread's warp) over the quad's 4 threads, in log2 units.
+template <int kN>
+__device__ __forceinline__ void seq_band_row_max(const float (&sc)[kN], float sl2, float (&mx)[2]) {
+    mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kN / 4; ++j) {
+        mx[0] = fmaxf(mx[0], fmaxf(sc[4 * j], sc[4 * j + 1]));
+        mx[1] = fmaxf(mx[1], fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        mx[r] *= sl2;
+    }
+}
+
+// P = exp2(S sl2 - m) rounded to T as the A fragments of P V's k-steps (k-step
+// k from column tiles 2 k (a0: row g, a1: row g + 8) and 2 k + 1 (a2, a3)),
+// its row sums added to l.
+template <typename T, int kN>
+__device__ __forceinline__ void seq_band_softmax_pack(const float (&sc)[kN], float sl2, const float (&m)[2],
+                                                      uint32_t (&pa)[kN / 8][4], float (&l)[2]) {
+    const float mr[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kN / 4; ++j) {
+        float e[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) e[q] = fast_exp2(fmaf(sc[4 * j + q], sl2, -mr[q >> 1]));
+        sum[0] += e[0] + e[1];
+        sum[1] += e[2] + e[3];
+        pa[j >> 1][(j & 1) * 2] = TypeTraits<T>::pack(e[0], e[1]);
+        pa[j >> 1][(j & 1) * 2 + 1] = TypeTraits<T>::pack(e[2], e[3]);
+    }
+    l[0] += sum[0];
+    l[1] += sum[1];
+}
+
 // The global keys of a mask Local | Global (Longformer's) or Dilated | Global:
 // their K and V rows (the document's, one head; each residue's band sees
 // them at their token positions) copied into this consumer's shared rows
@@ -613,37 +653,11 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                         }
                     }
                 }
-                // row maxima (rows row_a, row_a + 8) over the quad's 4 threads
-                float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-                for (int j = 0; j < kKeys / 8; ++j) {
-                    mx[0] = fmaxf(mx[0], fmaxf(sc[4 * j], sc[4 * j + 1]));
-                    mx[1] = fmaxf(mx[1], fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
-                }
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                    mx[r] *= sl2;
-                }
+                float mx[2];
+                seq_band_row_max(sc, sl2, mx);
                 seq_band_move_reference(mx, m, l, o);
-                const float mr[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
-                // P as the A fragments of P V's k-steps: k-step k from column
-                // tiles 2 k (a0: row g, a1: row g + 8) and 2 k + 1 (a2, a3)
                 uint32_t pa[kKeys / 16][4];
-                float sum[2] = {0.f, 0.f};
-#pragma unroll
-                for (int j = 0; j < kKeys / 8; ++j) {
-                    float e[4];
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) e[q] = fast_exp2(fmaf(sc[4 * j + q], sl2, -mr[q >> 1]));
-                    sum[0] += e[0] + e[1];
-                    sum[1] += e[2] + e[3];
-                    pa[j >> 1][(j & 1) * 2] = TypeTraits<T>::pack(e[0], e[1]);
-                    pa[j >> 1][(j & 1) * 2 + 1] = TypeTraits<T>::pack(e[2], e[3]);
-                }
-                l[0] += sum[0];
-                l[1] += sum[1];
+                seq_band_softmax_pack<T>(sc, sl2, m, pa, l);
                 wgmma_fence();
 #pragma unroll
                 for (int k16 = 0; k16 < kKeys / 16; ++k16) {
@@ -687,14 +701,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
 // bound). Asked once per process and dtype; no device work.
 template <typename T>
 bool seq_band_ready() {
-    static const bool ready = [] {
-        cudaFuncAttributes attr{};
-        if (cudaFuncGetAttributes(&attr, seq_band_fwd_kernel<T, false, false>) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return false;
-        }
-        return attr.maxThreadsPerBlock >= SeqBandConfig::kThreads;
-    }();
+    static const bool ready = wgmma_kernel_runs(seq_band_fwd_kernel<T, false, false>, SeqBandConfig::kThreads);
     return ready;
 }
 

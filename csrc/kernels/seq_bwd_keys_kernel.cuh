@@ -417,14 +417,7 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
 // work, no synchronisation.
 template <typename T>
 bool seq_bwd_keys_ready() {
-    static const bool ready = [] {
-        cudaFuncAttributes attr{};
-        if (cudaFuncGetAttributes(&attr, seq_bwd_keys_kernel<T>) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return false;
-        }
-        return attr.maxThreadsPerBlock >= SeqBwdKeysConfig::kThreads;
-    }();
+    static const bool ready = wgmma_kernel_runs(seq_bwd_keys_kernel<T>, SeqBwdKeysConfig::kThreads);
     return ready;
 }
 

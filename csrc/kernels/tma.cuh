@@ -62,21 +62,33 @@ inline bool tma_rows_layout_ok(const void* base, int64_t tokens, int64_t heads, 
            row_bytes < (int64_t(1) << 40);
 }
 
+// The maps of rows of 64 16-bit elements (the two below): dims from 64
+// elements of a head up, boxes of one head's 64 elements by kTmaRows rows
+// of the last dim, 128-byte swizzle.
+template <int kRank>
+inline bool tma_encode_u16_rows(CUtensorMap* map, const void* start, const cuuint64_t (&dims)[kRank],
+                                const cuuint64_t (&strides)[kRank - 1]) {
+    const TmaEncode encode = tma_encode_fn();
+    cuuint32_t box[kRank], elem[kRank];
+    for (int i = 0; i < kRank; ++i) box[i] = elem[i] = 1;
+    box[0] = 64;
+    box[kRank - 1] = kTmaRows;
+    return encode != nullptr &&
+           encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, kRank, const_cast<void*>(start), dims, strides, box, elem,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // Rows of 64 16-bit elements: dims (64, heads, tokens), boxes of 64 x 1 x 64,
 // 128-byte swizzle. False where the driver or the layout does not allow it.
 inline bool tma_encode_rows(CUtensorMap* map, const void* base, int64_t tokens, int64_t heads, int64_t row_stride,
                             int64_t head_stride) {
-    const TmaEncode encode = tma_encode_fn();
     const int64_t head_bytes = heads == 1 ? 128 : head_stride * 2;   // a single head's stride is never stepped
     const int64_t row_bytes = row_stride * 2;
-    if (encode == nullptr || !tma_rows_layout_ok(base, tokens, heads, head_bytes, row_bytes)) return false;
+    if (!tma_rows_layout_ok(base, tokens, heads, head_bytes, row_bytes)) return false;
     const cuuint64_t dims[3] = {64, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(tokens)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_bytes), static_cast<cuuint64_t>(row_bytes)};
-    const cuuint32_t box[3] = {64, 1, kTmaRows};
-    const cuuint32_t elem[3] = {1, 1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return tma_encode_u16_rows<3>(map, base, dims, strides);
 }
 
 // The same rows seen as [positions, rate, heads, 64] (a token t at position
@@ -91,10 +103,9 @@ inline bool tma_encode_rows(CUtensorMap* map, const void* base, int64_t tokens, 
 // tma_encode_rows' map with a dim of 1.
 inline bool tma_encode_rate_rows(CUtensorMap* map, const void* base, int64_t tokens, int64_t heads, int64_t row_stride,
                                  int64_t head_stride, int64_t rate, int64_t first, int64_t count) {
-    const TmaEncode encode = tma_encode_fn();
     const int64_t head_bytes = heads == 1 ? 128 : head_stride * 2;
     const int64_t row_bytes = row_stride * 2;
-    if (encode == nullptr || rate < 1 || first < 0 || count < 1 || first + count > rate ||
+    if (rate < 1 || first < 0 || count < 1 || first + count > rate ||
         !tma_rows_layout_ok(base, tokens, heads, head_bytes, row_bytes) || row_bytes * rate >= (int64_t(1) << 40)) {
         return false;
     }
@@ -104,12 +115,7 @@ inline bool tma_encode_rate_rows(CUtensorMap* map, const void* base, int64_t tok
                                 static_cast<cuuint64_t>(positions)};
     const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_bytes), static_cast<cuuint64_t>(row_bytes),
                                    static_cast<cuuint64_t>(row_bytes * rate)};
-    const cuuint32_t box[4] = {64, 1, 1, kTmaRows};
-    const cuuint32_t elem[4] = {1, 1, 1, 1};
-    void* start = const_cast<char*>(static_cast<const char*>(base)) + first * row_bytes;
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, start, dims, strides, box, elem,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return tma_encode_u16_rows<4>(map, static_cast<const char*>(base) + first * row_bytes, dims, strides);
 }
 
 // fp32 rows of `width` elements (`rows` of them, `row_bytes` apart, a

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
 namespace gt_fused3s {
 
@@ -29,6 +30,20 @@ namespace gt_fused3s {
 #else
 #define GT_WGMMA 0
 #endif
+
+// Whether the device runs `kernel`'s wgmma code: such kernels declare
+// __launch_bounds__(GT_WGMMA ? threads : 32), so the image the device got
+// (sm_90a, or another build's trap) tells by its bound, read back through
+// cudaFuncGetAttributes (no device work; callers keep the answer).
+template <typename Kernel>
+inline bool wgmma_kernel_runs(Kernel kernel, int threads) {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return attr.maxThreadsPerBlock >= threads;
+}
 
 // Descriptor of a 128-byte-swizzled operand starting at shared address
 // base + offset (1024-byte aligned, or advanced along K inside a row: + 32 bytes a
