@@ -625,17 +625,20 @@ def test_repeated_eager_calls_take_the_remembered_op(monkeypatch):
     assert run(q, k, v, longformer)[1]
 
 
-def test_band_bound_probe_builds(tmp_path):
-    """scripts/probe_band_fwd_bound.cu (README: what the band forward's tile
-    step reaches without loads, masks or barriers) builds for sm_80 and
-    sm_90a over the kernels' headers; it runs on the GPU machine only."""
+@pytest.mark.parametrize("probe", ["probe_band_fwd_bound.cu", "probe_bwd_keys_bound.cu"])
+def test_bound_probes_build(tmp_path, probe):
+    """scripts/probe_*_bound.cu (README: what the band forward's and the
+    backward by key blocks' tile steps reach without loads, masks or
+    barriers, with the kernels' own pieces) build for sm_80 and sm_90a over
+    the kernels' headers; they run on the GPU machine only."""
     import shutil
     from pathlib import Path
     nvcc = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
     if nvcc is None:
-        pytest.skip("nvcc not found: the probe is built where it is installed")
+        pytest.skip("nvcc not found: the probes are built where it is installed")
     root = Path(__file__).resolve().parents[1]
+    exe = tmp_path / Path(probe).stem
     subprocess.run([nvcc, "-std=c++17", "-O1", "-I", str(root / "csrc" / "kernels"),
                     "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
-                    str(root / "scripts" / "probe_band_fwd_bound.cu"), "-o", str(tmp_path / "band_bound")], check=True)
-    assert (tmp_path / "band_bound").stat().st_size > 0
+                    str(root / "scripts" / probe), "-o", str(exe)], check=True)
+    assert exe.stat().st_size > 0

@@ -71,6 +71,84 @@ struct SeqBwdKeysConfig {
     static constexpr int kMinBlocks = 2;
 };
 
+// The tile step's register work (the kernel's, and
+// scripts/probe_bwd_keys_bound.cu's). The accumulators' layout: d[4j + e] =
+// (key 16 warp + g (e < 2) or + 8, query 8j + 2t + (e & 1)).
+//
+// (lse2, delta) of the thread's queries 8j + 2t (x, y) and 8j + 2t + 1 (z, w).
+__device__ __forceinline__ void seq_bwd_keys_read_ld(const float2* lds, int t, float4 (&ld)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float2 a = lds[8 * j + 2 * t], b = lds[8 * j + 2 * t + 1];
+        ld[j] = make_float4(a.x, a.y, b.x, b.y);
+    }
+}
+
+// P^T = exp2(S^T scale_log2 - lse2) where the mask bits give the pair
+// (kFull: every pair), and as the A fragments of k-step sl (queries 16 sl ..:
+// the C fragments of column tiles 2 sl and 2 sl + 1, mma_utils.cuh).
+template <typename T, bool kFull>
+__device__ __forceinline__ void seq_bwd_keys_probs(const float (&s)[32], const float4 (&ld)[8], const uint32_t (&bits)[4],
+                                                   float scale_log2, float (&pv)[32], uint32_t (&pa)[4][4]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float lse2 = (e & 1) ? ld[j].z : ld[j].x;
+            const bool on = kFull || ((bits[j >> 1] >> (4 * (j & 1) + e)) & 1u);
+            pv[4 * j + e] = on ? fast_exp2(s[4 * j + e] * scale_log2 - lse2) : 0.f;
+        }
+        pa[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(pv[4 * j], pv[4 * j + 1]);
+        pa[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(pv[4 * j + 2], pv[4 * j + 3]);
+    }
+}
+
+// dS^T = P^T (dP^T - delta) as A fragments (as seq_bwd_keys_probs').
+template <typename T>
+__device__ __forceinline__ void seq_bwd_keys_dscores(const float (&pv)[32], const float (&dp)[32], const float4 (&ld)[8],
+                                                     uint32_t (&dsa)[4][4]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float dsv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dsv[e] = pv[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? ld[j].w : ld[j].y));
+        dsa[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(dsv[0], dsv[1]);
+        dsa[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(dsv[2], dsv[3]);
+    }
+}
+
+// dS^T into shared memory at ds_at (rows: keys, Sw128Tile), for dQ = dS K:
+// per k-step sl, the four 8x8 matrices of its A fragment (rows 16 warp +
+// 8 (m & 1), columns 16 sl + 8 (m >> 1)), lane l giving row l % 8 of matrix l / 8.
+__device__ __forceinline__ void seq_bwd_keys_store_ds(uint32_t ds_at, const uint32_t (&dsa)[4][4], int warp, int lane) {
+#pragma unroll
+    for (int sl = 0; sl < 4; ++sl) {
+        const int m = lane >> 3;
+        stmatrix_x4(ds_at + Sw128Tile::at(16 * warp + 8 * (m & 1) + (lane & 7), 16 * sl + 8 * (m >> 1)), dsa[sl]);
+    }
+}
+
+// scale dQ into the fp32 shared tile at dq_at for the bulk reduction: rows
+// = queries 16 warp + g (+ 8), d = 8j + 2t, 2t + 1, in two halves of 32
+// columns (half_bytes apart; half j / 4), 16-byte chunk 2 (j % 4) + t / 2 of
+// a 128-byte row, swizzled.
+__device__ __forceinline__ void seq_bwd_keys_store_dq(uint32_t dq_at, uint32_t half_bytes, const float (&dq)[32],
+                                                      float scale, int warp, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = 16 * warp + g + 8 * r;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const uint32_t at = dq_at + (j >> 2) * half_bytes + row * 128 + (((2 * (j & 3) + (t >> 1)) ^ (row & 7)) << 4) +
+                                8 * (t & 1);
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(scale * dq[4 * j + 2 * r]),
+                         "f"(scale * dq[4 * j + 2 * r + 1])
+                         : "memory");
+        }
+    }
+}
+
 // __launch_bounds__ tells the host which code the device got: the full
 // kernel where it was compiled for sm_90a, a trap elsewhere (smaller bound),
 // read back by seq_bwd_keys_ready() through cudaFuncGetAttributes.
@@ -222,29 +300,12 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         // (a TMA tile's pairs start at its first query's parity)
         const float2* lds = ld_s + stage * (Cfg::kLdBytes / 8) + (bulk_tile(cur) ? first_query(cur) & 1 : 0);
         float4 ld[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float2 a = lds[8 * j + 2 * t], b = lds[8 * j + 2 * t + 1];
-            ld[j] = make_float4(a.x, a.y, b.x, b.y);
-        }
+        seq_bwd_keys_read_ld(lds, t, ld);
         wgmma_wait<1>();
         wgmma_fence_operands(s);
-
-        // P^T and dS^T as A fragments of k-step sl (queries 16 sl ..): the
-        // C fragments of column tiles 2 sl and 2 sl + 1 (mma_utils.cuh)
         uint32_t pa[kSlices][4], dsa[kSlices][4];
         float pv[32];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float lse2 = (e & 1) ? ld[j].z : ld[j].x;
-                const bool on = kFull || ((bits[j >> 1] >> (4 * (j & 1) + e)) & 1u);
-                pv[4 * j + e] = on ? fast_exp2(s[4 * j + e] * f.scale_log2 - lse2) : 0.f;
-            }
-            pa[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(pv[4 * j], pv[4 * j + 1]);
-            pa[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(pv[4 * j + 2], pv[4 * j + 3]);
-        }
+        seq_bwd_keys_probs<T, kFull>(s, ld, bits, f.scale_log2, pv, pa);
         // dV += P^T dO: k-step sl over queries 16 sl .. (B: rows = queries), while dS^T is computed
         wgmma_fence();
 #pragma unroll
@@ -252,22 +313,8 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         wgmma_commit();
         wgmma_wait<1>();   // dP^T (dV may still run)
         wgmma_fence_operands(dp);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            float dsv[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dsv[e] = pv[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? ld[j].w : ld[j].y));
-            dsa[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(dsv[0], dsv[1]);
-            dsa[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(dsv[2], dsv[3]);
-        }
-        // dS^T into shared memory (rows: keys), for dQ = dS K below: per
-        // k-step sl, the four 8x8 matrices of its A fragment (rows 16 warp +
-        // 8 (m & 1), columns 16 sl + 8 (m >> 1)), lane l giving row l % 8 of matrix l / 8
-#pragma unroll
-        for (int sl = 0; sl < kSlices; ++sl) {
-            const int m = lane >> 3;
-            stmatrix_x4(ds_at + Tile::at(16 * warp + 8 * (m & 1) + (lane & 7), 16 * sl + 8 * (m >> 1)), dsa[sl]);
-        }
+        seq_bwd_keys_dscores<T>(pv, dp, ld, dsa);
+        seq_bwd_keys_store_ds(ds_at, dsa, warp, lane);   // for dQ = dS K below
         fence_proxy_async_shared();   // dS^T, stored by every warp, read by wgmma
         if (threadIdx.x == 0) {
             // the reduction before the last has read its buffer (a run's last
@@ -296,26 +343,14 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         wgmma_wait<1>();
         wgmma_fence_operands(dq);
         wgmma_fence_operands(dv);
-        // dQ rows: queries 16 warp + g (+ 8) of the tile, d = 8j + 2t, 2t + 1. A
-        // TMA tile's 64 consecutive rows: into the shared tile (half j / 4,
-        // 16-byte chunk 2 (j % 4) + t / 2 of a 128-byte row, swizzled), whose
-        // reduction into dQ thread 0 starts after the block's barrier (one
-        // bulk operation, in flight while the next tile computes); other tiles by atomics.
+        // dQ rows: queries 16 warp + g (+ 8) of the tile. A TMA tile's 64
+        // consecutive rows: into the shared tile, whose reduction into dQ
+        // thread 0 starts after the block's barrier (one bulk operation, in
+        // flight while the next tile computes); other tiles by atomics.
         if (bulk_tile(cur)) {
             const uint32_t dq_at = dq_tile + dq_buf * Cfg::kDqBytes;
             dq_buf ^= 1u;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = 16 * warp + g + 8 * r;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const uint32_t at = dq_at + (j >> 2) * (Cfg::kDqBytes / 2) + row * 128 +
-                                        (((2 * (j & 3) + (t >> 1)) ^ (row & 7)) << 4) + 8 * (t & 1);
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(p.scale * dq[4 * j + 2 * r]),
-                                 "f"(p.scale * dq[4 * j + 2 * r + 1])
-                                 : "memory");
-                }
-            }
+            seq_bwd_keys_store_dq(dq_at, Cfg::kDqBytes / 2, dq, p.scale, warp, lane);
             wgmma_wait<0>();              // dK: its reads of the stage
             wgmma_fence_operands(dk);
             fence_proxy_async_shared();   // read by the bulk reduction
