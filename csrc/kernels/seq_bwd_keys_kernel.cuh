@@ -128,7 +128,7 @@ __device__ __forceinline__ void seq_bwd_keys_store_ds(uint32_t ds_at, const uint
     }
 }
 
-// scale dQ into the fp32 shared tile at dq_at for the bulk reduction: rows
+// dQ, scaled, into the fp32 shared tile at dq_at for the bulk reduction: rows
 // = queries 16 warp + g (+ 8), d = 8j + 2t, 2t + 1, in two halves of 32
 // columns (half_bytes apart; half j / 4), 16-byte chunk 2 (j % 4) + t / 2 of
 // a 128-byte row, swizzled.
