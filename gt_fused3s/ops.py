@@ -1405,19 +1405,11 @@ _seq_attention_op.register_autograd(_seq_attention_backward, setup_context=_seq_
 
 def seq_eager_fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether a sequence call takes ``seq_attention_eager`` (one C++ op and
-    autograd node): eagerly, on CUDA, fp16 / bf16 operands of one dtype, a
-    compiled head dim (no cast, no padding)."""
+    autograd node: the kernel, with [B, L, H, D] operands and global rows
+    also the dense-rows kernels for those rows, at most ``DENSE_ROWS_MAX``,
+    written over the kernel's, and both backwards): eagerly, on CUDA, fp16 /
+    bf16 operands of one dtype, a compiled head dim (no cast, no padding)."""
     return _eager_node_fits(q, k, v, SEQ_HEAD_DIMS)
-
-
-def seq_attention_with_rows(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],
-                            scale: float, num_windows: int, bwd_windows: Tensor | None, rows: Tensor) -> Tensor:
-    """:func:`seq_attention` of [B, L, H, D] operands whose queries ``rows``
-    (int64 positions, at most ``DENSE_ROWS_MAX``) attend to every key of
-    their sequence: the kernel, the dense-rows kernels for those rows written
-    over the kernel's, and both backwards, as one C++ autograd node (where
-    :func:`seq_eager_fits`)."""
-    return _op("seq_attention_eager")(q, k, v, cu, cu_windows, bwd_windows, code, scale, num_windows, rows)
 
 
 def seq_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_windows: Tensor, code: list[int],

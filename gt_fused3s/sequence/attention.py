@@ -8,7 +8,7 @@ are a dense product of a few queries with all keys: they are computed apart
 (on a GPU by the dense-rows kernels, keys split over thread blocks; else
 fp32 matmuls by chunks of keys) and written over the kernel's rows; an
 eager batched call on a GPU does all of it, and the backward, in one C++
-autograd node (ops.seq_attention_with_rows). The backward is fused too (the
+autograd node (the op ``seq_attention_eager``). The backward is fused too (the
 gradients from the forward's log-sum-exp over the same key tiles); the
 global rows' share goes through the dense rows' backward (their rows of the
 kernel's output were overwritten: no gradient reaches the kernel there). On
@@ -254,10 +254,10 @@ def _repeat_call(q: Tensor, k: Tensor, v: Tensor, mask, scale) -> Tensor | None:
     return op(-q if negate else q, k, v, *args)
 
 
-def _remember_call(q: Tensor, mask, scale, op_name: str, args: tuple, negate: bool) -> None:
+def _remember_call(q: Tensor, mask, scale, op, args: tuple, negate: bool) -> None:
     if _in_capture_or_compile():
         return
-    _REPEAT[(id(mask), q.shape, q.dtype, q.device, scale)] = (mask, ops._op(op_name), args, negate)
+    _REPEAT[(id(mask), q.shape, q.dtype, q.device, scale)] = (mask, op, args, negate)
     if len(_REPEAT) > 256:
         _REPEAT.pop(next(iter(_REPEAT)))
 
@@ -336,13 +336,12 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float
     # are some, both backwards), asked once
     eager = (batched and (not global_rows or len(global_rows) <= ops.DENSE_ROWS_MAX)
              and ops.seq_eager_fits(qs, k, v))
-    if eager and global_rows:
-        rows_index = _row_index(global_rows, q.device)
-        _remember_call(q, mask, user_scale, "seq_attention_eager", args + (rows_index,), scale < 0)
-        return ops.seq_attention_with_rows(qs, k, v, cu, cu_windows, code, ss, num_windows, bwd_windows, rows_index)
     if eager:
-        _remember_call(q, mask, user_scale, "seq_attention_eager", args, scale < 0)
-        return ops._op("seq_attention_eager")(qs, k, v, *args)
+        if global_rows:   # their positions last (the dense-rows kernels write them over the kernel's)
+            args += (_row_index(global_rows, q.device),)
+        op = ops._op("seq_attention_eager")
+        _remember_call(q, mask, user_scale, op, args, scale < 0)
+        return op(qs, k, v, *args)
     out = ops.seq_attention(qs, k, v, cu, cu_windows, code, ss, num_windows, bwd_windows)
     if global_rows:
         return _global_rows_dense(q, k, v, out, global_rows, scale,
