@@ -31,10 +31,13 @@ using namespace gt_fused3s;
 // tiles of a residue's positions, each consumer's tiles, the band's and the
 // global keys' tests: seq_band_gives and seq_band_position, the kernel's own
 // code; the band tiles' loop writes the same test inline): prints the pairs
-// its consumers compute. stderr: "band 1" where the kernel takes the mask
+// its consumers compute; with a random part, then its random tiles as
+// the producer walks them (SeqBandGroup::for_random_tiles) and each
+// consumer's test of them. stderr: "band 1" where the kernel takes the mask
 // (seq_band_takes: one local window, or a dilated one at its rate, alone or
-// with global keys, and at least as many tokens as the rate: the
-// launch's rule), else "band 0" and no pairs; "lost" counts row blocks
+// with global keys, or a local window with random blocks of a multiple of
+// 128 keys, and at least as many tokens as the rate: the launch's rule),
+// else "band 0" and no pairs; "lost" counts row blocks
 // with queries in groups that find none. A pair's tokens are those the
 // producer's TMA maps bring (seq_band_map_coords, seq_band_map_of, the
 // bounds tma_encode_rate_rows gives each map), -1 where a map's row lies
@@ -49,7 +52,8 @@ static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
     const bool takes = seq_band_takes(mk) && cu.back() >= rate;
     std::fprintf(stderr, "band %d ", takes ? 1 : 0);
     if (!takes) return 0;
-    const bool global = mk.num_parts == 2;
+    const bool global = seq_band_global_part(mk) > 0;
+    const int random_part = seq_band_random_part(mk);
     const int64_t tokens = cu.back();
     const int32_t split = static_cast<int32_t>(tokens % rate);
     // the token of position x of a tile (or Q block) at position x0 of the pass starting at token `first`
@@ -83,9 +87,10 @@ static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
             }
             continue;
         }
+        if (random_part > 0) grp.find_random(mk.parts[random_part]);
         for (int c = 0; c < SeqBandGroup::kRows; ++c) {
             SeqBandItem rec{};   // what the producer publishes; the consumers read only this
-            rec.set(grp, 0);
+            rec.set(grp, 0, random_part > 0);
             if (rec.pass_of[c] < 0) continue;
             const SeqBandWindow& w = rec.win[c];
             const int32_t kb[3] = {rec.kbeg[0], rec.kbeg[1], rec.kbeg[2]};
@@ -101,6 +106,34 @@ static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
                         }
                     }
                 }
+            }
+            if (random_part > 0) {   // the producer's random tiles (their notes), and this consumer's test
+                const int nglobal = seq_global_count(mk, w.len);
+                grp.for_random_tiles(mk, mk.parts[random_part], [&](int32_t first, int32_t ks, int slot, bool has_global) {
+                    if (!(slot == rec.list_of[c] && ks < w.len)) return;
+                    if (seq_band_random_inside(w.rows, ks, rec.wkb[c], rec.wke[c], w.len, has_global)) {   // no mask
+                        for (int32_t row = w.base; row < w.base + w.rows; ++row) {
+                            for (int32_t key = ks; key < ks + kKeys; ++key) {
+                                std::printf("%lld %lld\n", token(row), map_token(first, ks, key));
+                            }
+                        }
+                        return;
+                    }
+                    for (int t4 = 0; t4 < 4; ++t4) {   // the kernel's per-thread columns 8 j + 2 t4 + e
+                        const uint32_t gcols = has_global ? seq_band_global_columns(mk, nglobal, ks, t4) : 0u;
+                        for (int j = 0; j < kKeys / 8; ++j) {
+                            for (int e = 0; e < 2; ++e) {
+                                const int32_t key = ks + 8 * j + 2 * t4 + e;
+                                if (!(key < w.len && !((gcols >> (2 * j + e)) & 1u))) continue;
+                                for (int32_t row = w.base; row < w.base + w.rows; ++row) {
+                                    if (!seq_band_gives(key, row, left, width)) {
+                                        std::printf("%lld %lld\n", token(row), map_token(first, ks, key));
+                                    }
+                                }
+                            }
+                        }
+                    }
+                });
             }
             if (!global) continue;
             const long long doc = static_cast<long long>(w.first) - w.rho;

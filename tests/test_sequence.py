@@ -122,7 +122,32 @@ BAND_MASKS = {**MASKS, "local-sides": Local(300, right=45), "causal-global": Loc
               # dilated windows: local ones among a residue's positions (rates 1 to 5)
               "dilated-rate1": Dilated(20, 1), "dilated-sides": Dilated(70, 3, right=9),
               "dilated-rate5-global": Dilated(30, 5) | Global([0, 3, 64, 199, 650]),
-              "dilated-causal-global-32": Dilated(40, 2, causal=True) | Global(list(range(1, 700, 22)))}
+              "dilated-causal-global-32": Dilated(40, 2, causal=True) | Global(list(range(1, 700, 22))),
+              # random blocks of whole 128-key tiles after a local window
+              # (BigBird's): overlapping the band and the global keys, a
+              # short last block, lists wrapping past a document's blocks
+              "bigbird-128": Local(16) | Global(2) | RandomBlocks(128, 2, seed=3),
+              "bigbird-256-globals": Local(30) | Global([0, 5, 130, 399, 650]) | RandomBlocks(256, 1, seed=8),
+              "causal-random-128": Local(40, causal=True) | RandomBlocks(128, 3, seed=6),
+              "bigbird-many": Local(4) | Global(1) | RandomBlocks(128, 5, seed=2),
+              # not the band kernel's: no whole tiles, a part after the random one, no window first
+              "bigbird-64": Local(16) | Global(2) | RandomBlocks(64, 2, seed=3),
+              "random-then-global": Local(16) | RandomBlocks(128, 2, seed=3) | Global(2),
+              "random-none": Local(16) | RandomBlocks(128, 0, seed=3)}
+
+
+def band_kernel_takes(mask, lens) -> bool:
+    """seq_band_takes (and the launch's rule of at least as many tokens as
+    the rate): a local or dilated window first, then global keys, then
+    (a local window only) random blocks of whole 128-key tiles."""
+    parts = mask.parts()
+    rest = parts[1:]
+    if rest and isinstance(rest[0], Global):
+        rest = rest[1:]
+    rate = kernel_code(mask)[0]
+    if rest and isinstance(rest[-1], RandomBlocks) and rest[-1].block % 128 == 0 and rest[-1].blocks > 0 and rate == 1:
+        rest = rest[:-1]
+    return isinstance(parts[0], (Local, Dilated)) and not rest and sum(lens) >= rate
 
 
 @pytest.mark.parametrize("lens", [*LENGTHS.values(), *BAND_LENGTHS.values()], ids=[*LENGTHS, *BAND_LENGTHS])
@@ -132,13 +157,12 @@ def test_band_kernel_schedule_equals_dense_truth(seq_host, name, lens):
     groups of three row blocks, their passes per document and residue, each
     consumer's 128-key tiles, its mask test and the global keys'): where the
     kernel takes the mask (one local window, or one dilated window, alone or
-    with global keys), its pairs equal the dense truth, each once; elsewhere
-    it takes none."""
+    with global keys; a local window with random blocks of whole tiles, the
+    random tiles as the producer walks them: band_kernel_takes), its pairs
+    equal the dense truth, each once; elsewhere it takes none."""
     mask = BAND_MASKS[name]
     got, stats = kernel_pairs(seq_host, mask, lens, 64, "band")
-    parts = mask.parts()
-    takes = isinstance(parts[0], (Local, Dilated)) and (len(parts) == 1 or (len(parts) == 2 and isinstance(parts[1], Global)))
-    takes = takes and sum(lens) >= kernel_code(mask)[0]   # (fewer tokens than the rate: the instances)
+    takes = band_kernel_takes(mask, lens)
     counts = walk_counts(stats)
     assert counts["band"] == int(takes)
     if not takes:

@@ -18,7 +18,7 @@ import torch
 
 from gt_fused3s import ops
 from gt_fused3s.reference import sequence_reference
-from gt_fused3s.sequence import BlockDilated, Dilated, Global, Local, sequence_attention
+from gt_fused3s.sequence import BlockDilated, Dilated, Global, Local, RandomBlocks, sequence_attention
 
 from test_sequence import MASKS
 
@@ -233,17 +233,22 @@ BAND_DOCS = [1, 63, 64, 65, 130, 1, 200, 5, 192, 191, 193, 3, 70, 400, 2000]
 @pytest.mark.parametrize("mask", [Local(20), Local(100, causal=True), Local(0, right=130), Local(2000, right=10),
                                   Local(0), Local(50) | Global(3), Local(20, causal=True) | Global([0, 5, 64, 199, 1999]),
                                   Local(30) | Global(list(range(1, 2000, 63))), Dilated(60, 2, causal=True),
-                                  Dilated(25, 2) | Global(3), Dilated(30, 2, right=7) | Global(list(range(1, 2000, 63)))],
+                                  Dilated(25, 2) | Global(3), Dilated(30, 2, right=7) | Global(list(range(1, 2000, 63))),
+                                  Local(50) | Global(3) | RandomBlocks(128, 2, seed=3),
+                                  Local(20, causal=True) | Global([0, 5, 64, 199, 1999]) | RandomBlocks(256, 3, seed=5),
+                                  Local(10) | RandomBlocks(128, 4, seed=9)],
                          ids=["local20", "causal100", "right130", "left2000", "diagonal", "longformer",
                               "causal+global", "local+32global", "causal-dilated", "dilated+global",
-                              "dilated+32global"])
+                              "dilated+32global", "bigbird128", "bigbird256-causal", "local+random"])
 def test_band_kernel_documents_equal_reference(mask, dtype):
     """The forward of one local window, or one dilated window (rate 2: the
-    documents' 3,578 tokens a multiple of it), alone or with global keys, at
+    documents' 3,578 tokens a multiple of it), alone or with global keys, or
+    a local window with random blocks of whole 128-key tiles (BigBird's), at
     D = 64 (on Hopper the warp-specialised band kernel, three row blocks a
     thread block, a pass per document and residue among them; the global
     keys by mma.sync first, each document its own, a key both global and in
-    the band once):
+    the band once; the random tiles after the passes', each document's and
+    query block's list, a key the band or the global part gives counted there):
     output and gradients against the reference on packed documents of every
     length class."""
     torch.manual_seed(11)
@@ -262,8 +267,9 @@ def test_band_kernel_documents_equal_reference(mask, dtype):
 
 
 @pytest.mark.parametrize("mask", [Local(300, right=450), Local(50) | Global([0, 7, 4000]), Dilated(150, 2),
-                                  Dilated(60, 3, right=20) | Global([0, 7, 4000]), Dilated(100, 4, causal=True)],
-                         ids=["local", "longformer", "dilated2", "dilated3+global", "causal-dilated4"])
+                                  Dilated(60, 3, right=20) | Global([0, 7, 4000]), Dilated(100, 4, causal=True),
+                                  Local(50) | Global([0, 7, 4000]) | RandomBlocks(128, 3, seed=1)],
+                         ids=["local", "longformer", "dilated2", "dilated3+global", "causal-dilated4", "bigbird"])
 @pytest.mark.parametrize("shape", [(1, 70001, 1), (3, 1000, 4), (2, 4096, 2), (5, 9001, 3), (1, 72000, 1)],
                          ids=["L70001", "B3", "B2H2", "B5H3", "L72000"])
 def test_band_kernel_equals_the_band_instance(shape, mask, monkeypatch):
@@ -275,7 +281,8 @@ def test_band_kernel_equals_the_band_instance(shape, mask, monkeypatch):
     several items, several heads): the same bits. On Hopper the band kernel
     runs where it takes the mask: a local window, or a dilated one (its TMA
     maps' rows rate apart: two maps a tensor where the tokens are not a
-    multiple of the rate, L70001 and B5H3)."""
+    multiple of the rate, L70001 and B5H3), or BigBird's with random blocks
+    of 128 keys."""
     from gt_fused3s.sequence.masks import kernel_code
     torch.manual_seed(12)
     B, L, H = shape

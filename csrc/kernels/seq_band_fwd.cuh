@@ -1,7 +1,8 @@
 // Sparse attention over sequences, forward, for a mask of one local window
 // (keys row - a .. row + b of the query's document), or of a local window
-// and global keys (Longformer's: kGlobal, seq_band_global_keys), at head dim
-// 64 on Hopper (sm_90a): FlashAttention-3's block shape with warp
+// and global keys (Longformer's: kGlobal, seq_band_global_keys), and with
+// random blocks of whole 128-key tiles after them (BigBird's: kRandom), at
+// head dim 64 on Hopper (sm_90a): FlashAttention-3's block shape with warp
 // specialisation, in place of seq_fwd_kernel.cuh's instances
 // (run_seq_fwd<T, 64> calls it). A dilated window of rate r (alone or with
 // global keys) is a local window among the positions of one residue mod r:
@@ -30,6 +31,15 @@
 //                            when it grew by more than 2^8 (online_softmax_full's
 //                            rule); P rounded to T in registers
 //   O [64, 64] += P V        eight wgmma.m64n64k16, P from registers
+// Random blocks (kRandom) come after the passes' tiles: each row block's
+// list (its document's and query block's; row blocks that share one share
+// its tiles), the lists' i-th blocks side by side so that row blocks of
+// different lists compute at once; a key the band or the global part
+// gives is masked there (counted by its part). The producer notes each
+// random tile's key and list beside its stage (SeqBandNote). Against the
+// sequence kernel's instance (BigBird at 4M tokens: 20.1 -> 16.7 ms on an
+// H100, README), a random tile serves up to 128 queries in one copy, and
+// copies stay three tiles ahead of the MMAs.
 // Row blocks of one document share their keys' tiles (one pass over the
 // union of their key ranges); a block whose row blocks span two or three
 // documents walks one pass per document, each consumer computing in its
@@ -95,9 +105,12 @@ GT_SEQ_HD int64_t seq_band_group(int64_t t, int64_t slots, int32_t rate) {
     return rate == 1 ? t : (t % rate) * (slots / rate) + t / rate;
 }
 
+// The band kernel's key tiles: 128 keys.
+constexpr int kSeqBandKeys = 128;
+
 struct SeqBandConfig {
     static constexpr int kConsumers = 3;                   // warpgroups of 64 queries
-    static constexpr int kKeys = 128;                      // keys a tile
+    static constexpr int kKeys = kSeqBandKeys;             // keys a tile
     static constexpr int kThreads = 128 * (kConsumers + 1);
     static constexpr int kStages = 3;
     static constexpr uint32_t kTileBytes = kKeys * 128;    // 128 rows of 64 16-bit elements
@@ -133,15 +146,29 @@ GT_SEQ_HD bool seq_band_gives(int32_t key, int32_t row, int32_t left, uint32_t w
     return static_cast<uint32_t>(key - row) + static_cast<uint32_t>(left) <= width;
 }
 
+// The mask's global part, and its random part, where the band kernel takes
+// them (seq_band_takes): -1 where there is none.
+GT_SEQ_HD int seq_band_global_part(const SeqMask& mk) {
+    return mk.num_parts > 1 && mk.parts[1].kind == kSeqGlobal ? 1 : -1;
+}
+GT_SEQ_HD int seq_band_random_part(const SeqMask& mk) {
+    const int r = mk.num_parts - 1;
+    return r > 0 && mk.parts[r].kind == kSeqRandom ? r : -1;
+}
+
 // Whether the band kernel serves the mask: one local window, or one dilated
 // window at its rate (the mask's row stride: the window is then a local one
 // among the positions of one residue mod the rate), alone or with global
-// keys (Longformer's, dilated + global).
+// keys (Longformer's, dilated + global); and a local window (rate 1) with
+// random blocks of a multiple of 128 keys after it, with or without global
+// keys (BigBird's: whole key tiles, and a 64-query row block in one query
+// block).
 GT_SEQ_HD bool seq_band_takes(const SeqMask& mk) {
     const SeqMaskPart& pt = mk.parts[0];
     const bool window = (pt.kind == kSeqLocal && mk.row_stride == 1) || (pt.kind == kSeqDilated && mk.row_stride == pt.c);
-    return window && pt.a >= 0 && pt.b >= 0 &&
-           (mk.num_parts == 1 || (mk.num_parts == 2 && mk.parts[1].kind == kSeqGlobal));
+    const int g = seq_band_global_part(mk), r = seq_band_random_part(mk);
+    const bool random_ok = r < 0 || (mk.row_stride == 1 && mk.parts[r].a % kSeqBandKeys == 0 && mk.parts[r].b > 0);
+    return window && pt.a >= 0 && pt.b >= 0 && random_ok && mk.num_parts == 1 + (g > 0) + (r > 0);
 }
 
 // A row block of the band kernel: 64 queries of one residue rho mod the rate
@@ -234,6 +261,14 @@ struct SeqBandGroup {
     int pass_of[kRows];               // the pass of each row block, -1 where it holds no query
     SeqBandPass pass[kRows];
     int end0, end1, ntiles;
+    // The random part (find_random): a list of random key blocks per
+    // document and query block, held by the first row block that has it
+    // (its slot); list_of[c]: row block c's slot, -1 where it holds no
+    // query; per slot the list's walk (seq_random_walk) and blocks (rper: 0
+    // where the slot holds no list), and the group's random tiles.
+    int list_of[kRows];
+    int32_t rstart[kRows], rstep[kRows], rnb[kRows], rper[kRows];
+    int32_t nrandom;
 
     // False where the group holds no query (past the last row block).
     // rate: the mask's row stride (the kernel's rate-1 instances pass a
@@ -271,6 +306,59 @@ struct SeqBandGroup {
         ntiles = end1 + pass[2].n;
         return true;
     }
+    // The random part pt's lists (rate 1: positions are the document's):
+    // row blocks of one document and one query block (pt.a a multiple of
+    // 64: a row block lies in one) share one.
+    GT_SEQ_HD void find_random(const SeqMaskPart& pt) {
+        nrandom = 0;
+#pragma unroll
+        for (int c = 0; c < kRows; ++c) {
+            rper[c] = 0;
+            list_of[c] = -1;
+            if (!has[c]) continue;
+            const int32_t qb = win[c].base / pt.a;
+            list_of[c] = c;
+#pragma unroll
+            for (int e = 0; e < c; ++e) {
+                if (has[e] && win[e].first == win[c].first && win[e].base / pt.a == qb) list_of[c] = list_of[e];
+            }
+            if (list_of[c] != c) continue;
+            rnb[c] = (win[c].len + pt.a - 1) / pt.a;
+            rper[c] = seq_min(pt.b, rnb[c]);
+            seq_random_walk(pt, qb, rnb[c], rstart[c], rstep[c]);
+            nrandom += rper[c] * (pt.a / kSeqBandKeys);
+        }
+    }
+    // The random tiles in the kernel's order: the lists' i-th blocks side by
+    // side (row blocks of different lists compute at once), block after
+    // block; emit(first, key, slot, global) per tile of 128 keys: the
+    // list's document's first token, the tile's first key (a position;
+    // past the document's end for a short last block's tail tiles), and
+    // whether one of the document's global keys lies in the tile (its
+    // scores then test each key against them).
+    template <typename Emit>
+    GT_SEQ_HD void for_random_tiles(const SeqMask& mk, const SeqMaskPart& pt, Emit&& emit) const {
+        int32_t kb[kRows], most = 0;
+#pragma unroll
+        for (int c = 0; c < kRows; ++c) {
+            kb[c] = rper[c] > 0 ? rstart[c] : 0;
+            most = seq_max(most, rper[c]);
+        }
+        for (int i = 0; i < most; ++i) {
+#pragma unroll
+            for (int c = 0; c < kRows; ++c) {
+                if (i >= rper[c]) continue;
+                const int nglobal = seq_global_count(mk, win[c].len);
+                for (int32_t key = kb[c] * pt.a; key < (kb[c] + 1) * pt.a; key += kSeqBandKeys) {
+                    bool global = false;
+                    for (int n = 0; n < nglobal; ++n) global |= mk.global_idx[n] >= key && mk.global_idx[n] < key + kSeqBandKeys;
+                    emit(win[c].first, key, c, global);
+                }
+                kb[c] += rstep[c];
+                if (kb[c] >= rnb[c]) kb[c] -= rnb[c];
+            }
+        }
+    }
     GT_SEQ_HD int pass_at(int t) const { return seq_band_pass_at(t, end0, end1); }
     // tile t's first key, a position of its pass's residue
     GT_SEQ_HD int32_t tile_key(int t, int ps, int kKeys) const {
@@ -291,10 +379,14 @@ struct SeqBandItem {
     // per row block (consumer): its pass (-1: no query), keys [wkb, wke), window
     int32_t pass_of[SeqBandGroup::kRows], wkb[SeqBandGroup::kRows], wke[SeqBandGroup::kRows];
     SeqBandWindow win[SeqBandGroup::kRows];
+    // the random part: each row block's list (its slot, SeqBandNote::slot)
+    // and the group's random tiles (after its passes' tiles)
+    int32_t list_of[SeqBandGroup::kRows], nrandom;
 
-    GT_SEQ_HD void set(const SeqBandGroup& grp, int32_t h) {
+    GT_SEQ_HD void set(const SeqBandGroup& grp, int32_t h, bool random) {
         head = h;
         ntiles = grp.ntiles;
+        nrandom = random ? grp.nrandom : 0;
         end0 = grp.end0;
         end1 = grp.end1;
 #pragma unroll
@@ -304,10 +396,41 @@ struct SeqBandItem {
             wkb[c] = grp.wkb[c];
             wke[c] = grp.wke[c];
             win[c] = grp.win[c];
+            list_of[c] = random ? grp.list_of[c] : -1;
         }
     }
     GT_SEQ_HD int pass_at(int t) const { return seq_band_pass_at(t, end0, end1); }
 };
+
+// A random tile as the producer copies it, in shared memory beside its
+// stage (written before the stage's "full" arrival): its first key, its
+// list's slot, and whether a global key lies in it.
+struct SeqBandNote {
+    int32_t key, slot, global;
+};
+
+// Whether a random tile (keys ks .. ks + 127) needs no mask for a row
+// block of `rows` queries whose band's keys are [kb, ke) (SeqBandGroup's
+// wkb, wke): all 64 rows hold queries, the band gives none of the tile's
+// keys (counted there), all lie in the document, and none is global.
+GT_SEQ_HD bool seq_band_random_inside(int32_t rows, int32_t ks, int32_t kb, int32_t ke, int32_t len, bool global) {
+    return rows == 64 && (ks >= ke || ks + kSeqBandKeys <= kb) && ks + kSeqBandKeys <= len && !global;
+}
+
+// The columns of a random tile (first key ks) that hold one of the
+// document's `n` global keys, among those of thread t4 of a quad (the
+// wgmma accumulator's: columns 8 j + 2 t4 + e), as bits 2 j + e: the
+// global part gives those keys (counted there).
+GT_SEQ_HD uint32_t seq_band_global_columns(const SeqMask& mk, int n, int32_t ks, int t4) {
+    uint32_t bits = 0u;
+    for (int i = 0; i < n; ++i) {
+        const int32_t col = mk.global_idx[i] - ks;
+        if (static_cast<uint32_t>(col) < static_cast<uint32_t>(kSeqBandKeys) && ((col >> 1) & 3) == t4) {
+            bits |= 1u << (2 * (col >> 3) + (col & 1));
+        }
+    }
+    return bits;
+}
 
 // The online softmax's reference m (log2 units) of the thread's rows g and
 // g + 8, given their maxima mx over new scores: it moves, for every row of
@@ -497,7 +620,7 @@ __device__ __forceinline__ void seq_band_global_keys(const SeqFwdParams& p, int 
 // global keys' residue test. The rate-1 instances compile to the local
 // window's code alone (the rate-general code's registers and divisions in
 // Longformer's cost it 5-8% at 4M tokens).
-template <typename T, bool kGlobal, bool kResidues>
+template <typename T, bool kGlobal, bool kResidues, bool kRandom>
 __global__ void __launch_bounds__(GT_WGMMA ? SeqBandConfig::kThreads : 32, 1)
 seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constant__ SeqBandMaps maps,
                     int64_t num_slots) {
@@ -508,8 +631,10 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
     __shared__ alignas(8) uint64_t full_bar[kStages], empty_bar[kStages], q_full[2], q_empty[2];
     __shared__ int32_t global_copied[Cfg::kConsumers][2];   // seq_band_global_rows' (document, head)
     __shared__ SeqBandItem published[2];                     // the item of each Q buffer
+    __shared__ SeqBandNote notes[kRandom ? kStages : 1];     // each stage's random tile (kRandom)
 
     const int32_t left = p.mask.parts[0].a, right = p.mask.parts[0].b, rate = kResidues ? p.mask.row_stride : 1;
+    static_assert(!(kRandom && kResidues), "random blocks with a local window only (rate 1)");
     const int64_t num_items = num_slots * p.num_heads;
     const int wg = threadIdx.x >> 7;
 
@@ -541,10 +666,11 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
             SeqBandGroup grp;
             if (!grp.find(p, seq_band_group(item / p.num_heads, num_slots, rate), left, right, kKeys, rate)) continue;
             const int head = static_cast<int>(item % p.num_heads);
+            if constexpr (kRandom) grp.find_random(p.mask.parts[p.mask.num_parts - 1]);
             const int qb = items & 1;
             if (items >= 2) mbar_wait(smem_addr(&q_empty[qb]), ((items >> 1) - 1) & 1);
             const uint32_t qbar = smem_addr(&q_full[qb]);
-            published[qb].set(grp, head);   // (released by the arrival below)
+            published[qb].set(grp, head, kRandom);   // (released by the arrival below)
             mbar_expect_tx(qbar, kTmaTileBytes * (grp.has[0] + grp.has[1] + grp.has[2]));
 #pragma unroll
             for (int c = 0; c < Cfg::kConsumers; ++c) {
@@ -555,11 +681,14 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                     tma_load_rate_rows(q_tiles(qb) + c * kTmaTileBytes, maps.q[m], head, residue, row, qbar);
                 }
             }
-            for (int t = 0; t < grp.ntiles; ++t, ++tiles) {
-                const int s = tiles % kStages, ps = grp.pass_at(t);
+            // the next tile's keys first .. first + 127 (positions of its
+            // residue from the token `first`) into the next stage
+            auto copy_tile = [&](int32_t first, int32_t key, auto note) {
+                const int s = tiles % kStages;
                 if (tiles >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((tiles / kStages) - 1) & 1);
+                if constexpr (kRandom) notes[s] = note;
                 int32_t residue, row;
-                seq_band_map_coords(grp.first(ps), grp.tile_key(t, ps, kKeys), rate, residue, row);
+                seq_band_map_coords(first, key, rate, residue, row);
                 const int m = seq_band_map_of(maps.split, residue);
                 const uint32_t bar = smem_addr(&full_bar[s]);
                 mbar_expect_tx(bar, 2 * Cfg::kTileBytes);
@@ -568,6 +697,17 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                     tma_load_rate_rows(k_tile(s) + b * kTmaTileBytes, maps.k[m], head, residue, row + 64 * b, bar);
                     tma_load_rate_rows(v_tile(s) + b * kTmaTileBytes, maps.v[m], head, residue, row + 64 * b, bar);
                 }
+                ++tiles;
+            };
+            for (int t = 0; t < grp.ntiles; ++t) {
+                const int ps = grp.pass_at(t);
+                copy_tile(grp.first(ps), grp.tile_key(t, ps, kKeys), SeqBandNote{});
+            }
+            if constexpr (kRandom) {
+                grp.for_random_tiles(p.mask, p.mask.parts[p.mask.num_parts - 1],
+                                     [&](int32_t first, int32_t key, int slot, bool global) {
+                                         copy_tile(first, key, SeqBandNote{key, slot, global});
+                                     });
             }
             ++items;
         }
@@ -598,8 +738,9 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
         const int32_t kb[3] = {rec.kbeg[0], rec.kbeg[1], rec.kbeg[2]};
         // this warpgroup's row block
         const SeqBandWindow w = rec.win[c];
-        const int my_pass = rec.pass_of[c];
+        const int my_pass = rec.pass_of[c], my_list = rec.list_of[c];
         const int32_t my_kb = rec.wkb[c], my_ke = rec.wke[c];
+        const int last_tile = ntiles + (kRandom ? rec.nrandom : 0);   // the passes' tiles, then the random ones
         const int32_t cr0 = w.base, crows = my_pass >= 0 ? w.rows : 0;   // this warpgroup's queries [cr0, cr0 + crows)
         const int32_t row_a = cr0 + 16 * warp + g;                 // the thread's rows: row_a, row_a + 8
 
@@ -620,12 +761,34 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
             }
         }
 
-        for (int t = 0; t < ntiles; ++t, ++tiles) {
-            const int s = tiles % kStages, ps = seq_band_pass_at(t, end0, end1);
-            const int32_t ks = seq_band_tile_key(kb, end0, end1, t, ps, kKeys);   // the tile's first key (a position of the residue)
-            const bool mine = my_pass == ps;
+        for (int t = 0; t < last_tile; ++t, ++tiles) {
+            const int s = tiles % kStages;
+            // the tile's first key (a position of the residue), whether this
+            // warpgroup computes it (warpgroup-uniform), and whether it needs
+            // no mask: a pass's tile inside the band for all 64 rows and the
+            // document, or a random tile (after the passes': its note, read
+            // once the stage is full) away from the band's keys, the
+            // document's end and the global keys
+            const bool pass_tile = !kRandom || t < ntiles;
+            int32_t ks = 0;
+            bool mine = false, inside = false, rnd_tile = false, has_global = false;
+            if (pass_tile) {
+                const int ps = seq_band_pass_at(t, end0, end1);
+                ks = seq_band_tile_key(kb, end0, end1, t, ps, kKeys);
+                mine = my_pass == ps && ks < my_ke && ks + kKeys > my_kb;
+                inside = crows == 64 && ks >= cr0 + 63 - left && int64_t(ks) + kKeys - 1 <= int64_t(cr0) + right &&
+                         ks + kKeys <= w.len;
+            }
             mbar_wait(smem_addr(&full_bar[s]), (tiles / kStages) & 1);
-            if (mine && ks < my_ke && ks + kKeys > my_kb) {   // warpgroup-uniform
+            if (!pass_tile) {
+                const SeqBandNote note = notes[s];
+                ks = note.key;
+                rnd_tile = true;
+                has_global = note.global != 0;
+                mine = note.slot == my_list && ks < w.len;
+                inside = seq_band_random_inside(crows, ks, my_kb, my_ke, w.len, has_global);
+            }
+            if (mine) {
                 float sc[kKeys / 2];
                 wgmma_fence();
 #pragma unroll
@@ -636,20 +799,21 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_fence_operands(sc);
-                // inside the band for all 64 rows and the document: no mask
-                const bool inside = crows == 64 && ks >= cr0 + 63 - left &&
-                                    int64_t(ks) + kKeys - 1 <= int64_t(cr0) + right && ks + kKeys <= w.len;
                 if (!inside) {
+                    // a pass's tile: the keys the band gives; a random one:
+                    // those it does not give (counted there), nor the global part
+                    const uint32_t gcols =
+                        kRandom && has_global ? seq_band_global_columns(p.mask, seq_global_count(p.mask, w.len), ks, t4) : 0u;
 #pragma unroll
                     for (int j = 0; j < kKeys / 8; ++j) {
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const int32_t key = ks + 8 * j + 2 * t4 + e;
-                            const bool kin = key < w.len;
+                            const bool kin = key < w.len && !((gcols >> (2 * j + e)) & 1u);
                             // key - row + left in [0, left + right] (mod 2^32)
                             const uint32_t d = static_cast<uint32_t>(key - row_a) + static_cast<uint32_t>(left);
-                            if (!(kin && d <= width)) sc[4 * j + e] = -INFINITY;
-                            if (!(kin && d - 8u <= width)) sc[4 * j + 2 + e] = -INFINITY;
+                            if (!(kin && (d <= width) != rnd_tile)) sc[4 * j + e] = -INFINITY;
+                            if (!(kin && (d - 8u <= width) != rnd_tile)) sc[4 * j + 2 + e] = -INFINITY;
                         }
                     }
                 }
@@ -701,7 +865,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
 // bound). Asked once per process and dtype; no device work.
 template <typename T>
 bool seq_band_ready() {
-    static const bool ready = wgmma_kernel_runs(seq_band_fwd_kernel<T, false, false>, SeqBandConfig::kThreads);
+    static const bool ready = wgmma_kernel_runs(seq_band_fwd_kernel<T, false, false, false>, SeqBandConfig::kThreads);
     return ready;
 }
 
@@ -715,7 +879,7 @@ template <typename T>
 bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     using Cfg = SeqBandConfig;
     const SeqMask& mk = p.mask;
-    const bool global = mk.num_parts == 2;   // (seq_band_takes: the second part is the global keys)
+    const bool global = seq_band_global_part(mk) > 0, random_blocks = seq_band_random_part(mk) > 0;
     // A/B experiments: "0" runs the sequence kernel's instances, "g" this kernel with a block an item
     const char* env = std::getenv("GT_FUSED3S_SEQ_BAND");
     if ((env != nullptr && env[0] == '0') || !seq_band_takes(mk) || p.block_rows != 64 || !seq_band_ready<T>()) {
@@ -738,17 +902,21 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     // items; "g": a block an item (A/B experiments)
     const int64_t sms = std::max(1, p.num_sms - std::max(0, p.free_sms));
     const int64_t blocks = env != nullptr && env[0] == 'g' ? items : std::min<int64_t>(items, sms);
-    auto launch = [&](auto global_keys, auto residues) {
+    auto launch = [&](auto global_keys, auto residues, auto random_blocks) {
         constexpr bool kGlobal = decltype(global_keys)::value;
-        constexpr auto kernel = seq_band_fwd_kernel<T, kGlobal, decltype(residues)::value>;
+        constexpr auto kernel = seq_band_fwd_kernel<T, kGlobal, decltype(residues)::value, decltype(random_blocks)::value>;
         constexpr int smem = Cfg::smem_bytes(kGlobal);
         set_max_dynamic_smem<kernel>(smem);   // (an error shows at the launch)
         kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(p, maps, slots);
     };
-    if (rate > 1) {
-        global ? launch(std::true_type{}, std::true_type{}) : launch(std::false_type{}, std::true_type{});
+    const std::false_type no;
+    const std::true_type yes;
+    if (rate > 1) {   // (seq_band_takes: no random part)
+        global ? launch(yes, yes, no) : launch(no, yes, no);
+    } else if (random_blocks) {
+        global ? launch(yes, no, yes) : launch(no, no, yes);
     } else {
-        global ? launch(std::true_type{}, std::false_type{}) : launch(std::false_type{}, std::false_type{});
+        global ? launch(yes, no, no) : launch(no, no, no);
     }
     return true;
 }
