@@ -112,18 +112,21 @@ struct SeqBandConfig {
     static constexpr int kConsumers = 3;                   // warpgroups of 64 queries
     static constexpr int kKeys = kSeqBandKeys;             // keys a tile
     static constexpr int kThreads = 128 * (kConsumers + 1);
-    static constexpr int kStages = 3;
+    // the key tiles' ring; with random blocks (kRandom) one more: a list's
+    // consumers find its next tile copied while the others' lists hold stages
+    GT_SEQ_HD static constexpr int stages(bool random) { return random ? 4 : 3; }
     static constexpr uint32_t kTileBytes = kKeys * 128;    // 128 rows of 64 16-bit elements
     static constexpr uint32_t kQBytes = kConsumers * kTmaTileBytes;
     // each consumer's copy of its document's global keys' K and V rows (kGlobal)
     static constexpr int kGlobalBytes = 2 * kSeqMaxGlobal * RowTile<64>::kRowElems * 2;
     // two buffers of Q tiles, the key tiles' stages, the global keys' rows
     // (kGlobal only: the rest of shared memory is L1's), the 1024-byte alignment
-    static constexpr int smem_bytes(bool global) {
-        return 2 * kQBytes + kStages * 2 * kTileBytes + (global ? kConsumers * kGlobalBytes : 0) + 1024;
+    GT_SEQ_HD static constexpr int smem_bytes(bool global, bool random) {
+        return 2 * kQBytes + stages(random) * 2 * kTileBytes + (global ? kConsumers * kGlobalBytes : 0) + 1024;
     }
     static constexpr int kProducerRegs = 32, kConsumerRegs = 160;
 };
+static_assert(SeqBandConfig::smem_bytes(true, true) <= 227 * 1024, "the band kernel's shared memory: an SM's");
 
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
@@ -626,7 +629,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                     int64_t num_slots) {
 #if GT_WGMMA
     using Cfg = SeqBandConfig;
-    constexpr int kKeys = Cfg::kKeys, kStages = Cfg::kStages;
+    constexpr int kKeys = Cfg::kKeys, kStages = Cfg::stages(kRandom);
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ alignas(8) uint64_t full_bar[kStages], empty_bar[kStages], q_full[2], q_empty[2];
     __shared__ int32_t global_copied[Cfg::kConsumers][2];   // seq_band_global_rows' (document, head)
@@ -903,9 +906,9 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     const int64_t sms = std::max(1, p.num_sms - std::max(0, p.free_sms));
     const int64_t blocks = env != nullptr && env[0] == 'g' ? items : std::min<int64_t>(items, sms);
     auto launch = [&](auto global_keys, auto residues, auto random_blocks) {
-        constexpr bool kGlobal = decltype(global_keys)::value;
-        constexpr auto kernel = seq_band_fwd_kernel<T, kGlobal, decltype(residues)::value, decltype(random_blocks)::value>;
-        constexpr int smem = Cfg::smem_bytes(kGlobal);
+        constexpr bool kGlobal = decltype(global_keys)::value, kRandom = decltype(random_blocks)::value;
+        constexpr auto kernel = seq_band_fwd_kernel<T, kGlobal, decltype(residues)::value, kRandom>;
+        constexpr int smem = Cfg::smem_bytes(kGlobal, kRandom);
         set_max_dynamic_smem<kernel>(smem);   // (an error shows at the launch)
         kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(p, maps, slots);
     };
