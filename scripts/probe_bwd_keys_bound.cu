@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(128, kBlocks) bwd_keys_step_kernel(int iters, 
         if constexpr (kMode != kWithoutDq) {
             wgmma_wait<1>();
             wgmma_fence_operands(dq);
-            seq_bwd_keys_store_dq(dq_tile, 8192, dq, 1.f, warp, lane);
+            seq_bwd_keys_store_dq(dq_tile, dq, 1.f, warp, lane);
         }
         wgmma_wait<0>();
         wgmma_fence_operands(dk);

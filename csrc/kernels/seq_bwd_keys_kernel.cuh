@@ -130,10 +130,11 @@ __device__ __forceinline__ void seq_bwd_keys_store_ds(uint32_t ds_at, const uint
 
 // dQ, scaled, into the fp32 shared tile at dq_at for the bulk reduction: rows
 // = queries 16 warp + g (+ 8), d = 8j + 2t, 2t + 1, in two halves of 32
-// columns (half_bytes apart; half j / 4), 16-byte chunk 2 (j % 4) + t / 2 of
-// a 128-byte row, swizzled.
-__device__ __forceinline__ void seq_bwd_keys_store_dq(uint32_t dq_at, uint32_t half_bytes, const float (&dq)[32],
-                                                      float scale, int warp, int lane) {
+// columns (a half tile apart; half j / 4), 16-byte chunk 2 (j % 4) + t / 2
+// of a 128-byte row, swizzled.
+__device__ __forceinline__ void seq_bwd_keys_store_dq(uint32_t dq_at, const float (&dq)[32], float scale, int warp,
+                                                      int lane) {
+    constexpr uint32_t half_bytes = SeqBwdKeysConfig::kDqBytes / 2;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -350,7 +351,7 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         if (bulk_tile(cur)) {
             const uint32_t dq_at = dq_tile + dq_buf * Cfg::kDqBytes;
             dq_buf ^= 1u;
-            seq_bwd_keys_store_dq(dq_at, Cfg::kDqBytes / 2, dq, p.scale, warp, lane);
+            seq_bwd_keys_store_dq(dq_at, dq, p.scale, warp, lane);
             wgmma_wait<0>();              // dK: its reads of the stage
             wgmma_fence_operands(dk);
             fence_proxy_async_shared();   // read by the bulk reduction
