@@ -766,21 +766,17 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
 
         for (int t = 0; t < last_tile; ++t, ++tiles) {
             const int s = tiles % kStages;
-            // the tile's first key (a position of the residue), whether this
-            // warpgroup computes it (warpgroup-uniform), and whether it needs
-            // no mask: a pass's tile inside the band for all 64 rows and the
-            // document, or a random tile (after the passes': its note, read
-            // once the stage is full) away from the band's keys, the
-            // document's end and the global keys
+            // the tile's first key (a position of the residue) and whether
+            // this warpgroup computes it (warpgroup-uniform): a pass's, or a
+            // random tile (after the passes': its note, read once the stage
+            // is full)
             const bool pass_tile = !kRandom || t < ntiles;
             int32_t ks = 0;
-            bool mine = false, inside = false, rnd_tile = false, has_global = false;
+            bool mine = false, rnd_tile = false, has_global = false;
             if (pass_tile) {
                 const int ps = seq_band_pass_at(t, end0, end1);
                 ks = seq_band_tile_key(kb, end0, end1, t, ps, kKeys);
-                mine = my_pass == ps && ks < my_ke && ks + kKeys > my_kb;
-                inside = crows == 64 && ks >= cr0 + 63 - left && int64_t(ks) + kKeys - 1 <= int64_t(cr0) + right &&
-                         ks + kKeys <= w.len;
+                mine = my_pass == ps;
             }
             mbar_wait(smem_addr(&full_bar[s]), (tiles / kStages) & 1);
             if (!pass_tile) {
@@ -789,9 +785,8 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                 rnd_tile = true;
                 has_global = note.global != 0;
                 mine = note.slot == my_list && ks < w.len;
-                inside = seq_band_random_inside(crows, ks, my_kb, my_ke, w.len, has_global);
             }
-            if (mine) {
+            if (mine && (rnd_tile || (ks < my_ke && ks + kKeys > my_kb))) {
                 float sc[kKeys / 2];
                 wgmma_fence();
 #pragma unroll
@@ -802,6 +797,12 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_fence_operands(sc);
+                // no mask: a pass's tile inside the band for all 64 rows and
+                // the document; a random tile away from the band's keys, the
+                // document's end and the global keys
+                const bool inside = rnd_tile ? seq_band_random_inside(crows, ks, my_kb, my_ke, w.len, has_global)
+                                             : crows == 64 && ks >= cr0 + 63 - left &&
+                                                   int64_t(ks) + kKeys - 1 <= int64_t(cr0) + right && ks + kKeys <= w.len;
                 if (!inside) {
                     // a pass's tile: the keys the band gives; a random one:
                     // those it does not give (counted there), nor the global part
