@@ -39,7 +39,8 @@
 // random tile's key and list beside its stage (SeqBandNote). Against the
 // sequence kernel's instance (BigBird at 4M tokens: 20.1 -> 16.7 ms on an
 // H100, README), a random tile serves up to 128 queries in one copy, and
-// copies stay three tiles ahead of the MMAs.
+// the copies run up to four tiles ahead of the MMAs (a ring of four stages
+// with random blocks: SeqBandConfig::stages).
 // Row blocks of one document share their keys' tiles (one pass over the
 // union of their key ranges); a block whose row blocks span two or three
 // documents walks one pass per document, each consumer computing in its
@@ -311,7 +312,7 @@ struct SeqBandGroup {
     }
     // The random part pt's lists (rate 1: positions are the document's):
     // row blocks of one document and one query block (pt.a a multiple of
-    // 64: a row block lies in one) share one.
+    // 128, seq_band_takes: a row block lies in one) share one.
     GT_SEQ_HD void find_random(const SeqMaskPart& pt) {
         nrandom = 0;
 #pragma unroll
@@ -883,7 +884,7 @@ template <typename T>
 bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     using Cfg = SeqBandConfig;
     const SeqMask& mk = p.mask;
-    const bool global = seq_band_global_part(mk) > 0, random_blocks = seq_band_random_part(mk) > 0;
+    const bool global = seq_band_global_part(mk) > 0, random = seq_band_random_part(mk) > 0;
     // A/B experiments: "0" runs the sequence kernel's instances, "g" this kernel with a block an item
     const char* env = std::getenv("GT_FUSED3S_SEQ_BAND");
     if ((env != nullptr && env[0] == '0') || !seq_band_takes(mk) || p.block_rows != 64 || !seq_band_ready<T>()) {
@@ -917,7 +918,7 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     const std::true_type yes;
     if (rate > 1) {   // (seq_band_takes: no random part)
         global ? launch(yes, yes, no) : launch(no, yes, no);
-    } else if (random_blocks) {
+    } else if (random) {
         global ? launch(yes, no, yes) : launch(no, no, yes);
     } else {
         global ? launch(yes, no, no) : launch(no, no, no);
