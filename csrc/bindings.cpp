@@ -1116,14 +1116,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     prep.ld_head_stride = ld_head_stride;
     prep.num_tokens = T;
     prep.num_heads = static_cast<int32_t>(H);
-    if (half) launch_seq_bwd_prep<__half>(D, prep, stream);
-    else launch_seq_bwd_prep<__nv_bfloat16>(D, prep, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-
     const SeqMask mask = seq_mask_from(mask_code);
     SeqMask transposed{};
     const bool by_keys = D == 64 && is_sm90(q.get_device()) && seq_mask_transpose(mask, transposed) &&
                          (half ? seq_bwd_keys_ready<__half>() : seq_bwd_keys_ready<__nv_bfloat16>());
+    // the band backward's item counter, zeroed by the prep kernel (no launch of its own)
+    const at::Tensor counter = by_keys ? at::empty({1}, q.options().dtype(at::kLong)) : at::Tensor();
+    prep.counter = by_keys ? reinterpret_cast<unsigned long long*>(counter.data_ptr<int64_t>()) : nullptr;
+    if (half) launch_seq_bwd_prep<__half>(D, prep, stream);
+    else launch_seq_bwd_prep<__nv_bfloat16>(D, prep, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
     if (by_keys) {
         auto dq = at::zeros({T, H, D}, f32);   // added to by every key block that sees a query
         auto dk = at::empty({T, H, D}, q.options()), dv = at::empty({T, H, D}, q.options());   // written
@@ -1131,6 +1134,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
         p.fwd = seq_params(q, k, v, lse, cu_seqlens, cu_windows, mask_code, scale, num_windows,
                            seq_block_rows(static_cast<int>(D)));
         p.fwd.mask = transposed;
+        p.fwd.num_sms = sm_count(q.get_device());   // (the band backward's persistent blocks)
         p.do_ptr = dout.data_ptr();
         p.do_row_stride = dout.stride(0); p.do_head_stride = dout.stride(1);
         p.ld_ptr = ld.data_ptr<float>();
@@ -1140,6 +1144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
         p.dv_ptr = dv.data_ptr();
         p.grad_row_stride = dq.stride(0); p.grad_head_stride = dq.stride(1);
         p.scale = static_cast<float>(scale);
+        p.item_counter = prep.counter;
         if (half) run_seq_bwd_keys<__half>(p, stream);
         else run_seq_bwd_keys<__nv_bfloat16>(p, stream);
         C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -7,7 +7,8 @@
 // backward's transposed walk (keys as rows), 2 for the walk of the backward
 // by key blocks (seq_bwd_keys_kernel.cuh: the forward's walk over the
 // transposed mask, seq_mask_transpose; printed as (query, key) all the same),
-// 3 for the band kernel's schedule (band_walk). Built by the test with nvcc
+// 3 for the band kernel's schedule (band_walk), 4 for the band backward's
+// (band_bwd_walk). Built by the test with nvcc
 // (the headers are host + device code).
 // stderr: counts of the forward walk's tiles (per warp pair: computed, full;
 // per block tile: full, and where the walk's per-segment interval,
@@ -21,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "seq_band_bwd.cuh"
 #include "seq_band_fwd.cuh"
 #include "seq_mask.cuh"
 
@@ -151,6 +153,79 @@ static int band_walk(const SeqMask& mk, const std::vector<long long>& lens) {
     return 0;
 }
 
+// Line 4 = 4: the band backward's schedule (seq_band_bwd.cuh: pairs of
+// 64-key blocks of the transposed mask found by SeqBandPair, their passes
+// over 64-query tiles, each consumer's live tiles, full tiles and mask
+// bits as every thread of it computes them: the kernel's own functions):
+// prints the (query, key) pairs its consumers compute. stderr: "bandbwd 1"
+// where the kernel takes the mask (seq_mask_transpose, seq_band_bwd_takes),
+// else "bandbwd 0" and no pairs; "lost": key blocks with keys in pairs that
+// find none; "full": full tiles computed (all 64 x 64 pairs).
+static int band_bwd_walk(const SeqMask& mask, const std::vector<long long>& lens) {
+    SeqMask mk{};
+    const bool takes = seq_mask_transpose(mask, mk) && seq_band_bwd_takes(mk);
+    std::fprintf(stderr, "bandbwd %d ", takes ? 1 : 0);
+    if (!takes) return 0;
+    std::vector<int32_t> cu{0}, cw{0};
+    for (long long len : lens) {   // (ops.seq_windows, rate 1)
+        cu.push_back(cu.back() + static_cast<int32_t>(len));
+        cw.push_back(cw.back() + static_cast<int32_t>((len + 63) / 64));
+    }
+    SeqFwdParams p{};
+    p.cu_seqlens = cu.data();
+    p.cu_windows = cw.data();
+    p.num_docs = static_cast<int32_t>(lens.size());
+    p.num_windows = cw.back();
+    const int32_t left = mk.parts[0].a, right = mk.parts[0].b;
+    const uint32_t width = static_cast<uint32_t>(left) + static_cast<uint32_t>(right);
+    long long lost = 0, full_tiles = 0;
+    for (int64_t g = 0; g < (p.num_windows + 1) / 2; ++g) {
+        SeqBandPair pr;
+        if (!pr.find(p, g, left, right)) {
+            for (int c = 0; c < 2; ++c) {
+                SeqBandWindow w;
+                lost += seq_band_window(p, 2 * g + c, 1, w);
+            }
+            continue;
+        }
+        SeqBandBwdItem rec;
+        rec.set(pr, 0);
+        for (int tt = 0; tt < rec.ntiles; ++tt) {   // as the consumers walk them
+            const int ps = tt < rec.end0 ? 0 : 1;
+            const int32_t ks = rec.kbeg[ps] + kSeqTileKeys * (tt - (ps ? rec.end0 : 0));
+            for (int c = 0; c < 2; ++c) {
+                if (!rec.live(c, ps, ks)) continue;
+                const int32_t cr0 = rec.base[c], crows = rec.rows[c], len = rec.len[c];
+                const long long doc = rec.first[ps];
+                if (seq_band_bwd_full(crows, cr0, ks, left, right, len)) {
+                    ++full_tiles;
+                    for (int r = 0; r < 64; ++r) {
+                        for (int n = 0; n < kSeqTileKeys; ++n) std::printf("%lld %lld\n", doc + ks + n, doc + cr0 + r);
+                    }
+                    continue;
+                }
+                for (int warp = 0; warp < 4; ++warp) {
+                    for (int lane = 0; lane < 32; ++lane) {
+                        const int g4 = lane >> 2, t = lane & 3;
+                        const int32_t row_a = cr0 + 16 * warp + g4;
+                        uint32_t bits[4];
+                        seq_band_bwd_bits(ks, row_a, cr0 + crows, len, left, width, t, bits);
+                        for (int j = 0; j < 8; ++j) {
+                            for (int e = 0; e < 4; ++e) {
+                                if ((bits[j >> 1] >> (4 * (j & 1) + e)) & 1u) {
+                                    std::printf("%lld %lld\n", doc + ks + 8 * j + 2 * t + (e & 1), doc + row_a + 8 * (e >> 1));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    std::fprintf(stderr, "lost %lld full %lld ", lost, full_tiles);
+    return 0;
+}
+
 int main() {
     std::string line;
     std::vector<long long> code, lens;
@@ -174,6 +249,7 @@ int main() {
     mk.num_global = static_cast<int32_t>(code[at++]);
     for (int i = 0; i < mk.num_global; ++i) mk.global_idx[i] = static_cast<int32_t>(code[at++]);
     if (key_rows == 3) return band_walk(mk, lens);
+    if (key_rows == 4) return band_bwd_walk(mk, lens);
     const bool by_keys = key_rows == 2;
     if (by_keys) {
         SeqMask t{};

@@ -75,7 +75,7 @@ WALKS = {"forward": 0, "backward": 1, "keys": 2}   # seq_mask_host.cu's line 4 (
 
 def kernel_pairs(exe, mask, lens, block_rows=128, walk="forward") -> tuple[list[tuple[int, int]], str]:
     stdin = (" ".join(map(str, kernel_code(mask))) + "\n" + " ".join(map(str, lens)) + f"\n{block_rows}\n"
-             f"{3 if walk == 'band' else WALKS[walk]}\n")
+             f"{ {'band': 3, 'band_bwd': 4}.get(walk, WALKS.get(walk))}\n")
     run = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
     pairs = [tuple(map(int, ln.split())) for ln in run.stdout.splitlines()]
     return pairs, run.stderr
@@ -176,6 +176,35 @@ def test_band_kernel_schedule_equals_dense_truth(seq_host, name, lens):
     got_rest = [p for p in got if p[0] not in grow]
     assert len(got_rest) == len(set(got_rest)), "a key given twice to a query"
     assert set(got_rest) == dense_truth(mask, lens)
+
+
+# (Local(126): its first pair's second block starts its tiles at query 0,
+# so a full-tile test off by one at the band's start shows.)
+BAND_BWD_MASKS = {**BAND_MASKS, "local-126": Local(126), "local-sides-126": Local(126, right=190),
+                  "causal-130": Local(130, causal=True)}
+
+
+@pytest.mark.parametrize("lens", [*LENGTHS.values(), *BAND_LENGTHS.values()], ids=[*LENGTHS, *BAND_LENGTHS])
+@pytest.mark.parametrize("name", BAND_BWD_MASKS.keys())
+def test_band_backward_schedule_equals_dense_truth(seq_host, name, lens):
+    """The band backward's schedule on the CPU (seq_band_bwd.cuh: pairs of
+    64-key blocks of the transposed mask, their passes per document, each
+    consumer's live 64-query tiles, its full tiles and mask bits as each
+    thread computes them): where it takes the mask (one local window), its
+    (query, key) pairs equal the dense truth, each once; elsewhere none."""
+    mask = BAND_BWD_MASKS[name]
+    got, stats = kernel_pairs(seq_host, mask, lens, 64, "band_bwd")
+    takes = len(mask.parts()) == 1 and isinstance(mask.parts()[0], Local)
+    counts = walk_counts(stats)
+    assert counts["bandbwd"] == int(takes)
+    if not takes:
+        assert got == []
+        return
+    assert counts["lost"] == 0
+    assert len(got) == len(set(got)), "a pair computed twice"
+    assert set(got) == dense_truth(mask, lens)
+    if max(lens) >= 1000 and mask.parts()[0].left + mask.parts()[0].right >= 200:
+        assert counts["full"] > 0, counts   # the full tiles' path is taken
 
 
 @pytest.mark.parametrize("block_rows", [64, 128])

@@ -99,7 +99,7 @@ def _kernels_of(fn, part: str):
 def _backward_kernels(mask, D: int) -> set[str]:
     q, k, v = (torch.randn(1, 300, 2, D, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
     out = sequence_attention(q, k, v, mask)
-    return _kernels_of(lambda: torch.autograd.grad(out, (q, k, v), torch.randn_like(out)), "seq_bwd")[1]
+    return _kernels_of(lambda: torch.autograd.grad(out, (q, k, v), torch.randn_like(out)), "bwd")[1]
 
 
 def _hopper_built() -> bool:
@@ -108,20 +108,26 @@ def _hopper_built() -> bool:
     return torch.cuda.get_device_capability() == (9, 0) and "9.0a" in os.environ.get("GT_FUSED3S_JIT_ARCH", "9.0a")
 
 
-def test_backward_by_key_blocks_where_it_runs():
+def test_backward_by_key_blocks_where_it_runs(monkeypatch):
     """Hopper built for sm_90a (not GT_FUSED3S_JIT_ARCH's sm_80 code), D = 64
     and a mask whose transpose the walk knows (local, dilated, block-dilated
-    parts): the backward by key blocks; global or random parts, another head
-    dim, another GPU: by query blocks. (Both against the reference above.)"""
+    parts): the backward by key blocks, and for a mask of one local window
+    its band kernel (seq_band_bwd.cuh; GT_FUSED3S_SEQ_BAND_BWD=0: the
+    other); global or random parts, another head dim, another GPU: by query
+    blocks. (Each against the reference above.)"""
     hopper = _hopper_built()
-    keys, queries = "gt_fused3s::seq_bwd_keys_kernel", "gt_fused3s::seq_bwd_kernel"
-    for name, D, by_keys in (("local-wider", 64, hopper), ("dilated", 64, hopper), ("two-block-dilated", 64, hopper),
-                             ("causal", 64, hopper), ("longformer", 64, False), ("bigbird", 64, False),
-                             ("local-wider", 32, False), ("local-wider", 128, False)):
+    names = {"band": "gt_fused3s::seq_band_bwd_kernel", "keys": "gt_fused3s::seq_bwd_keys_kernel",
+             "queries": "gt_fused3s::seq_bwd_kernel"}
+    for name, D, kind in (("local-wider", 64, "band"), ("causal", 64, "band"), ("dilated", 64, "keys"),
+                          ("two-block-dilated", 64, "keys"), ("longformer", 64, "queries"),
+                          ("bigbird", 64, "queries"), ("local-wider", 32, "queries"), ("local-wider", 128, "queries")):
+        want = kind if hopper or kind == "queries" else "queries"
         ran = _backward_kernels(MASKS[name], D)
-        want = keys if by_keys else queries
-        assert any(r.endswith(want) for r in ran), (name, D, ran)
-        assert not any(r.endswith(keys if not by_keys else queries) for r in ran), (name, D, ran)
+        assert [k for k, n in names.items() if any(r.endswith(n) for r in ran)] == [want], (name, D, ran)
+    if hopper:
+        monkeypatch.setenv("GT_FUSED3S_SEQ_BAND_BWD", "0")
+        ran = _backward_kernels(MASKS["local-wider"], 64)
+        assert [k for k, n in names.items() if any(r.endswith(n) for r in ran)] == ["keys"], ran
 
 
 @pytest.mark.parametrize("name", ["local-wider", "longformer", "bigbird"])

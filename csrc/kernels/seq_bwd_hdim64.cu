@@ -2,6 +2,7 @@
 // (one file per head dim: the JIT build compiles them in parallel).
 #include "seq_bwd_kernel.cuh"
 #include "seq_bwd_keys_kernel.cuh"
+#include "seq_band_bwd.cuh"
 
 namespace gt_fused3s {
 template void run_seq_bwd<__half, 64>(const SeqBwdParams&, cudaStream_t);

@@ -45,6 +45,7 @@ __global__ void __launch_bounds__(256) seq_bwd_prep_kernel(const SeqBwdPrepParam
     const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
     const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x / kLanes;
     const int sub = threadIdx.x % kLanes;
+    if (p.counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.counter = 0ull;
     for (int64_t row = first; row < rows; row += step) {   // uniform per group: rows cover whole groups
         const int64_t tok = row / p.num_heads, head = row - tok * p.num_heads;
         const uint4 a = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p.do_ptr) +

@@ -91,6 +91,9 @@ struct SeqBwdParams {
     float* dv_ptr;
     int64_t grad_row_stride, grad_head_stride;
     float scale;
+    // The band backward's next work item (seq_band_bwd.cuh), 0 at the
+    // launch (seq_bwd_prep zeroes it); null: each block strides the items.
+    unsigned long long* item_counter;
 };
 
 // The backward by key blocks (seq_bwd_keys_kernel.cuh, sm_90a, D = 64): fwd
@@ -110,6 +113,9 @@ struct SeqBwdKeysParams {
     void* dv_ptr;
     int64_t grad_row_stride, grad_head_stride;
     float scale;
+    // The band backward's next work item (seq_band_bwd.cuh), 0 at the
+    // launch (seq_bwd_prep zeroes it); null: each block strides the items.
+    unsigned long long* item_counter;
 };
 
 // The mask of the transposed pattern (rows: keys, columns: queries), where it
@@ -144,6 +150,7 @@ struct SeqBwdPrepParams {
     int64_t ld_head_stride;
     int64_t num_tokens;
     int32_t num_heads;
+    unsigned long long* counter;   // set to 0 here (the band backward's item counter); null: none
 };
 
 // Queries per thread block: 4 warps of one m-tile of 16 (two per warp for

@@ -201,9 +201,9 @@ def _forward_backward(row: dict, q, k, v, mask, L: int, H: int, flex: bool, flex
         row["note"] = "ours forward + backward: " + err
         return
     row["ours_fb_ms"] = time_cuda(ours, min_reps=3, max_reps=30, budget_ms=2000, flush=False)["median"]
-    # the backward's kernels (by key or by query blocks, and their prep) and
-    # every kernel of the call (the forward's and the casts included)
-    row["ours_bwd_kernel_ms"] = kernel_time(ours, name="seq_bwd", reps=3, flush=False)
+    # the backward's kernels (the band backward, by key or by query blocks,
+    # and their prep) and every kernel of the call (the forward's and the casts included)
+    row["ours_bwd_kernel_ms"] = kernel_time(ours, name=("seq_bwd", "seq_band_bwd"), reps=3, flush=False)
     row["ours_fb_kernel_ms"] = kernel_time(ours, name="", reps=3, flush=False)
     if not flex or (L > flex_max and transposed(mask) is None):
         return
