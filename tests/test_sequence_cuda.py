@@ -318,6 +318,41 @@ def test_band_kernel_equals_the_band_instance(shape, mask, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mask", [Local(300, right=450), Local(100, causal=True), Local(20)],
+                         ids=["local", "causal", "narrow"])
+@pytest.mark.parametrize("lens,H", [([70001], 1), ([1000] * 3, 4), ([9001, 1, 64, 65, 130, 7000], 3)],
+                         ids=["L70001", "B3H4", "docsH3"])
+def test_band_backward_equals_the_key_blocks_kernel(lens, H, mask, dtype, monkeypatch):
+    """GT_FUSED3S_SEQ_BAND_BWD=0 runs the backward by key blocks instead of
+    the band backward (seq_band_bwd.cuh; the A/B switch of the benchmarks):
+    gradients within rounding of each other (dQ's atomics add in any order).
+    The band backward's item orders (its counter; "s": each block striding
+    the items; "g": a block an item) give the same dK and dV bits. On Hopper
+    (D = 64) it runs for a mask of one local window; packed documents put
+    a pair's two key blocks in two documents (docsH3)."""
+    torch.manual_seed(13)
+    T = sum(lens)
+    q, k, v = (torch.randn(T, H, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    g = torch.randn(T, H, 64, device="cuda", dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    out = sequence_attention(q, k, v, mask, cu_seqlens=cu)
+    runs = {}
+    for env in ("1", "s", "g", "0"):
+        monkeypatch.setenv("GT_FUSED3S_SEQ_BAND_BWD", env)
+        grads, ran = _kernels_of(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True), "bwd")
+        runs[env] = grads
+        band = any(r.endswith("gt_fused3s::seq_band_bwd_kernel") for r in ran)
+        assert band == (_hopper_built() and env != "0"), (env, ran)
+    for env in ("s", "g"):
+        assert torch.equal(runs[env][1], runs["1"][1]) and torch.equal(runs[env][2], runs["1"][2]), env
+    for a, b in zip(runs["1"], runs["0"]):
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= 4e-3 * b.float().abs().max().item() + 1e-3, err
+    if T <= 4000:   # (the dense fp32 reference; the key blocks' kernel is checked against it above)
+        check_grads(runs["1"], q.detach(), k.detach(), v.detach(), g, mask, cu.tolist(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("mask", [Dilated(300, 2), Dilated(200, 3, causal=True), BlockDilated(1024, 4, offset=1),
                                   Dilated(300, 2) | Global([0, 5, 2000])],
                          ids=["dilated300x2", "causal200x3", "block1024x4", "dilated+global"])
