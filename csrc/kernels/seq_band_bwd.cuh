@@ -34,8 +34,9 @@
 // after the next tile's barrier (one barrier a tile): 4-7% slower; each
 // block striding the items instead of the counter: 2% slower at 1M tokens,
 // 8-12% from 1.6M on (blocks drift apart over the pairs, whose queries and
-// dQ rows overlap in L2); a block an item (GT_FUSED3S_SEQ_BAND_BWD=g): 1-2%
-// faster from 1.6M on, 7-13% slower below 100k tokens.
+// dQ rows overlap in L2); a block an item (GT_FUSED3S_SEQ_BAND_BWD=g): 1-3%
+// faster from 1.6M on, 7-14% slower near 100k tokens; each warp reducing
+// its own 16 rows of dQ (no barrier after the dQ stores): no gain.
 #pragma once
 
 #include <cstdint>
