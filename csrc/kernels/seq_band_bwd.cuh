@@ -200,16 +200,8 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
     const uint32_t ds0 = smem0 + 2 * Cfg::kKvBytes + kStages * Cfg::kStageBytes;
     const uint32_t dq0 = ds0 + 2 * Cfg::kConsumers * Cfg::kDsBytes;
     if (threadIdx.x == 0) {
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-            mbar_init(smem_addr(&kv_full[b]), 1);
-            mbar_init(smem_addr(&kv_empty[b]), 4 * Cfg::kConsumers);   // every consumer warp
-        }
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-            mbar_init(smem_addr(&full_bar[s]), 1);
-            mbar_init(smem_addr(&empty_bar[s]), 4 * Cfg::kConsumers);
-        }
+        mbar_init_ring(kv_full, kv_empty, 4 * Cfg::kConsumers);   // every consumer warp
+        mbar_init_ring(full_bar, empty_bar, 4 * Cfg::kConsumers);
     }
     __syncthreads();
 
@@ -367,21 +359,8 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         }
         if (lane == 0) mbar_arrive(smem_addr(&kv_empty[b]));   // this item's K, V and record read: the buffer is free
 
-        // dK, dV of the block's keys (rows 16 warp + g, + 8), in the input dtype
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = 16 * warp + g + 8 * r;
-            if (row >= crows) continue;
-            const int64_t tok = int64_t(wfirst) + cr0 + row;
-            const int64_t at = tok * p.grad_row_stride + head * p.grad_head_stride + 2 * t;
-            uint32_t* dkr = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.dk_ptr) + at);
-            uint32_t* dvr = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.dv_ptr) + at);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                dkr[4 * j] = TypeTraits<T>::pack(p.scale * dk[4 * j + 2 * r], p.scale * dk[4 * j + 2 * r + 1]);
-                dvr[4 * j] = TypeTraits<T>::pack(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
-            }
-        }
+        // dK, dV of the block's keys (rows 16 warp + g, + 8)
+        seq_bwd_keys_store_dkdv<T>(p, dk, dv, int64_t(wfirst) + cr0, 1, 16 * warp + g, crows, head, t);
     }
     if (ctid == 0) tma_wait_all();   // the last reductions done before the block's shared memory goes
 #else

@@ -649,16 +649,8 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int c = 0; c < Cfg::kConsumers; ++c) global_copied[c][0] = global_copied[c][1] = -1;
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-            mbar_init(smem_addr(&q_full[b]), 1);
-            mbar_init(smem_addr(&q_empty[b]), 4 * Cfg::kConsumers);   // every consumer warp
-        }
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-            mbar_init(smem_addr(&full_bar[s]), 1);
-            mbar_init(smem_addr(&empty_bar[s]), 4 * Cfg::kConsumers);
-        }
+        mbar_init_ring(q_full, q_empty, 4 * Cfg::kConsumers);   // every consumer warp
+        mbar_init_ring(full_bar, empty_bar, 4 * Cfg::kConsumers);
     }
     __syncthreads();
 

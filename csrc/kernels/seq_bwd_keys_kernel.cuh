@@ -152,6 +152,29 @@ __device__ __forceinline__ void seq_bwd_keys_store_dq(uint32_t dq_at, const floa
     }
 }
 
+// dK (scaled) and dV of the thread's two key rows in the input dtype: rows
+// row0 and row0 + 8 of a block of `rows` keys (those below), the tokens
+// base + stride row.
+template <typename T>
+__device__ __forceinline__ void seq_bwd_keys_store_dkdv(const SeqBwdKeysParams& p, const float (&dk)[32],
+                                                        const float (&dv)[32], int64_t base, int64_t stride, int row0,
+                                                        int rows, int head, int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        if (row >= rows) continue;
+        const int64_t tok = base + stride * row;
+        const int64_t at = tok * p.grad_row_stride + head * p.grad_head_stride + 2 * t;
+        uint32_t* dkr = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.dk_ptr) + at);
+        uint32_t* dvr = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.dv_ptr) + at);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            dkr[4 * j] = TypeTraits<T>::pack(p.scale * dk[4 * j + 2 * r], p.scale * dk[4 * j + 2 * r + 1]);
+            dvr[4 * j] = TypeTraits<T>::pack(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+        }
+    }
+}
+
 // __launch_bounds__ tells the host which code the device got: the full
 // kernel where it was compiled for sm_90a, a trap elsewhere (smaller bound),
 // read back by seq_bwd_keys_ready() through cudaFuncGetAttributes.
@@ -430,21 +453,8 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
 
     if (threadIdx.x == 0) tma_wait_all();   // the last reductions done before the block's shared memory goes
 
-    // dK, dV of the block's keys (rows 16 warp + g, + 8), in the input dtype
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = g + 8 * r;
-        if (row >= win.rows) continue;
-        const int64_t tok = blk.doc_start + win.base + static_cast<int64_t>(win.stride) * row;
-        const int64_t at = tok * p.grad_row_stride + head * p.grad_head_stride + 2 * t;
-        uint32_t* dkr = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.dk_ptr) + at);
-        uint32_t* dvr = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.dv_ptr) + at);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            dkr[4 * j] = TypeTraits<T>::pack(p.scale * dk[4 * j + 2 * r], p.scale * dk[4 * j + 2 * r + 1]);
-            dvr[4 * j] = TypeTraits<T>::pack(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
-        }
-    }
+    // dK, dV of the block's keys (the warp's rows g, g + 8)
+    seq_bwd_keys_store_dkdv<T>(p, dk, dv, blk.doc_start + win.base, win.stride, g, win.rows, head, t);
 #else
     __trap();
 #endif

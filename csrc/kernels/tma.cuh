@@ -169,6 +169,18 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 #endif
 }
 
+// A ring of kN stages (one thread, before the block's barrier): each
+// "full" mbarrier completed by one arrival (the producer's, announcing its
+// bytes), each "empty" one by `consumers` arrivals (the consumer warps').
+template <int kN>
+__device__ __forceinline__ void mbar_init_ring(uint64_t (&full)[kN], uint64_t (&empty)[kN], uint32_t consumers) {
+#pragma unroll
+    for (int s = 0; s < kN; ++s) {
+        mbar_init(smem_addr(&full[s]), 1);
+        mbar_init(smem_addr(&empty[s]), consumers);
+    }
+}
+
 // The issuing thread's arrival, announcing `bytes` to come by TMA.
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
 #if GT_WGMMA
