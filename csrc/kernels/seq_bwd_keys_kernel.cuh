@@ -129,12 +129,10 @@ __device__ __forceinline__ void seq_bwd_keys_store_ds(uint32_t ds_at, const uint
 }
 
 // dQ, scaled, into the fp32 shared tile at dq_at for the bulk reduction: rows
-// = queries 16 warp + g (+ 8), d = 8j + 2t, 2t + 1, in halves of 32
+// = queries 16 warp + g (+ 8), d = 8j + 2t, 2t + 1, in two halves of 32
 // columns (a half tile apart; half j / 4), 16-byte chunk 2 (j % 4) + t / 2
-// of a 128-byte row, swizzled. kN = 16: one half (the band backward's,
-// seq_band_bwd.cuh).
-template <int kN>
-__device__ __forceinline__ void seq_bwd_keys_store_dq(uint32_t dq_at, const float (&dq)[kN], float scale, int warp,
+// of a 128-byte row, swizzled.
+__device__ __forceinline__ void seq_bwd_keys_store_dq(uint32_t dq_at, const float (&dq)[32], float scale, int warp,
                                                       int lane) {
     constexpr uint32_t half_bytes = SeqBwdKeysConfig::kDqBytes / 2;
     const int g = lane >> 2, t = lane & 3;
@@ -142,7 +140,7 @@ __device__ __forceinline__ void seq_bwd_keys_store_dq(uint32_t dq_at, const floa
     for (int r = 0; r < 2; ++r) {
         const int row = 16 * warp + g + 8 * r;
 #pragma unroll
-        for (int j = 0; j < kN / 4; ++j) {
+        for (int j = 0; j < 8; ++j) {
             const uint32_t at = dq_at + (j >> 2) * half_bytes + row * 128 + (((2 * (j & 3) + (t >> 1)) ^ (row & 7)) << 4) +
                                 8 * (t & 1);
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(scale * dq[4 * j + 2 * r]),

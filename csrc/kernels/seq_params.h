@@ -91,9 +91,6 @@ struct SeqBwdParams {
     float* dv_ptr;
     int64_t grad_row_stride, grad_head_stride;
     float scale;
-    // The band backward's next work item (seq_band_bwd.cuh), 0 at the
-    // launch (seq_bwd_prep zeroes it); null: each block strides the items.
-    unsigned long long* item_counter;
 };
 
 // The backward by key blocks (seq_bwd_keys_kernel.cuh, sm_90a, D = 64): fwd
