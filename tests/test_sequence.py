@@ -70,12 +70,13 @@ def seq_host(host_program):
     return host_program("seq_mask_host.cu")
 
 
-WALKS = {"forward": 0, "backward": 1, "keys": 2}   # seq_mask_host.cu's line 4 (3: the band kernel's schedule)
+WALKS = {"forward": 0, "backward": 1, "keys": 2}   # seq_mask_host.cu's line 4
+HOST_WALKS = {**WALKS, "band": 3, "band_bwd": 4}    # and the band kernels' schedules
 
 
 def kernel_pairs(exe, mask, lens, block_rows=128, walk="forward") -> tuple[list[tuple[int, int]], str]:
     stdin = (" ".join(map(str, kernel_code(mask))) + "\n" + " ".join(map(str, lens)) + f"\n{block_rows}\n"
-             f"{ {'band': 3, 'band_bwd': 4}.get(walk, WALKS.get(walk))}\n")
+             f"{HOST_WALKS[walk]}\n")
     run = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
     pairs = [tuple(map(int, ln.split())) for ln in run.stdout.splitlines()]
     return pairs, run.stderr
