@@ -871,7 +871,8 @@ bool seq_band_ready() {
 // blocks, q, k, v as TMA describes them at the mask's rate: for a dilated
 // window, at least as many tokens as the rate; sm_90a): true when launched
 // (or nothing to do), false where the caller runs another. As many blocks
-// as p.num_sms (the caller's count of the device's SMs) less p.free_sms.
+// as p.num_sms (the caller's count of the device's SMs; 0: the sequence
+// kernel's instances run) less p.free_sms.
 template <typename T>
 bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     using Cfg = SeqBandConfig;
@@ -879,7 +880,8 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     const bool global = seq_band_global_part(mk) > 0, random = seq_band_random_part(mk) > 0;
     // A/B experiments: "0" runs the sequence kernel's instances, "g" this kernel with a block an item
     const char* env = std::getenv("GT_FUSED3S_SEQ_BAND");
-    if ((env != nullptr && env[0] == '0') || !seq_band_takes(mk) || p.block_rows != 64 || !seq_band_ready<T>()) {
+    if ((env != nullptr && env[0] == '0') || !seq_band_takes(mk) || p.block_rows != 64 || p.num_sms <= 0 ||
+        !seq_band_ready<T>()) {
         return false;
     }
     SeqBandMaps maps{};
