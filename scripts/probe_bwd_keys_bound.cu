@@ -55,13 +55,7 @@ __global__ void __launch_bounds__(128, kBlocks) bwd_keys_step_kernel(int iters, 
     float acc = 0.f;
     for (int it = 0; it < iters; ++it) {
         float s[32], dp[32];
-        wgmma_fence();
-#pragma unroll
-        for (int step = 0; step < 4; ++step) wgmma_m64n64k16_ss<__half>(s, desc(k_tile + 32 * step), desc(q_tile + 32 * step), step > 0);
-        wgmma_commit();
-#pragma unroll
-        for (int step = 0; step < 4; ++step) wgmma_m64n64k16_ss<__half>(dp, desc(v_tile + 32 * step), desc(do_tile + 32 * step), step > 0);
-        wgmma_commit();
+        seq_bwd_keys_scores<__half>(s, dp, desc, k_tile, q_tile, v_tile, do_tile);
         float4 ld[8];
         seq_bwd_keys_read_ld(lds, t, ld);
         wgmma_wait<1>();

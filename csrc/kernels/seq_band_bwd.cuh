@@ -297,17 +297,7 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
                 uint32_t bits[4] = {0u, 0u, 0u, 0u};
                 if (!full) seq_band_bwd_bits(ks, row_a, cr0 + crows, len, left, width, t, bits);
                 float s_t[32], dp[32];
-                wgmma_fence();
-#pragma unroll
-                for (int step = 0; step < 4; ++step) {
-                    wgmma_m64n64k16_ss<T>(s_t, desc(k_tile + 32 * step), desc(q_at + 32 * step), step > 0);
-                }
-                wgmma_commit();
-#pragma unroll
-                for (int step = 0; step < 4; ++step) {
-                    wgmma_m64n64k16_ss<T>(dp, desc(v_tile + 32 * step), desc(do_at + 32 * step), step > 0);
-                }
-                wgmma_commit();
+                seq_bwd_keys_scores<T>(s_t, dp, desc, k_tile, q_at, v_tile, do_at);
                 const float2* lds = reinterpret_cast<const float2*>(smem + (q_at + 2 * kTmaTileBytes - smem_addr(smem))) +
                                     (q0 & 1);
                 float4 ld[8];

@@ -84,6 +84,26 @@ __device__ __forceinline__ void seq_bwd_keys_read_ld(const float2* lds, int t, f
     }
 }
 
+// S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries, every operand a
+// 128-byte-swizzled tile in shared memory; desc: the kernel's descriptor
+// of a shared address), two commit groups so that P^T is computed while
+// dP^T is in the MMA.
+template <typename T, typename Desc>
+__device__ __forceinline__ void seq_bwd_keys_scores(float (&s)[32], float (&dp)[32], Desc&& desc, uint32_t k_tile,
+                                                    uint32_t q_tile, uint32_t v_tile, uint32_t do_tile) {
+    wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+        wgmma_m64n64k16_ss<T>(s, desc(k_tile + 32 * step), desc(q_tile + 32 * step), step > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+        wgmma_m64n64k16_ss<T>(dp, desc(v_tile + 32 * step), desc(do_tile + 32 * step), step > 0);
+    }
+    wgmma_commit();
+}
+
 // P^T = exp2(S^T scale_log2 - lse2) where the mask bits give the pair
 // (kFull: every pair), and as the A fragments of k-step sl (queries 16 sl ..:
 // the C fragments of column tiles 2 sl and 2 sl + 1, mma_utils.cuh).
@@ -309,17 +329,7 @@ seq_bwd_keys_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         // S^T and dP^T: d[4j + e] = (key 16 warp + g (e < 2) or + 8, query 8j + 2t + (e & 1)),
         // two groups, so that P^T is computed while dP^T is in the MMA
         float s[32], dp[32];
-        wgmma_fence();
-#pragma unroll
-        for (int step = 0; step < 4; ++step) {
-            wgmma_m64n64k16_ss<T>(s, desc(k_tile + 32 * step), desc(q_slice(stage, 0) + 32 * step), step > 0);
-        }
-        wgmma_commit();
-#pragma unroll
-        for (int step = 0; step < 4; ++step) {
-            wgmma_m64n64k16_ss<T>(dp, desc(v_tile + 32 * step), desc(do_slice(stage, 0) + 32 * step), step > 0);
-        }
-        wgmma_commit();
+        seq_bwd_keys_scores<T>(s, dp, desc, k_tile, q_slice(stage, 0), v_tile, do_slice(stage, 0));
         // (lse2, delta) of this thread's queries 8j + 2t, 8j + 2t + 1, read while the MMAs run
         // (a TMA tile's pairs start at its first query's parity)
         const float2* lds = ld_s + stage * (Cfg::kLdBytes / 8) + (bulk_tile(cur) ? first_query(cur) & 1 : 0);
