@@ -24,9 +24,12 @@
 //   S^T = K Q^T, dP^T = V dO^T, P^T, dV += P^T dO, dS^T, dQ = dS K, dK += dS^T Q
 // with dQ reduced into global memory by one bulk operation of its thread 0.
 // A tile none of a consumer's keys sees (its band's first or last, or the
-// other document's where the pair spans two) it releases unread.
+// other document's where the pair spans two) it releases unread. The two
+// consumers take turns to issue their scores (two named barriers, below),
+// so that one's softmax tends to run beside the other's products rather
+// than both at once (README: the turns 4-5% faster at 1M-8M tokens).
 // Against seq_bwd_keys_kernel (H100, README): 3-5% faster at 1M-8M tokens
-// (12% at 65k).
+// (12% at 65k) before the turns.
 // Tried, not kept: the two consumers summing dQ over the 128 keys before
 // one reduction (dQ's columns split between them, K in 64-byte-swizzled
 // halves for wgmma's n32, a 256-thread barrier a tile): 2-4% slower than
@@ -35,8 +38,15 @@
 // block striding the items instead of the counter: 2% slower at 1M tokens,
 // 8-12% from 1.6M on (blocks drift apart over the pairs, whose queries and
 // dQ rows overlap in L2); a block an item (GT_FUSED3S_SEQ_BAND_BWD=g): 1-3%
-// faster from 1.6M on, 7-14% slower near 100k tokens; each warp reducing
-// its own 16 rows of dQ (no barrier after the dQ stores): no gain.
+// faster from 1.6M on, 7-14% slower near 100k tokens (with the turns 3-6%
+// slower from 1M on); each warp reducing
+// its own 16 rows of dQ (no barrier after the dQ stores): no gain. With
+// the turns (README, "the band backward's turns"): dQ stores without bank
+// conflicts (seq_bwd_keys_store_dq's lanes permuted): 1-3% slower; consumer
+// 0 storing dQ and consumer 1 adding its own before one reduction by a
+// producer-warpgroup thread (half the L2 traffic): 25% slower (before the
+// turns); a reducer thread a consumer in place of its thread 0 and second
+// barrier: 4% slower; other places for the turns: no better.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +75,9 @@ struct SeqBandBwdConfig {
     // two K / V buffers, the stages, two dS^T and two dQ tiles a consumer, the alignment
     static constexpr int kSmemBytes = 2 * kKvBytes + kStages * kStageBytes + 2 * kConsumers * (kDsBytes + kDqBytes) + 1024;
     static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+    // named barriers: 0 the block's, 1 + c consumer c's (its 128 threads),
+    // 3 + c consumer c's turn to issue its scores (both consumers' 256)
+    static constexpr int kOwnBarrier = 1, kTurnBarrier = 3;
 };
 static_assert(SeqBandBwdConfig::kSmemBytes <= 227 * 1024, "the band backward's shared memory: an SM's");
 
@@ -173,6 +186,9 @@ GT_SEQ_HD void seq_band_bwd_bits(int32_t ks, int32_t row_a, int32_t rows_end, in
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // __launch_bounds__ tells the host which code the device got (as
 // seq_bwd_keys_kernel). Persistent: block b runs item b, then those the
@@ -269,6 +285,13 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         tma_reduce_add_rows(maps.dq, 32, head, row, at + Cfg::kDqBytes / 2);
         tma_commit();
     };
+    // The consumers take turns to issue a tile's scores (S^T, dP^T), consumer
+    // 0 first: each waits on its turn's barrier, issues, and hands the turn
+    // over (bar.arrive: no wait). So one's softmax runs beside the other's
+    // products rather than both at once (README: 4-5% at 1M-8M tokens).
+    auto turn_wait = [&]() { named_barrier_sync(Cfg::kTurnBarrier + c, 256); };
+    auto turn_pass = [&]() { named_barrier_arrive(Cfg::kTurnBarrier + (c ^ 1), 256); };
+    if (c == 1) turn_pass();
     for (uint32_t items = 0;; ++items) {
         const int b = items & 1;
         mbar_wait(smem_addr(&kv_full[b]), (items >> 1) & 1);
@@ -291,6 +314,7 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
             const bool live = rec.live(c, ps, ks);
             const uint32_t q_at = stage_at(s), do_at = q_at + kTmaTileBytes;
             mbar_wait(smem_addr(&full_bar[s]), (tiles / kStages) & 1);
+            turn_wait();
             if (live) {
                 const uint32_t ds_at = ds0 + (2 * c + buf) * Cfg::kDsBytes, dq_at = dq0 + (2 * c + buf) * Cfg::kDqBytes;
                 const bool full = seq_band_bwd_full(crows, cr0, ks, left, right, len);
@@ -298,6 +322,7 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
                 if (!full) seq_band_bwd_bits(ks, row_a, cr0 + crows, len, left, width, t, bits);
                 float s_t[32], dp[32];
                 seq_bwd_keys_scores<T>(s_t, dp, desc, k_tile, q_at, v_tile, do_at);
+                turn_pass();
                 const float2* lds = reinterpret_cast<const float2*>(smem + (q_at + 2 * kTmaTileBytes - smem_addr(smem))) +
                                     (q0 & 1);
                 float4 ld[8];
@@ -318,7 +343,7 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
                 seq_bwd_keys_store_ds(ds_at, dsa, warp, lane);
                 fence_proxy_async_shared();   // dS^T, stored by every warp, read by wgmma
                 if (ctid == 0) tma_wait_read<1>();   // the reduction before the last has read this dQ buffer
-                named_barrier_sync(2 + c, 128);
+                named_barrier_sync(Cfg::kOwnBarrier + c, 128);
                 // dQ [64 queries, 64] = dS K: A = (dS^T)^T and B = K, both with rows = keys
                 float dq[32];
                 wgmma_fence();
@@ -340,11 +365,12 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
                 wgmma_fence_operands(dk);
                 fence_proxy_async_shared();   // dQ, read by the bulk reduction
                 if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
-                named_barrier_sync(2 + c, 128);   // every warp's dQ rows stored
+                named_barrier_sync(Cfg::kOwnBarrier + c, 128);   // every warp's dQ rows stored
                 if (ctid == 0) reduce_dq(q0, head, dq_at);
                 buf ^= 1u;
-            } else if (lane == 0) {
-                mbar_arrive(smem_addr(&empty_bar[s]));
+            } else {
+                turn_pass();
+                if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
             }
         }
         if (lane == 0) mbar_arrive(smem_addr(&kv_empty[b]));   // this item's K, V and record read: the buffer is free
@@ -352,6 +378,7 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         // dK, dV of the block's keys (rows 16 warp + g, + 8)
         seq_bwd_keys_store_dkdv<T>(p, dk, dv, int64_t(wfirst) + cr0, 1, 16 * warp + g, crows, head, t);
     }
+    if (c == 0) turn_wait();   // consumer 1's last hand-over
     if (ctid == 0) tma_wait_all();   // the last reductions done before the block's shared memory goes
 #else
     __trap();
