@@ -46,7 +46,9 @@
 // 0 storing dQ and consumer 1 adding its own before one reduction by a
 // producer-warpgroup thread (half the L2 traffic): 25% slower (before the
 // turns); a reducer thread a consumer in place of its thread 0 and second
-// barrier: 4% slower; other places for the turns: no better.
+// barrier: 4% slower; other places for the turns: no better; (lse, delta)
+// read before the turn and the record's fields kept in registers (where
+// Nsight Compute's stall samples were): no change.
 #pragma once
 
 #include <cstdint>
