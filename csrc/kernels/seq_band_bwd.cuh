@@ -39,16 +39,16 @@
 // 8-12% from 1.6M on (blocks drift apart over the pairs, whose queries and
 // dQ rows overlap in L2); a block an item (GT_FUSED3S_SEQ_BAND_BWD=g): 1-3%
 // faster from 1.6M on, 7-14% slower near 100k tokens (with the turns 3-6%
-// slower from 1M on); each warp reducing
-// its own 16 rows of dQ (no barrier after the dQ stores): no gain. With
-// the turns (README, "the band backward's turns"): dQ stores without bank
-// conflicts (seq_bwd_keys_store_dq's lanes permuted): 1-3% slower; consumer
-// 0 storing dQ and consumer 1 adding its own before one reduction by a
-// producer-warpgroup thread (half the L2 traffic): 25% slower (before the
-// turns); a reducer thread a consumer in place of its thread 0 and second
-// barrier: 4% slower; other places for the turns: no better; (lse, delta)
-// read before the turn and the record's fields kept in registers (where
-// Nsight Compute's stall samples were): no change.
+// slower from 1M on); each warp reducing its own 16 rows of dQ (no barrier
+// after the dQ stores): no gain. With the turns (README, "the band
+// backward's turns"): dQ stores without bank conflicts (lanes of odd rows
+// storing column group j ^ 2): 1-3% slower; a reducer thread a consumer in
+// place of its thread 0 and second barrier: 4-5% slower; other places for
+// the turns: no better; (lse, delta) read before the turn and the record's
+// fields kept in registers (where Nsight Compute's stall samples were): no
+// change. Before the turns: consumer 0 storing dQ and consumer 1 adding its
+// own before one reduction by a producer-warpgroup thread (half the L2
+// traffic): 21-25% slower.
 #pragma once
 
 #include <cstdint>
@@ -289,8 +289,9 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
     };
     // The consumers take turns to issue a tile's scores (S^T, dP^T), consumer
     // 0 first: each waits on its turn's barrier, issues, and hands the turn
-    // over (bar.arrive: no wait). So one's softmax runs beside the other's
-    // products rather than both at once (README: 4-5% at 1M-8M tokens).
+    // over (bar.arrive: no wait). So one's softmax tends to run beside the
+    // other's products rather than both at once (README: 4-5% at 1M-8M tokens).
+    // Every tile takes a turn, live or not, so that the two counts match.
     auto turn_wait = [&]() { named_barrier_sync(Cfg::kTurnBarrier + c, 256); };
     auto turn_pass = [&]() { named_barrier_arrive(Cfg::kTurnBarrier + (c ^ 1), 256); };
     if (c == 1) turn_pass();
