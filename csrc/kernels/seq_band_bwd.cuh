@@ -238,8 +238,7 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
             SeqBandPair pr;
             if (!pr.find(f, item / f.num_heads, left, right)) continue;
             const int head = static_cast<int>(item % f.num_heads);
-            const int b = items & 1;
-            if (items >= 2) mbar_wait(smem_addr(&kv_empty[b]), ((items >> 1) - 1) & 1);
+            const int b = mbar_take_slot(kv_empty, items);
             published[b].set(pr, head);   // (released by the arrival below)
             const uint32_t bar = smem_addr(&kv_full[b]);
             mbar_expect_tx(bar, 2 * kTmaTileBytes * (pr.has[0] + pr.has[1]));
@@ -265,10 +264,7 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
             }
             ++items;
         }
-        const int b = items & 1;   // the end: a record without an item
-        if (items >= 2) mbar_wait(smem_addr(&kv_empty[b]), ((items >> 1) - 1) & 1);
-        published[b].head = -1;
-        mbar_arrive(smem_addr(&kv_full[b]));
+        mbar_publish_end(published, kv_full, kv_empty, items);
         return;
     }
 

@@ -663,8 +663,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
             if (!grp.find(p, seq_band_group(item / p.num_heads, num_slots, rate), left, right, kKeys, rate)) continue;
             const int head = static_cast<int>(item % p.num_heads);
             if constexpr (kRandom) grp.find_random(p.mask.parts[p.mask.num_parts - 1]);
-            const int qb = items & 1;
-            if (items >= 2) mbar_wait(smem_addr(&q_empty[qb]), ((items >> 1) - 1) & 1);
+            const int qb = mbar_take_slot(q_empty, items);
             const uint32_t qbar = smem_addr(&q_full[qb]);
             published[qb].set(grp, head, kRandom);   // (released by the arrival below)
             mbar_expect_tx(qbar, kTmaTileBytes * (grp.has[0] + grp.has[1] + grp.has[2]));
@@ -707,10 +706,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
             }
             ++items;
         }
-        const int qb = items & 1;   // the end: a record without an item
-        if (items >= 2) mbar_wait(smem_addr(&q_empty[qb]), ((items >> 1) - 1) & 1);
-        published[qb].head = -1;
-        mbar_arrive(smem_addr(&q_full[qb]));
+        mbar_publish_end(published, q_full, q_empty, items);
         return;
     }
 

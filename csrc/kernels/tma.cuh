@@ -213,6 +213,25 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #endif
 }
 
+// The producer's slot (items & 1) of a double buffer for its `items`-th
+// item, once the consumers released the item two before it (counted on
+// `empty`; the first two slots are free).
+__device__ __forceinline__ int mbar_take_slot(uint64_t (&empty)[2], uint32_t items) {
+    const int b = items & 1;
+    if (items >= 2) mbar_wait(smem_addr(&empty[b]), ((items >> 1) - 1) & 1);
+    return b;
+}
+
+// The end of a producer's items: a record without an item (head -1) in its
+// next slot, published by an arrival on that slot's "full" mbarrier.
+template <typename Record>
+__device__ __forceinline__ void mbar_publish_end(Record (&published)[2], uint64_t (&full)[2], uint64_t (&empty)[2],
+                                                 uint32_t items) {
+    const int b = mbar_take_slot(empty, items);
+    published[b].head = -1;
+    mbar_arrive(smem_addr(&full[b]));
+}
+
 // Box (0, head, row) of `map` into shared memory at `dst` (1024-byte aligned),
 // its bytes counted on `bar`.
 __device__ __forceinline__ void tma_load_rows(uint32_t dst, const CUtensorMap& map, int32_t head, int32_t row,
