@@ -22,7 +22,7 @@ from ..sequence import Dilated, Global, Local, RandomBlocks, sequence_attention
 from ..sequence.attention import _dense_rows
 from ..sequence.masks import Union, as_mask
 from .common import free_cuda_memory, guarded, short_error
-from .timing import kernel_time, time_cuda
+from .timing import kernel_time, time_cuda, time_side_by_side
 
 FLEX_BLOCK = 128
 
@@ -200,25 +200,28 @@ def _forward_backward(row: dict, q, k, v, mask, L: int, H: int, flex: bool, flex
     if err:
         row["note"] = "ours forward + backward: " + err
         return
-    row["ours_fb_ms"] = time_cuda(ours, min_reps=3, max_reps=30, budget_ms=2000, flush=False)["median"]
+    calls = {"ours": ours}
+    if flex and (L <= flex_max or transposed(mask) is not None):
+        try:
+            tl = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
+            gt = g.transpose(1, 2).contiguous()
+            run = flex_runner(mask, L, H, device, backward=True)
+            rows = as_mask(mask).global_rows(L)
+            fl = lambda: torch.autograd.grad(global_rows(run(*tl), *tl, rows), tl, gt)   # noqa: E731
+            ref = fl()
+            row["max_grad_diff_vs_flex"] = max(float((a.transpose(1, 2) - b).abs().max()) for a, b in zip(ref, got))
+            calls["flex"] = fl
+        except Exception as e:   # Flex's own failure (memory, compile) is a result
+            row["flex_fb_note"] = short_error(e)
+    t = time_side_by_side(calls, max_reps=30)
+    row["ours_fb_ms"] = t["ours"]["median"]
+    if "flex" in t:
+        row["flex_fb_ms"] = t["flex"]["median"]
+        row["speedup_fb_vs_flex"] = row["flex_fb_ms"] / row["ours_fb_ms"]
     # the backward's kernels (the band backward, by key or by query blocks,
     # and their prep) and every kernel of the call (the forward's and the casts included)
     row["ours_bwd_kernel_ms"] = kernel_time(ours, name=("seq_bwd", "seq_band_bwd"), reps=3, flush=False)
     row["ours_fb_kernel_ms"] = kernel_time(ours, name="", reps=3, flush=False)
-    if not flex or (L > flex_max and transposed(mask) is None):
-        return
-    try:
-        tl = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
-        gt = g.transpose(1, 2).contiguous()
-        run = flex_runner(mask, L, H, device, backward=True)
-        rows = as_mask(mask).global_rows(L)
-        fl = lambda: torch.autograd.grad(global_rows(run(*tl), *tl, rows), tl, gt)   # noqa: E731
-        ref = fl()
-        row["max_grad_diff_vs_flex"] = max(float((a.transpose(1, 2) - b).abs().max()) for a, b in zip(ref, got))
-        row["flex_fb_ms"] = time_cuda(fl, min_reps=3, max_reps=30, budget_ms=2000, flush=False)["median"]
-        row["speedup_fb_vs_flex"] = row["flex_fb_ms"] / row["ours_fb_ms"]
-    except Exception as e:   # Flex's own failure (memory, compile) is a result
-        row["flex_fb_note"] = short_error(e)
 
 
 def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=torch.float16,
@@ -238,13 +241,7 @@ def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=t
     if err:
         row["note"] = "ours: " + err
         return row
-    t = time_cuda(ours, min_reps=3, max_reps=50, budget_ms=2000, flush=False)
-    row["ours_ms"] = t["median"]
-    row["ours_kernel_ms"] = kernel_time(ours, name=("seq_fwd_kernel", "seq_band_fwd_kernel"), reps=3, flush=False)
-    # every kernel of the call (the global rows' too): against ours_ms, how
-    # host-bound the call is
-    row["ours_all_kernel_ms"] = kernel_time(ours, name="", reps=3, flush=False)
-    row["ours_tflops"] = 4 * L * H * kpq * D / (row["ours_ms"] * 1e-3) / 1e12
+    calls = {"ours": ours}
     rows = as_mask(mask).global_rows(L)
     if flex:
         try:
@@ -253,10 +250,19 @@ def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=t
             fl = lambda: global_rows(run(qt, kt, vt), qt, kt, vt, rows)   # noqa: E731
             ref = fl()
             row["max_diff_vs_flex"] = float((ref.transpose(1, 2) - out).abs().max())
-            row["flex_ms"] = time_cuda(fl, min_reps=3, max_reps=50, budget_ms=2000, flush=False)["median"]
-            row["speedup_vs_flex"] = row["flex_ms"] / row["ours_ms"]
+            calls["flex"] = fl
         except Exception as e:   # Flex's own failure (memory, compile) is a result
             row["flex_note"] = short_error(e)
+    t = time_side_by_side(calls, max_reps=50)
+    row["ours_ms"] = t["ours"]["median"]
+    if "flex" in t:
+        row["flex_ms"] = t["flex"]["median"]
+        row["speedup_vs_flex"] = row["flex_ms"] / row["ours_ms"]
+    row["ours_kernel_ms"] = kernel_time(ours, name=("seq_fwd_kernel", "seq_band_fwd_kernel"), reps=3, flush=False)
+    # every kernel of the call (the global rows' too): against ours_ms, how
+    # host-bound the call is (or how the clock moved: time_side_by_side)
+    row["ours_all_kernel_ms"] = kernel_time(ours, name="", reps=3, flush=False)
+    row["ours_tflops"] = 4 * L * H * kpq * D / (row["ours_ms"] * 1e-3) / 1e12
     if kind == "local" and L * keys <= explicit_max_edges:
         # the same band as an explicit edge_index through the graph kernel:
         # its format build and its forward

@@ -4,6 +4,8 @@ one call (wall time, host included).
 
 * :func:`time_cuda`: median / p10 / p90 milliseconds of a call with CUDA
   events (L2 flushed before each call unless asked otherwise);
+* :func:`time_side_by_side`: the same for calls compared with each other,
+  timed in alternating rounds (each at the same GPU clock and heat);
 * :func:`kernel_time`: the device time of the CUDA kernels of a call, from
   the profiler (CUPTI): what the GPU works, without launch gaps;
 * :func:`time_wall`: what a user waits for one call on an idle GPU
@@ -34,10 +36,9 @@ def _flush_l2():
     _FLUSH.zero_()
 
 
-def time_cuda(fn, *, min_reps: int = 10, max_reps: int = 200, budget_ms: float = 400.0,
-              warmup: int = 3, flush: bool = True) -> dict:
-    """Median / p10 / p90 milliseconds of ``fn()`` with CUDA events (L2 flushed
-    before each call unless ``flush`` is False)."""
+def _estimate_reps(fn, warmup: int, min_reps: int, max_reps: int, budget_ms: float) -> int:
+    """Warm ``fn`` up, time one synchronised call, and return how many calls
+    fit ``budget_ms`` (within [min_reps, max_reps])."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -45,20 +46,56 @@ def time_cuda(fn, *, min_reps: int = 10, max_reps: int = 200, budget_ms: float =
     fn()
     torch.cuda.synchronize()
     est = max((time.perf_counter() - t0) * 1e3, 1e-3)
-    reps = int(min(max_reps, max(min_reps, budget_ms / est)))
-    events = []
-    for _ in range(reps):
-        if flush:
-            _flush_l2()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        events.append((s, e))
-    torch.cuda.synchronize()
+    return int(min(max_reps, max(min_reps, budget_ms / est)))
+
+
+def _timed_call(fn, flush: bool):
+    """Record CUDA events around one call of ``fn()`` (the L2 flushed first
+    where asked); read them after a synchronisation."""
+    if flush:
+        _flush_l2()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    return s, e
+
+
+def _stats(events) -> dict:
     ts = sorted(s.elapsed_time(e) for s, e in events)
     q = lambda f: ts[min(len(ts) - 1, int(f * (len(ts) - 1) + 0.5))]   # noqa: E731
-    return {"median": statistics.median(ts), "p10": q(0.1), "p90": q(0.9), "reps": reps}
+    return {"median": statistics.median(ts), "p10": q(0.1), "p90": q(0.9), "reps": len(ts)}
+
+
+def time_cuda(fn, *, min_reps: int = 10, max_reps: int = 200, budget_ms: float = 400.0,
+              warmup: int = 3, flush: bool = True) -> dict:
+    """Median / p10 / p90 milliseconds of ``fn()`` with CUDA events (L2 flushed
+    before each call unless ``flush`` is False)."""
+    reps = _estimate_reps(fn, warmup, min_reps, max_reps, budget_ms)
+    events = [_timed_call(fn, flush) for _ in range(reps)]
+    torch.cuda.synchronize()
+    return _stats(events)
+
+
+def time_side_by_side(fns: dict[str, Callable[[], Any]], *, rounds: int = 6, min_reps: int = 3,
+                      max_reps: int = 50, budget_ms: float = 2000.0, warmup: int = 3,
+                      flush: bool = False) -> dict[str, dict]:
+    """:func:`time_cuda` of each of ``fns`` (name -> call), in ``rounds``
+    alternating rounds (A B, B A, A B, ...): each call's share of the reps in
+    each round, so that the calls compared see the same GPU clock and heat.
+    Why: under sustained tensor-core load an H100 at its power cap (700 W)
+    runs its SM clock at 1.6-1.8 GHz instead of 1.98 within a second, so a
+    call timed first, on a cool GPU, reads up to 10-20% faster than the same
+    call timed after another (README, "the benchmark's wall and the clock")."""
+    names = list(fns)
+    reps = {n: _estimate_reps(fns[n], warmup, min_reps, max_reps, budget_ms) for n in names}
+    events: dict[str, list] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            share = -(-reps[n] // rounds)
+            events[n] += [_timed_call(fns[n], flush) for _ in range(share)]
+    torch.cuda.synchronize()
+    return {n: _stats(events[n]) for n in names}
 
 
 def kernel_time(fn, name: str | tuple[str, ...] = "fused3s_fwd_kernel", reps: int = 30,
