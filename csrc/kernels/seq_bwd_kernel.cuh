@@ -67,7 +67,38 @@ __global__ void __launch_bounds__(256) seq_bwd_prep_kernel(const SeqBwdPrepParam
             *reinterpret_cast<float2*>(p.ld_ptr + head * p.ld_head_stride + 2 * tok) =
                 make_float2(__ldg(p.lse_ptr + row) * 1.4426950408889634f, sum);
         }
+#pragma unroll
+        for (int z = 0; z < 2; ++z) {   // the row's 8 floats a lane of each accumulator
+            if (p.zero[z] == nullptr) continue;
+            float4* at = reinterpret_cast<float4*>(p.zero[z] + row * kHeadDim) + 2 * sub;
+            at[0] = at[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
     }
+}
+
+// dst = T(src), 8 floats a thread (two 16-byte loads, one store), buffer
+// blockIdx.y; the source is read once (streaming loads).
+template <typename T>
+__global__ void __launch_bounds__(256) seq_cast_kernel(const SeqCastParams p) {
+    const float4* src = reinterpret_cast<const float4*>(p.src[blockIdx.y]);
+    uint4* dst = reinterpret_cast<uint4*>(p.dst[blockIdx.y]);
+    const int64_t n8 = p.n / 8;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const float4 a = __ldcs(src + 2 * i), b = __ldcs(src + 2 * i + 1);
+        dst[i] = make_uint4(TypeTraits<T>::pack(a.x, a.y), TypeTraits<T>::pack(a.z, a.w), TypeTraits<T>::pack(b.x, b.y),
+                            TypeTraits<T>::pack(b.z, b.w));
+    }
+}
+
+template <typename T>
+void run_seq_cast(const SeqCastParams& params, cudaStream_t stream) {
+    constexpr int kThreads = 256;
+    const int64_t n8 = params.n / 8;
+    if (n8 <= 0 || params.num_buffers <= 0) return;
+    const int64_t blocks = (n8 + kThreads - 1) / kThreads;
+    const dim3 grid(static_cast<unsigned>(blocks < (1 << 20) ? blocks : (1 << 20)), params.num_buffers);   // then a grid-stride loop
+    seq_cast_kernel<T><<<grid, kThreads, 0, stream>>>(params);
 }
 
 template <typename T, int kHeadDim>
