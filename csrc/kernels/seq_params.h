@@ -156,7 +156,7 @@ struct SeqBwdPrepParams {
 };
 
 // The backward's fp32 accumulators in q's dtype (seq_cast): src[b] -> dst[b]
-// for b < num_buffers, n floats each (a multiple of 8). One launch for both
+// for b < num_buffers, n floats each (a multiple of 4). One launch for both
 // of the query-block backward's (aten's .to took 14-23 us of host time each).
 struct SeqCastParams {
     const float* src[2];
