@@ -1120,36 +1120,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     SeqMask transposed{};
     const bool by_keys = D == 64 && is_sm90(q.get_device()) && seq_mask_transpose(mask, transposed) &&
                          (half ? seq_bwd_keys_ready<__half>() : seq_bwd_keys_ready<__nv_bfloat16>());
-    // The fp32 accumulators (by key blocks dQ, else dK and dV: every key
-    // block or query block that sees a row adds to it) and the band
-    // backward's item counter: the prep kernel zeroes them (no launches of
-    // their own).
-    const at::Tensor acc0 = at::empty({T, H, D}, f32), acc1 = by_keys ? at::Tensor() : at::empty({T, H, D}, f32);
+    // the band backward's item counter, zeroed by the prep kernel (no launch of its own)
     const at::Tensor counter = by_keys ? at::empty({1}, q.options().dtype(at::kLong)) : at::Tensor();
     prep.counter = by_keys ? reinterpret_cast<unsigned long long*>(counter.data_ptr<int64_t>()) : nullptr;
-    prep.zero[0] = acc0.data_ptr<float>();
-    prep.zero[1] = by_keys ? nullptr : acc1.data_ptr<float>();
     if (half) launch_seq_bwd_prep<__half>(D, prep, stream);
     else launch_seq_bwd_prep<__nv_bfloat16>(D, prep, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    // acc0 (and acc1) in q's dtype, by one launch
-    auto cast = [&]() {
-        SeqCastParams c{};
-        c.n = T * H * D;
-        c.num_buffers = by_keys ? 1 : 2;
-        const at::Tensor out0 = at::empty({T, H, D}, q.options()), out1 = by_keys ? at::Tensor() : at::empty_like(out0);
-        for (int b = 0; b < c.num_buffers; ++b) {
-            c.src[b] = (b ? acc1 : acc0).data_ptr<float>();
-            c.dst[b] = (b ? out1 : out0).data_ptr();
-        }
-        if (half) run_seq_cast<__half>(c, stream);
-        else run_seq_cast<__nv_bfloat16>(c, stream);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return std::make_pair(out0, out1);
-    };
 
     if (by_keys) {
-        const at::Tensor& dq = acc0;
+        auto dq = at::zeros({T, H, D}, f32);   // added to by every key block that sees a query
         auto dk = at::empty({T, H, D}, q.options()), dv = at::empty({T, H, D}, q.options());   // written
         SeqBwdKeysParams p{};
         p.fwd = seq_params(q, k, v, lse, cu_seqlens, cu_windows, mask_code, scale, num_windows,
@@ -1169,7 +1148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
         if (half) run_seq_bwd_keys<__half>(p, stream);
         else run_seq_bwd_keys<__nv_bfloat16>(p, stream);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return {cast().first, dk, dv};
+        return {dq.to(q.scalar_type()), dk, dv};
     }
 
     const int64_t rows = seq_bwd_block_rows(static_cast<int>(D)), stride = mask.row_stride;
@@ -1177,7 +1156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     const int64_t bwd_num_windows = (T + rows - 1) / rows + (cu_seqlens.numel() - 1) * (2 * stride + 1);
     check_seq_inputs(q, cu_seqlens, windows, bwd_num_windows, rows, rows, scale);
     auto dq = at::empty({T, H, D}, q.options());   // every query's row is written by its row block
-    const at::Tensor &dk = acc0, &dv = acc1;   // added to
+    auto dk = at::zeros({T, H, D}, f32), dv = at::zeros({T, H, D}, f32);   // added to
     SeqBwdParams p{};
     p.fwd = seq_params(q, k, v, lse, cu_seqlens, windows, mask_code, scale, bwd_num_windows, rows);
     p.do_ptr = dout.data_ptr();
@@ -1192,8 +1171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> seq_bwd_cuda(
     if (half) launch_seq_bwd_for_head_dim<__half>(D, p, stream);
     else launch_seq_bwd_for_head_dim<__nv_bfloat16>(D, p, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const auto [dk16, dv16] = cast();
-    return {dq, dk16, dv16};
+    return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type())};
 }
 
 // ---- edge-feature products (kernels/edge_terms.h) ------------------------------

@@ -9,8 +9,6 @@ template void run_seq_bwd<__half, 64>(const SeqBwdParams&, cudaStream_t);
 template void run_seq_bwd<__nv_bfloat16, 64>(const SeqBwdParams&, cudaStream_t);
 template void run_seq_bwd_prep<__half, 64>(const SeqBwdPrepParams&, cudaStream_t);
 template void run_seq_bwd_prep<__nv_bfloat16, 64>(const SeqBwdPrepParams&, cudaStream_t);
-template void run_seq_cast<__half>(const SeqCastParams&, cudaStream_t);   // (no head dim: in this file only)
-template void run_seq_cast<__nv_bfloat16>(const SeqCastParams&, cudaStream_t);
 template void run_seq_bwd_keys<__half>(const SeqBwdKeysParams&, cudaStream_t);
 template void run_seq_bwd_keys<__nv_bfloat16>(const SeqBwdKeysParams&, cudaStream_t);
 template bool seq_bwd_keys_ready<__half>();

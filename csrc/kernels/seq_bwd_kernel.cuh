@@ -67,12 +67,6 @@ __global__ void __launch_bounds__(256) seq_bwd_prep_kernel(const SeqBwdPrepParam
             *reinterpret_cast<float2*>(p.ld_ptr + head * p.ld_head_stride + 2 * tok) =
                 make_float2(__ldg(p.lse_ptr + row) * 1.4426950408889634f, sum);
         }
-#pragma unroll
-        for (int z = 0; z < 2; ++z) {   // the row of each accumulator: a lane's float4 in each half (whole sectors a store)
-            if (p.zero[z] == nullptr) continue;
-            float4* at = reinterpret_cast<float4*>(p.zero[z] + row * kHeadDim) + sub;
-            at[0] = at[kLanes] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
     }
 }
 
@@ -84,43 +78,6 @@ void run_seq_bwd_prep(const SeqBwdPrepParams& params, cudaStream_t stream) {
     const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
     const unsigned grid = static_cast<unsigned>(blocks < 65536 * 8 ? blocks : 65536 * 8);   // then a grid-stride loop
     seq_bwd_prep_kernel<T, kHeadDim><<<grid, kThreads, 0, stream>>>(params);
-}
-
-// dst = T(src), buffer blockIdx.y: a block converts kCastUnroll x 256
-// float4s, each load and store one contiguous span a warp, every load
-// issued before the first store. (A first version, 8 floats a thread in two
-// neighbouring float4s by streaming loads, took 0.30 ms where aten's .to
-// took 0.20 for 1.6M x 64 on an H100.)
-constexpr int kCastThreads = 256, kCastUnroll = 4;
-
-template <typename T>
-__global__ void __launch_bounds__(kCastThreads) seq_cast_kernel(const SeqCastParams p) {
-    const float4* src = reinterpret_cast<const float4*>(p.src[blockIdx.y]);
-    uint2* dst = reinterpret_cast<uint2*>(p.dst[blockIdx.y]);
-    const int64_t n4 = p.n / 4, tile = int64_t(kCastThreads) * kCastUnroll;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * tile + threadIdx.x; base < n4;
-         base += static_cast<int64_t>(gridDim.x) * tile) {
-        float4 x[kCastUnroll];
-#pragma unroll
-        for (int u = 0; u < kCastUnroll; ++u) {
-            const int64_t i = base + u * kCastThreads;
-            x[u] = i < n4 ? src[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int u = 0; u < kCastUnroll; ++u) {
-            const int64_t i = base + u * kCastThreads;
-            if (i < n4) dst[i] = make_uint2(TypeTraits<T>::pack(x[u].x, x[u].y), TypeTraits<T>::pack(x[u].z, x[u].w));
-        }
-    }
-}
-
-template <typename T>
-void run_seq_cast(const SeqCastParams& params, cudaStream_t stream) {
-    const int64_t n4 = params.n / 4, tile = int64_t(kCastThreads) * kCastUnroll;
-    if (n4 <= 0 || params.num_buffers <= 0) return;
-    const int64_t blocks = (n4 + tile - 1) / tile;
-    const dim3 grid(static_cast<unsigned>(blocks < (1 << 20) ? blocks : (1 << 20)), params.num_buffers);   // then a grid-stride loop
-    seq_cast_kernel<T><<<grid, kCastThreads, 0, stream>>>(params);
 }
 
 template <int kHeadDim>

@@ -148,21 +148,6 @@ struct SeqBwdPrepParams {
     int64_t num_tokens;
     int32_t num_heads;
     unsigned long long* counter;   // set to 0 here (the band backward's item counter); null: none
-    // The backward's fp32 accumulators, [T, H, D] contiguous (dQ by key
-    // blocks; dK and dV by query blocks), zeroed here row by row beside
-    // delta: no fill launch of their own (10-20 us of host time a step on an
-    // H100 machine). Null: none.
-    float* zero[2];
-};
-
-// The backward's fp32 accumulators in q's dtype (seq_cast): src[b] -> dst[b]
-// for b < num_buffers, n floats each (a multiple of 4). One launch for both
-// of the query-block backward's (aten's .to took 14-23 us of host time each).
-struct SeqCastParams {
-    const float* src[2];
-    void* dst[2];
-    int64_t n;
-    int num_buffers;
 };
 
 // Queries per thread block: 4 warps of one m-tile of 16 (two per warp for
@@ -186,8 +171,6 @@ template <typename T, int HeadDim>
 void run_seq_bwd(const SeqBwdParams& params, cudaStream_t stream);
 template <typename T, int HeadDim>
 void run_seq_bwd_prep(const SeqBwdPrepParams& params, cudaStream_t stream);
-template <typename T>
-void run_seq_cast(const SeqCastParams& params, cudaStream_t stream);
 // The backward by key blocks (T: __half or __nv_bfloat16, D = 64), and
 // whether this process's device runs it (a Hopper GPU, code built for sm_90a).
 template <typename T>
