@@ -63,8 +63,8 @@ def main(argv=None) -> int:
                                flex_backward_max=cfg.get("flex_backward_max", 1 << 20))
         rows.append(row)
         print(bench.fmt(row), flush=True)
-    if a.out:
-        write_csv(rows, bench.COLUMNS, a.out)
+        if a.out:   # after every case: a long run that fails later keeps its rows
+            write_csv(rows, bench.COLUMNS, a.out)
     if a.plot:
         from gt_fused3s.bench.plot import plot_sequence_times
         print(f"plot: {plot_sequence_times(rows, a.plot)}")

@@ -35,3 +35,31 @@ def test_side_by_side_alternates_rounds_and_times_each_call_apart(monkeypatch):
     assert got["a"]["reps"] == got["b"]["reps"] == 4
     # one call each a round (4 reps over 4 rounds), the order reversed every other round
     assert "".join(order) == "abbaabba"
+
+
+def test_flex_timed_after_ours_where_both_do_not_fit(monkeypatch):
+    """bench.sequence: where ours and Flex's call do not fit in memory at once,
+    each is timed alone (Flex's rebuilt after ours), and the row says so."""
+    from gt_fused3s.bench import sequence
+
+    def side_by_side(calls, max_reps):
+        if len(calls) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+        return {n: {"median": 2.0 if n == "flex" else 1.0} for n in calls}
+
+    built = []
+
+    def make_flex():
+        built.append(1)
+        return (lambda: None), 0.5
+
+    monkeypatch.setattr(sequence, "time_side_by_side", side_by_side)
+    monkeypatch.setattr(sequence, "free_cuda_memory", lambda device: None)
+    row = {}
+    t = sequence._time_with_flex(row, lambda: None, make_flex, "diff", "note", "cpu", max_reps=3)
+    assert {n: x["median"] for n, x in t.items()} == {"ours": 1.0, "flex": 2.0}
+    assert len(built) == 2 and row["diff"] == 0.5 and "one after the other" in row["note"]
+    # Flex's own failure is the row's note; ours is timed alone
+    row = {}
+    t = sequence._time_with_flex(row, lambda: None, lambda: 1 / 0, "diff", "note", "cpu", max_reps=3)
+    assert list(t) == ["ours"] and "division by zero" in row["note"]

@@ -186,6 +186,37 @@ def global_rows(out, q, k, v, rows):
     return out.index_copy(2, idx, og.transpose(1, 2).to(out.dtype))
 
 
+def _time_with_flex(row: dict, ours, make_flex, diff_key: str, note_key: str, device, max_reps: int) -> dict:
+    """Ours and Flex's call timed side by side (:func:`time_side_by_side`).
+    ``make_flex()`` (None: ours alone) builds Flex's call (its own copies of
+    the inputs, which only that call holds) and returns it with its largest
+    difference from ours; Flex's own failure (compile, memory) is a result
+    in ``note_key``.
+    Where both do not fit in memory at once, one after the other, Flex's
+    call rebuilt after ours was timed alone (noted)."""
+    calls = {"ours": ours}
+    if make_flex is not None:
+        try:
+            calls["flex"], row[diff_key] = make_flex()
+        except Exception as e:   # Flex's own failure (memory, compile) is a result
+            row[note_key] = short_error(e)
+    try:
+        return time_side_by_side(calls, max_reps=max_reps)
+    except torch.OutOfMemoryError:
+        if "flex" not in calls:
+            raise
+    del calls["flex"]
+    free_cuda_memory(device)
+    t = time_side_by_side(calls, max_reps=max_reps)
+    try:
+        t.update(time_side_by_side({"flex": make_flex()[0]}, max_reps=max_reps))
+        row[note_key] = "timed one after the other (not both in memory at once)"
+    except Exception as e:
+        row[note_key] = short_error(e)
+    free_cuda_memory(device)
+    return t
+
+
 def _forward_backward(row: dict, q, k, v, mask, L: int, H: int, flex: bool, flex_max: int) -> None:
     """Forward + backward (input gradients of one random output gradient):
     ours (the fused backward kernel; its own GPU time too) and Flex's, where
@@ -200,20 +231,18 @@ def _forward_backward(row: dict, q, k, v, mask, L: int, H: int, flex: bool, flex
     if err:
         row["note"] = "ours forward + backward: " + err
         return
-    calls = {"ours": ours}
-    if flex and (L <= flex_max or transposed(mask) is not None):
-        try:
-            tl = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
-            gt = g.transpose(1, 2).contiguous()
-            run = flex_runner(mask, L, H, device, backward=True)
-            rows = as_mask(mask).global_rows(L)
-            fl = lambda: torch.autograd.grad(global_rows(run(*tl), *tl, rows), tl, gt)   # noqa: E731
-            ref = fl()
-            row["max_grad_diff_vs_flex"] = max(float((a.transpose(1, 2) - b).abs().max()) for a, b in zip(ref, got))
-            calls["flex"] = fl
-        except Exception as e:   # Flex's own failure (memory, compile) is a result
-            row["flex_fb_note"] = short_error(e)
-    t = time_side_by_side(calls, max_reps=30)
+
+    def make_flex():
+        tl = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
+        gt = g.transpose(1, 2).contiguous()
+        run = flex_runner(mask, L, H, device, backward=True)
+        rows = as_mask(mask).global_rows(L)
+        fl = lambda: torch.autograd.grad(global_rows(run(*tl), *tl, rows), tl, gt)   # noqa: E731
+        return fl, max(float((a.transpose(1, 2) - b).abs().max()) for a, b in zip(fl(), got))
+
+    with_flex = flex and (L <= flex_max or transposed(mask) is not None)
+    t = _time_with_flex(row, ours, make_flex if with_flex else None, "max_grad_diff_vs_flex", "flex_fb_note",
+                        device, max_reps=30)
     row["ours_fb_ms"] = t["ours"]["median"]
     if "flex" in t:
         row["flex_fb_ms"] = t["flex"]["median"]
@@ -241,19 +270,15 @@ def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=t
     if err:
         row["note"] = "ours: " + err
         return row
-    calls = {"ours": ours}
-    rows = as_mask(mask).global_rows(L)
-    if flex:
-        try:
-            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-            run = flex_runner(mask, L, H, device)
-            fl = lambda: global_rows(run(qt, kt, vt), qt, kt, vt, rows)   # noqa: E731
-            ref = fl()
-            row["max_diff_vs_flex"] = float((ref.transpose(1, 2) - out).abs().max())
-            calls["flex"] = fl
-        except Exception as e:   # Flex's own failure (memory, compile) is a result
-            row["flex_note"] = short_error(e)
-    t = time_side_by_side(calls, max_reps=50)
+    def make_flex():
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        run = flex_runner(mask, L, H, device)
+        rows = as_mask(mask).global_rows(L)
+        fl = lambda: global_rows(run(qt, kt, vt), qt, kt, vt, rows)   # noqa: E731
+        return fl, float((fl().transpose(1, 2) - out).abs().max())
+
+    t = _time_with_flex(row, ours, make_flex if flex else None, "max_diff_vs_flex", "flex_note", device,
+                        max_reps=50)
     row["ours_ms"] = t["ours"]["median"]
     if "flex" in t:
         row["flex_ms"] = t["flex"]["median"]
