@@ -11,6 +11,11 @@ Global rows (a few queries that attend to every key) are computed apart in
 ``sequence_attention`` (chunked fp32 matmuls); the Flex runs get the same
 call added, so both sides compute the same thing at the same cost. Each row also reports the max |difference|
 between our output and Flex's.
+
+Ours and Flex's calls are timed in alternating rounds
+(:func:`~gt_fused3s.bench.timing.time_side_by_side`): an H100 at its power
+cap slows its clock within a second of load, so a call timed first would
+read faster than the same call timed second.
 """
 from __future__ import annotations
 
