@@ -275,6 +275,7 @@ def bench_case(kind: str, L: int, keys: int, *, D: int = 64, H: int = 1, dtype=t
     if err:
         row["note"] = "ours: " + err
         return row
+
     def make_flex():
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         run = flex_runner(mask, L, H, device)

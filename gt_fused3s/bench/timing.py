@@ -84,9 +84,10 @@ def time_side_by_side(fns: dict[str, Callable[[], Any]], *, rounds: int = 6, min
     alternating rounds (A B, B A, A B, ...): each call's share of the reps in
     each round, so that the calls compared see the same GPU clock and heat.
     Why: under sustained tensor-core load an H100 at its power cap (700 W)
-    runs its SM clock at 1.6-1.8 GHz instead of 1.98 within a second, so a
-    call timed first, on a cool GPU, reads up to 10-20% faster than the same
-    call timed after another (README, "the benchmark's wall and the clock")."""
+    runs its SM clock at 1.6-1.8 GHz instead of 1.98 within a second (one
+    call's time drifting by up to a quarter over 40 calls), so a call timed
+    first, on a cool GPU, can read several percent faster than the same call
+    timed after another (README, "the benchmark's wall and the clock")."""
     names = list(fns)
     reps = {n: _estimate_reps(fns[n], warmup, min_reps, max_reps, budget_ms) for n in names}
     events: dict[str, list] = {n: [] for n in names}
