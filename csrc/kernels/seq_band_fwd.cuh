@@ -775,33 +775,39 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                 has_global = note.global != 0;
                 mine = note.slot == my_list && ks < w.len;
             }
-            if (mine && (rnd_tile || (ks < my_ke && ks + kKeys > my_kb))) {
-                float sc[kKeys / 2];
+            // One step over kN keys of the stage from its row `off` (0 or
+            // 64: K's and V's 64-row boxes), the first key k0.
+            auto compute = [&](auto keys, int off, int32_t k0) {
+                constexpr int kN = decltype(keys)::value;
+                const uint32_t k_off = k_tile(s) - smem0 + off * 128, v_off = v_tile(s) - smem0 + off * 128;
+                float sc[kN / 2];
                 wgmma_fence();
 #pragma unroll
-                for (int step = 0; step < 4; ++step) {
-                    wgmma_m64n128k16_ss<T>(sc, wgmma_desc_sw128_at(desc_lo, q_off + 32 * step),
-                                           wgmma_desc_sw128_at(desc_lo, k_tile(s) - smem0 + 32 * step), step > 0);
+                for (int k16 = 0; k16 < 4; ++k16) {
+                    const uint64_t qd = wgmma_desc_sw128_at(desc_lo, q_off + 32 * k16);
+                    const uint64_t kd = wgmma_desc_sw128_at(desc_lo, k_off + 32 * k16);
+                    if constexpr (kN == 128) wgmma_m64n128k16_ss<T>(sc, qd, kd, k16 > 0);
+                    else wgmma_m64n64k16_ss<T>(sc, qd, kd, k16 > 0);
                 }
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_fence_operands(sc);
-                // no mask: a pass's tile inside the band for all 64 rows and
+                // no mask: a pass's keys inside the band for all 64 rows and
                 // the document; a random tile away from the band's keys, the
                 // document's end and the global keys
-                const bool inside = rnd_tile ? seq_band_random_inside(crows, ks, my_kb, my_ke, w.len, has_global)
-                                             : crows == 64 && ks >= cr0 + 63 - left &&
-                                                   int64_t(ks) + kKeys - 1 <= int64_t(cr0) + right && ks + kKeys <= w.len;
+                const bool inside = rnd_tile ? seq_band_random_inside(crows, k0, my_kb, my_ke, w.len, has_global)
+                                             : crows == 64 && k0 >= cr0 + 63 - left &&
+                                                   int64_t(k0) + kN - 1 <= int64_t(cr0) + right && k0 + kN <= w.len;
                 if (!inside) {
                     // a pass's tile: the keys the band gives; a random one:
                     // those it does not give (counted there), nor the global part
                     const uint32_t gcols =
-                        kRandom && has_global ? seq_band_global_columns(p.mask, seq_global_count(p.mask, w.len), ks, t4) : 0u;
+                        kRandom && has_global ? seq_band_global_columns(p.mask, seq_global_count(p.mask, w.len), k0, t4) : 0u;
 #pragma unroll
-                    for (int j = 0; j < kKeys / 8; ++j) {
+                    for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
-                            const int32_t key = ks + 8 * j + 2 * t4 + e;
+                            const int32_t key = k0 + 8 * j + 2 * t4 + e;
                             const bool kin = key < w.len && !((gcols >> (2 * j + e)) & 1u);
                             // key - row + left in [0, left + right] (mod 2^32)
                             const uint32_t d = static_cast<uint32_t>(key - row_a) + static_cast<uint32_t>(left);
@@ -813,18 +819,30 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                 float mx[2];
                 seq_band_row_max(sc, sl2, mx);
                 seq_band_move_reference(mx, m, l, o);
-                uint32_t pa[kKeys / 16][4];
+                uint32_t pa[kN / 16][4];
                 seq_band_softmax_pack<T>(sc, sl2, m, pa, l);
                 wgmma_fence();
 #pragma unroll
-                for (int k16 = 0; k16 < kKeys / 16; ++k16) {
-                    wgmma_m64n64k16<T, true>(o, pa[k16],
-                                             wgmma_desc_sw128_at(desc_lo, v_tile(s) - smem0 + 2048 * k16), true);
+                for (int k16 = 0; k16 < kN / 16; ++k16) {
+                    wgmma_m64n64k16<T, true>(o, pa[k16], wgmma_desc_sw128_at(desc_lo, v_off + 2048 * k16), true);
                 }
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_fence_operands(o);
                 wgmma_fence_operands(pa);
+            };
+            if (mine && (rnd_tile || (ks < my_ke && ks + kKeys > my_kb))) {
+                // Where this block's keys [my_kb, my_ke) reach one half of a
+                // pass's tile (its first or last), that half alone: half the
+                // products and exponentials. The group's three blocks start
+                // 64 keys apart, so without halves the middle one computes a
+                // tile more than the others at most band widths (23 against
+                // 22 at 2,721 keys a query, 14 against 13 at 1,601), and the
+                // ring keeps the others waiting for it.
+                constexpr int kHalf = kKeys / 2;
+                const int half = rnd_tile ? -1 : my_ke <= ks + kHalf ? 0 : my_kb >= ks + kHalf ? 1 : -1;
+                if (half < 0) compute(std::integral_constant<int, kKeys>{}, 0, ks);
+                else compute(std::integral_constant<int, kHalf>{}, kHalf * half, ks + kHalf * half);
             }
             if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
         }
