@@ -16,7 +16,7 @@
 // it: the host passes nothing new), and a head. Warpgroup 0 is the
 // producer: one thread copies an item's three Q tiles into one of two
 // buffers and then, tile after tile, 128 consecutive keys of K and V into
-// a ring of three shared-memory stages by TMA (tma.cuh), each buffer's and
+// a ring of four shared-memory stages by TMA (tma.cuh), each buffer's and
 // stage's bytes counted on its "full" mbarrier; it refills one once every
 // consumer warp has arrived on its "empty" one. So the next item's Q and
 // first key tiles arrive while the consumers finish the current item and
@@ -43,8 +43,7 @@
 // random tile's key and list beside its stage (SeqBandNote). Against the
 // sequence kernel's instance (BigBird at 4M tokens: 20.1 -> 16.7 ms on an
 // H100, README), a random tile serves up to 128 queries in one copy, and
-// the copies run up to four tiles ahead of the MMAs (a ring of four stages
-// with random blocks: SeqBandConfig::stages).
+// the copies run up to four tiles ahead of the MMAs.
 // Row blocks of one document share their keys' tiles (one pass over the
 // union of their key ranges); a block whose row blocks span two or three
 // documents walks one pass per document, each consumer computing in its
@@ -118,21 +117,23 @@ struct SeqBandConfig {
     static constexpr int kConsumers = 3;                   // warpgroups of 64 queries
     static constexpr int kKeys = kSeqBandKeys;             // keys a tile
     static constexpr int kThreads = 128 * (kConsumers + 1);
-    // the key tiles' ring; with random blocks (kRandom) one more: a list's
-    // consumers find its next tile copied while the others' lists hold stages
-    GT_SEQ_HD static constexpr int stages(bool random) { return random ? 4 : 3; }
+    // the key tiles' ring: four stages (three were 2-4% slower at 1M-8M
+    // tokens once the half tiles balanced the consumers, README; with random
+    // blocks a list's consumers find its next tile copied while the others'
+    // lists hold stages)
+    static constexpr int kStages = 4;
     static constexpr uint32_t kTileBytes = kKeys * 128;    // 128 rows of 64 16-bit elements
     static constexpr uint32_t kQBytes = kConsumers * kTmaTileBytes;
     // each consumer's copy of its document's global keys' K and V rows (kGlobal)
     static constexpr int kGlobalBytes = 2 * kSeqMaxGlobal * RowTile<64>::kRowElems * 2;
     // two buffers of Q tiles, the key tiles' stages, the global keys' rows
     // (kGlobal only: the rest of shared memory is L1's), the 1024-byte alignment
-    GT_SEQ_HD static constexpr int smem_bytes(bool global, bool random) {
-        return 2 * kQBytes + stages(random) * 2 * kTileBytes + (global ? kConsumers * kGlobalBytes : 0) + 1024;
+    GT_SEQ_HD static constexpr int smem_bytes(bool global) {
+        return 2 * kQBytes + kStages * 2 * kTileBytes + (global ? kConsumers * kGlobalBytes : 0) + 1024;
     }
     static constexpr int kProducerRegs = 32, kConsumerRegs = 160;
 };
-static_assert(SeqBandConfig::smem_bytes(true, true) <= 227 * 1024, "the band kernel's shared memory: an SM's");
+static_assert(SeqBandConfig::smem_bytes(true) <= 227 * 1024, "the band kernel's shared memory: an SM's");
 
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
@@ -635,7 +636,7 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                     int64_t num_slots) {
 #if GT_WGMMA
     using Cfg = SeqBandConfig;
-    constexpr int kKeys = Cfg::kKeys, kStages = Cfg::stages(kRandom);
+    constexpr int kKeys = Cfg::kKeys, kStages = Cfg::kStages;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ alignas(8) uint64_t full_bar[kStages], empty_bar[kStages], q_full[2], q_empty[2];
     __shared__ int32_t global_copied[Cfg::kConsumers][2];   // seq_band_global_rows' (document, head)
@@ -923,7 +924,7 @@ bool run_seq_band_fwd(const SeqFwdParams& p, cudaStream_t stream) {
     auto launch = [&](auto global_keys, auto residues, auto random_blocks) {
         constexpr bool kGlobal = decltype(global_keys)::value, kRandom = decltype(random_blocks)::value;
         constexpr auto kernel = seq_band_fwd_kernel<T, kGlobal, decltype(residues)::value, kRandom>;
-        constexpr int smem = Cfg::smem_bytes(kGlobal, kRandom);
+        constexpr int smem = Cfg::smem_bytes(kGlobal);
         set_max_dynamic_smem<kernel>(smem);   // (an error shows at the launch)
         kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(p, maps, slots);
     };
