@@ -62,8 +62,9 @@
 // ring together (branch wip/seq-band-overlap-ring), 192-key tiles, and a
 // quarter or half of the exponentials on the FMA pipe (a cubic), and
 // cheaper edge masks (a key range or a bit mask a row, quarters of keys the
-// warp's rows all see skipped): each slower or no faster. Nsight Compute (README): the tensor pipe and the MUFU each near
-// 48% of their peaks, in turn rather than beside each other.
+// warp's rows all see skipped): each slower or no faster. Nsight Compute
+// (README): the tensor pipe and the MUFU each near 48% of their peaks, in
+// turn rather than beside each other.
 #pragma once
 
 #include <cstdint>
@@ -117,7 +118,7 @@ struct SeqBandConfig {
     static constexpr int kConsumers = 3;                   // warpgroups of 64 queries
     static constexpr int kKeys = kSeqBandKeys;             // keys a tile
     static constexpr int kThreads = 128 * (kConsumers + 1);
-    // the key tiles' ring: four stages (three were 2-4% slower at 1M-8M
+    // the key tiles' ring: four stages (three were 2-5% slower at 1M-8M
     // tokens once the half tiles balanced the consumers, README; with random
     // blocks a list's consumers find its next tile copied while the others'
     // lists hold stages)
