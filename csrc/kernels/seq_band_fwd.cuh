@@ -782,11 +782,14 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                 has_global = note.global != 0;
                 mine = note.slot == my_list && ks < w.len;
             }
-            // One step over kN keys of the stage from its row `off` (0 or
-            // 64: K's and V's 64-row boxes), the first key k0.
-            auto compute = [&](auto keys, int off, int32_t k0) {
+            // One step over kN keys of the stage from its 64-row box `box`
+            // of K and V (the producer's boxes: 0, or 1 for a tile's upper
+            // half alone), whose first key is k0.
+            auto compute = [&](auto keys, int box) {
                 constexpr int kN = decltype(keys)::value;
-                const uint32_t k_off = k_tile(s) - smem0 + off * 128, v_off = v_tile(s) - smem0 + off * 128;
+                const int32_t k0 = ks + kTmaRows * box;
+                const uint32_t k_off = k_tile(s) - smem0 + box * kTmaTileBytes;
+                const uint32_t v_off = v_tile(s) - smem0 + box * kTmaTileBytes;
                 float sc[kN / 2];
                 wgmma_fence();
 #pragma unroll
@@ -846,10 +849,11 @@ seq_band_fwd_kernel(const __grid_constant__ SeqFwdParams p, const __grid_constan
                 // tile more than the others at most band widths (23 against
                 // 22 at 2,721 keys a query, 14 against 13 at 1,601), and the
                 // ring keeps the others waiting for it.
-                constexpr int kHalf = kKeys / 2;
+                constexpr int kHalf = kTmaRows;
+                static_assert(kKeys == 2 * kHalf, "a tile: the producer's two 64-row boxes");
                 const int half = rnd_tile ? -1 : my_ke <= ks + kHalf ? 0 : my_kb >= ks + kHalf ? 1 : -1;
-                if (half < 0) compute(std::integral_constant<int, kKeys>{}, 0, ks);
-                else compute(std::integral_constant<int, kHalf>{}, kHalf * half, ks + kHalf * half);
+                if (half < 0) compute(std::integral_constant<int, kKeys>{}, 0);
+                else compute(std::integral_constant<int, kHalf>{}, half);
             }
             if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
         }
