@@ -301,6 +301,12 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         const int32_t cr0 = rec.base[c], crows = rec.rows[c], len = rec.len[c], wfirst = rec.wfirst[c];
         const int32_t row_a = cr0 + 16 * warp + g;   // the thread's keys: row_a, row_a + 8
         const uint32_t k_tile = kv(b) + c * kTmaTileBytes, v_tile = k_tile + 2 * kTmaTileBytes;
+        // K and V as the scores' A fragments, read once an item (not 2 KB of
+        // each a k-step of every tile: README, "the band backward's K and V
+        // in registers"); the buffer's K stays for dQ = dS K
+        uint32_t ka[4][4], va[4][4];
+        seq_bwd_keys_a_frags(ka, k_tile, warp, lane);
+        seq_bwd_keys_a_frags(va, v_tile, warp, lane);
 
         float dk[32], dv[32];
 #pragma unroll
@@ -320,7 +326,7 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
                 uint32_t bits[4] = {0u, 0u, 0u, 0u};
                 if (!full) seq_band_bwd_bits(ks, row_a, cr0 + crows, len, left, width, t, bits);
                 float s_t[32], dp[32];
-                seq_bwd_keys_scores<T>(s_t, dp, desc, k_tile, q_at, v_tile, do_at);
+                seq_bwd_keys_scores_rs<T>(s_t, dp, desc, ka, q_at, va, do_at);
                 turn_pass();
                 const float2* lds = reinterpret_cast<const float2*>(smem + (q_at + 2 * kTmaTileBytes - smem_addr(smem))) +
                                     (q0 & 1);

@@ -104,6 +104,29 @@ __device__ __forceinline__ void seq_bwd_keys_scores(float (&s)[32], float (&dp)[
     wgmma_commit();
 }
 
+// S^T = K Q^T and dP^T = V dO^T with K and V as A fragments in registers
+// (ka, va: seq_bwd_keys_a_frags, read once for a block's keys) and Q, dO
+// from shared memory: an A operand's 2 KB a k-step not read again each tile.
+template <typename T, typename Desc>
+__device__ __forceinline__ void seq_bwd_keys_scores_rs(float (&s)[32], float (&dp)[32], Desc&& desc,
+                                                       const uint32_t (&ka)[4][4], uint32_t q_tile,
+                                                       const uint32_t (&va)[4][4], uint32_t do_tile) {
+    wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < 4; ++step) wgmma_m64n64k16<T, false>(s, ka[step], desc(q_tile + 32 * step), step > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int step = 0; step < 4; ++step) wgmma_m64n64k16<T, false>(dp, va[step], desc(do_tile + 32 * step), step > 0);
+    wgmma_commit();
+}
+
+// A 64-row Sw128Tile (keys x D = 64) as wgmma's A fragments for the warp's
+// 16 rows, k-steps 0..3 (the m16n8k16 A layout: Sw128Tile::a_frag).
+__device__ __forceinline__ void seq_bwd_keys_a_frags(uint32_t (&a)[4][4], uint32_t tile, int warp, int lane) {
+#pragma unroll
+    for (int step = 0; step < 4; ++step) Sw128Tile::a_frag(a[step], tile + warp * Sw128Tile::kBytes, step, lane);
+}
+
 // P^T = exp2(S^T scale_log2 - lse2) where the mask bits give the pair
 // (kFull: every pair), and as the A fragments of k-step sl (queries 16 sl ..:
 // the C fragments of column tiles 2 sl and 2 sl + 1, mma_utils.cuh).
