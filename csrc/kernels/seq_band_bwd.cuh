@@ -20,7 +20,8 @@
 // of a query tile serves 128 keys, and the copies run up to three tiles
 // ahead. Consumer c (warpgroup c + 1) owns keys 64 c .. 64 c + 63 of the
 // pair and runs the other kernel's tile step on its own (its own dS^T and
-// dQ buffers, barriers of its 128 threads):
+// dQ buffers, barriers of its 128 threads; its keys' K and V as the
+// scores' A fragments in registers, read once an item: 0.4-1.9%):
 //   S^T = K Q^T, dP^T = V dO^T, P^T, dV += P^T dO, dS^T, dQ = dS K, dK += dS^T Q
 // with dQ reduced into global memory by one bulk operation of its thread 0.
 // A tile none of a consumer's keys sees (its band's first or last, or the
@@ -46,9 +47,11 @@
 // place of its thread 0 and second barrier: 4-5% slower; other places for
 // the turns: no better; (lse, delta) read before the turn and the record's
 // fields kept in registers (where Nsight Compute's stall samples were): no
-// change. Before the turns: consumer 0 storing dQ and consumer 1 adding its
-// own before one reduction by a producer-warpgroup thread (half the L2
-// traffic): 21-25% slower.
+// change; the next tile's scores issued in a tile's tail, behind dQ and dK
+// (README, "two pipelined tile steps"): 15-17% slower (the consumers in
+// lockstep through their turns), 9-13% without the turns. Before the turns:
+// consumer 0 storing dQ and consumer 1 adding its own before one reduction
+// by a producer-warpgroup thread (half the L2 traffic): 21-25% slower.
 #pragma once
 
 #include <cstdint>
