@@ -305,8 +305,8 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         const int32_t row_a = cr0 + 16 * warp + g;   // the thread's keys: row_a, row_a + 8
         const uint32_t k_tile = kv(b) + c * kTmaTileBytes, v_tile = k_tile + 2 * kTmaTileBytes;
         // K and V as the scores' A fragments, read once an item (not 2 KB of
-        // each a k-step of every tile: README, "the band backward's K and V
-        // in registers"); the buffer's K stays for dQ = dS K
+        // each a k-step of every tile: README, "K and V in the band
+        // backward's registers"); the buffer's K stays for dQ = dS K
         uint32_t ka[4][4], va[4][4];
         seq_bwd_keys_a_frags(ka, k_tile, warp, lane);
         seq_bwd_keys_a_frags(va, v_tile, warp, lane);
