@@ -329,7 +329,7 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
                 uint32_t bits[4] = {0u, 0u, 0u, 0u};
                 if (!full) seq_band_bwd_bits(ks, row_a, cr0 + crows, len, left, width, t, bits);
                 float s_t[32], dp[32];
-                seq_bwd_keys_scores_rs<T>(s_t, dp, desc, ka, q_at, va, do_at);
+                seq_bwd_keys_scores<T>(s_t, dp, desc, ka, q_at, va, do_at);
                 turn_pass();
                 const float2* lds = reinterpret_cast<const float2*>(smem + (q_at + 2 * kTmaTileBytes - smem_addr(smem))) +
                                     (q0 & 1);

@@ -84,39 +84,34 @@ __device__ __forceinline__ void seq_bwd_keys_read_ld(const float2* lds, int t, f
     }
 }
 
-// S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries, every operand a
-// 128-byte-swizzled tile in shared memory; desc: the kernel's descriptor
-// of a shared address), two commit groups so that P^T is computed while
-// dP^T is in the MMA.
+// One k-step of a score product with its A operand (the keys' K or V)
+// either a 128-byte-swizzled tile in shared memory (its address) or the
+// warp's A fragments in registers (seq_bwd_keys_a_frags: read once for a
+// block's keys, not 2 KB a k-step every tile).
 template <typename T, typename Desc>
-__device__ __forceinline__ void seq_bwd_keys_scores(float (&s)[32], float (&dp)[32], Desc&& desc, uint32_t k_tile,
-                                                    uint32_t q_tile, uint32_t v_tile, uint32_t do_tile) {
-    wgmma_fence();
-#pragma unroll
-    for (int step = 0; step < 4; ++step) {
-        wgmma_m64n64k16_ss<T>(s, desc(k_tile + 32 * step), desc(q_tile + 32 * step), step > 0);
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int step = 0; step < 4; ++step) {
-        wgmma_m64n64k16_ss<T>(dp, desc(v_tile + 32 * step), desc(do_tile + 32 * step), step > 0);
-    }
-    wgmma_commit();
+__device__ __forceinline__ void seq_bwd_keys_score_step(float (&d)[32], uint32_t a_tile, Desc&& desc, int step,
+                                                        uint64_t desc_b) {
+    wgmma_m64n64k16_ss<T>(d, desc(a_tile + 32 * step), desc_b, step > 0);
+}
+template <typename T, typename Desc>
+__device__ __forceinline__ void seq_bwd_keys_score_step(float (&d)[32], const uint32_t (&a_frags)[4][4], Desc&&,
+                                                        int step, uint64_t desc_b) {
+    wgmma_m64n64k16<T, false>(d, a_frags[step], desc_b, step > 0);
 }
 
-// S^T = K Q^T and dP^T = V dO^T with K and V as A fragments in registers
-// (ka, va: seq_bwd_keys_a_frags, read once for a block's keys) and Q, dO
-// from shared memory: an A operand's 2 KB a k-step not read again each tile.
-template <typename T, typename Desc>
-__device__ __forceinline__ void seq_bwd_keys_scores_rs(float (&s)[32], float (&dp)[32], Desc&& desc,
-                                                       const uint32_t (&ka)[4][4], uint32_t q_tile,
-                                                       const uint32_t (&va)[4][4], uint32_t do_tile) {
+// S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries; Q, dO and, given as
+// addresses, K, V 128-byte-swizzled tiles in shared memory; desc: the
+// kernel's descriptor of a shared address), two commit groups so that P^T
+// is computed while dP^T is in the MMA.
+template <typename T, typename Desc, typename KV>
+__device__ __forceinline__ void seq_bwd_keys_scores(float (&s)[32], float (&dp)[32], Desc&& desc, const KV& k,
+                                                    uint32_t q_tile, const KV& v, uint32_t do_tile) {
     wgmma_fence();
 #pragma unroll
-    for (int step = 0; step < 4; ++step) wgmma_m64n64k16<T, false>(s, ka[step], desc(q_tile + 32 * step), step > 0);
+    for (int step = 0; step < 4; ++step) seq_bwd_keys_score_step<T>(s, k, desc, step, desc(q_tile + 32 * step));
     wgmma_commit();
 #pragma unroll
-    for (int step = 0; step < 4; ++step) wgmma_m64n64k16<T, false>(dp, va[step], desc(do_tile + 32 * step), step > 0);
+    for (int step = 0; step < 4; ++step) seq_bwd_keys_score_step<T>(dp, v, desc, step, desc(do_tile + 32 * step));
     wgmma_commit();
 }
 
