@@ -52,6 +52,11 @@
 // lockstep through their turns), 9-13% without the turns. Before the turns:
 // consumer 0 storing dQ and consumer 1 adding its own before one reduction
 // by a producer-warpgroup thread (half the L2 traffic): 21-25% slower.
+// README, "the band backward's dQ": dQ added to global memory from
+// registers (red.global.add.v2.f32, no dQ tiles or second barrier): 29-37%
+// slower; dQ summed over the pair per warp, the second of the pair's warps
+// to arrive adding the first's rows and reducing 16 rows: 46-54% slower.
+// There too, what each part of the tile step costs (timing probes).
 #pragma once
 
 #include <cstdint>
