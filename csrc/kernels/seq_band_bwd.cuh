@@ -56,7 +56,10 @@
 // registers (red.global.add.v2.f32, no dQ tiles or second barrier): 29-37%
 // slower; dQ summed over the pair per warp, the second of the pair's warps
 // to arrive adding the first's rows and reducing 16 rows: 46-54% slower.
-// There too, what each part of the tile step costs (timing probes).
+// There too: steps of 128 queries with each consumer's dQ of 64 of them
+// over the pair's 128 keys (FlashAttention-3's shape, one barrier between
+// the consumers a step): 12-19% slower; and what each part of the tile
+// step costs (timing probes).
 #pragma once
 
 #include <cstdint>
