@@ -76,7 +76,7 @@
 namespace gt_fused3s {
 
 struct SeqBandBwdMaps {
-    CUtensorMap q, dout, ld, dq, k, v;
+    CUtensorMap q, dout, ld, dq, k, v, dk, dv;
 };
 
 struct SeqBandBwdConfig {
@@ -401,8 +401,35 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         }
         if (lane == 0) mbar_arrive(smem_addr(&kv_empty[b]));   // this item's K, V and record read: the buffer is free
 
-        // dK, dV of the block's keys (rows 16 warp + g, + 8)
-        seq_bwd_keys_store_dkdv<T>(p, dk, dv, int64_t(wfirst) + cr0, 1, 16 * warp + g, crows, head, t);
+        // dK, dV of the block's keys (rows 16 warp + g, + 8). A block of 64
+        // keys: through the dQ buffer that the reduction before the last
+        // read, by two TMA stores of thread 0 (README, "the band backward's
+        // dK and dV by TMA": the threads' own 32 stores each cost 3-4.5% of
+        // the kernel, every consumer's tensor work waiting); the buffers then
+        // swap, so that the next dQ goes to the last reduction's, whose read
+        // the next wait (all but the newest group) covers. A shorter block
+        // (a document's last): the threads' stores, none past its keys.
+        if (crows == 64) {
+            const uint32_t dkv_at = dq0 + (2 * c + buf) * Cfg::kDqBytes;
+            if (ctid == 0) tma_wait_read<1>();   // the reduction before the last has read this buffer
+            named_barrier_sync(Cfg::kOwnBarrier + c, 128);
+            uint32_t frag[4][4];
+            seq_bwd_keys_pack<T>(dk, p.scale, frag);
+            seq_bwd_keys_store_ds(dkv_at, frag, warp, lane);
+            seq_bwd_keys_pack<T>(dv, 1.f, frag);
+            seq_bwd_keys_store_ds(dkv_at + kTmaTileBytes, frag, warp, lane);
+            fence_proxy_async_shared();   // read by TMA
+            named_barrier_sync(Cfg::kOwnBarrier + c, 128);
+            if (ctid == 0) {
+                const int32_t row = wfirst + cr0;
+                tma_store_rows(maps.dk, 0, head, row, dkv_at);
+                tma_store_rows(maps.dv, 0, head, row, dkv_at + kTmaTileBytes);
+                tma_commit();
+            }
+            buf ^= 1u;
+        } else {
+            seq_bwd_keys_store_dkdv<T>(p, dk, dv, int64_t(wfirst) + cr0, 1, 16 * warp + g, crows, head, t);
+        }
     }
     if (c == 0) turn_wait();   // consumer 1's last hand-over
     if (ctid == 0) tma_wait_all();   // the last reductions done before the block's shared memory goes
@@ -441,7 +468,9 @@ bool run_seq_band_bwd(const SeqBwdKeysParams& params, cudaStream_t stream) {
         tma_encode_rows(&maps.v, f.v_ptr, T_, H, f.v_row_stride, f.v_head_stride) &&
         tma_encode_rows(&maps.dout, params.do_ptr, T_, H, params.do_row_stride, params.do_head_stride) &&
         tma_encode_f32_rows(&maps.ld, params.ld_ptr, 2 * T_, H, params.ld_head_stride * 4, SeqBwdKeysConfig::kLdBox) &&
-        tma_encode_f32_halves(&maps.dq, params.dq_ptr, T_, H, params.grad_row_stride, params.grad_head_stride);
+        tma_encode_f32_halves(&maps.dq, params.dq_ptr, T_, H, params.grad_row_stride, params.grad_head_stride) &&
+        tma_encode_rows(&maps.dk, params.dk_ptr, T_, H, params.grad_row_stride, params.grad_head_stride) &&
+        tma_encode_rows(&maps.dv, params.dv_ptr, T_, H, params.grad_row_stride, params.grad_head_stride);
     if (!ok) return false;
     if (f.num_windows <= 0 || H <= 0) return true;
     const int64_t pairs = (f.num_windows + 1) / 2;

@@ -155,6 +155,18 @@ __device__ __forceinline__ void seq_bwd_keys_dscores(const float (&pv)[32], cons
     }
 }
 
+// An accumulator (rows 16 warp + g, + 8; columns 8 j + 2 t, + 1), times
+// `scale`, rounded to T as seq_bwd_keys_dscores packs dS^T: the fragments
+// that seq_bwd_keys_store_ds stores as a 64 x 64 tile.
+template <typename T>
+__device__ __forceinline__ void seq_bwd_keys_pack(const float (&c)[32], float scale, uint32_t (&a)[4][4]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        a[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(scale * c[4 * j], scale * c[4 * j + 1]);
+        a[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(scale * c[4 * j + 2], scale * c[4 * j + 3]);
+    }
+}
+
 // dS^T into shared memory at ds_at (rows: keys, Sw128Tile), for dQ = dS K:
 // per k-step sl, the four 8x8 matrices of its A fragment (rows 16 warp +
 // 8 (m & 1), columns 16 sl + 8 (m >> 1)), lane l giving row l % 8 of matrix l / 8.

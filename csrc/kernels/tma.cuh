@@ -292,6 +292,20 @@ __device__ __forceinline__ void tma_reduce_add_rows(const CUtensorMap& map, int3
     __trap();
 #endif
 }
+// Global box (x, head, row) of `map` = the shared tile at `src`, as
+// tma_reduce_add_rows (a bulk group of this thread's).
+__device__ __forceinline__ void tma_store_rows(const CUtensorMap& map, int32_t x, int32_t head, int32_t row,
+                                               uint32_t src) {
+#if GT_WGMMA
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+            reinterpret_cast<uint64_t>(&map)),
+        "r"(x), "r"(head), "r"(row), "r"(src)
+        : "memory");
+#else
+    __trap();
+#endif
+}
 __device__ __forceinline__ void tma_commit() {
 #if GT_WGMMA
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
