@@ -404,11 +404,12 @@ seq_band_bwd_kernel(const __grid_constant__ SeqBwdKeysParams p, const __grid_con
         // dK, dV of the block's keys (rows 16 warp + g, + 8). A block of 64
         // keys: through the dQ buffer that the reduction before the last
         // read, by two TMA stores of thread 0 (README, "the band backward's
-        // dK and dV by TMA": the threads' own 32 stores each cost 3-4.5% of
-        // the kernel, every consumer's tensor work waiting); the buffers then
-        // swap, so that the next dQ goes to the last reduction's, whose read
-        // the next wait (all but the newest group) covers. A shorter block
-        // (a document's last): the threads' stores, none past its keys.
+        // dK and dV by TMA": the threads' own stores, 32 a thread, cost
+        // 3-4.5% of the kernel, both consumers' tensor work waiting; this
+        // form about 1-2% less); the buffers then swap, so that the next dQ
+        // goes to the last reduction's, whose read the next wait (all but the
+        // newest group) covers. A shorter block (a document's last): the
+        // threads' stores, none past its keys.
         if (crows == 64) {
             const uint32_t dkv_at = dq0 + (2 * c + buf) * Cfg::kDqBytes;
             if (ctid == 0) tma_wait_read<1>();   // the reduction before the last has read this buffer
