@@ -277,34 +277,33 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap& map
 #endif
 }
 
-// Global box (x, head, row) of `map` += the shared tile at `src` (1024-byte
-// aligned, laid out as the map's swizzle), asynchronously: one thread's
-// bulk group (tma_commit; tma_wait_read before `src` is written again).
-__device__ __forceinline__ void tma_reduce_add_rows(const CUtensorMap& map, int32_t x, int32_t head, int32_t row,
-                                                    uint32_t src) {
+// Global box (x, head, row) of `map` += (kAdd) or = the shared tile at
+// `src` (1024-byte aligned, laid out as the map's swizzle), asynchronously:
+// one thread's bulk group (tma_commit; tma_wait_read before `src` is written
+// again).
+template <bool kAdd>
+__device__ __forceinline__ void tma_write_rows(const CUtensorMap& map, int32_t x, int32_t head, int32_t row,
+                                               uint32_t src) {
 #if GT_WGMMA
-    asm volatile(
-        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
-            reinterpret_cast<uint64_t>(&map)),
-        "r"(x), "r"(head), "r"(row), "r"(src)
-        : "memory");
+    const uint64_t m = reinterpret_cast<uint64_t>(&map);
+    if constexpr (kAdd) {
+        asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                     ::"l"(m), "r"(x), "r"(head), "r"(row), "r"(src) : "memory");
+    } else {
+        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                     ::"l"(m), "r"(x), "r"(head), "r"(row), "r"(src) : "memory");
+    }
 #else
     __trap();
 #endif
 }
-// Global box (x, head, row) of `map` = the shared tile at `src`, as
-// tma_reduce_add_rows (a bulk group of this thread's).
+__device__ __forceinline__ void tma_reduce_add_rows(const CUtensorMap& map, int32_t x, int32_t head, int32_t row,
+                                                    uint32_t src) {
+    tma_write_rows<true>(map, x, head, row, src);
+}
 __device__ __forceinline__ void tma_store_rows(const CUtensorMap& map, int32_t x, int32_t head, int32_t row,
                                                uint32_t src) {
-#if GT_WGMMA
-    asm volatile(
-        "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
-            reinterpret_cast<uint64_t>(&map)),
-        "r"(x), "r"(head), "r"(row), "r"(src)
-        : "memory");
-#else
-    __trap();
-#endif
+    tma_write_rows<false>(map, x, head, row, src);
 }
 __device__ __forceinline__ void tma_commit() {
 #if GT_WGMMA
