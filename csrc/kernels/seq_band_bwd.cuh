@@ -94,8 +94,9 @@ struct SeqBandBwdConfig {
     // setmaxnreg: the block holds 168 x 384 = 64,512 registers; 40 x 128 +
     // 232 x 256 of them. The consumers' code needs no more than 232 (no
     // spills; at 224 it spills), and the producer's thread then keeps its
-    // values in registers, not local memory (README, "the band backward's
-    // dQ zeroed and cast in the kernel": 0.3-1.5% faster than 24 / 240).
+    // values in registers, not local memory (README, "dQ zeroed and cast
+    // inside the band backward", its setmaxnreg part: 0.3-1.5% faster than
+    // 24 / 240).
     static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
     static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 168 * kThreads, "setmaxnreg's pool");
     // named barriers: 0 the block's, 1 + c consumer c's (its 128 threads),
