@@ -122,6 +122,16 @@ __device__ __forceinline__ void seq_bwd_keys_a_frags(uint32_t (&a)[4][4], uint32
     for (int step = 0; step < 4; ++step) Sw128Tile::a_frag(a[step], tile + warp * Sw128Tile::kBytes, step, lane);
 }
 
+// Column tile j of an accumulator (x0, x1: row g; x2, x3: row g + 8) rounded
+// to T into the A fragments of k-step j / 2 (the C fragments of column tiles
+// 2 sl and 2 sl + 1 are k-step sl's A fragment, mma_utils.cuh).
+template <typename T>
+__device__ __forceinline__ void seq_bwd_keys_pack_tile(uint32_t (&a)[4][4], int j, float x0, float x1, float x2,
+                                                       float x3) {
+    a[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(x0, x1);
+    a[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(x2, x3);
+}
+
 // P^T = exp2(S^T scale_log2 - lse2) where the mask bits give the pair
 // (kFull: every pair), and as the A fragments of k-step sl (queries 16 sl ..:
 // the C fragments of column tiles 2 sl and 2 sl + 1, mma_utils.cuh).
@@ -136,8 +146,7 @@ __device__ __forceinline__ void seq_bwd_keys_probs(const float (&s)[32], const f
             const bool on = kFull || ((bits[j >> 1] >> (4 * (j & 1) + e)) & 1u);
             pv[4 * j + e] = on ? fast_exp2(s[4 * j + e] * scale_log2 - lse2) : 0.f;
         }
-        pa[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(pv[4 * j], pv[4 * j + 1]);
-        pa[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(pv[4 * j + 2], pv[4 * j + 3]);
+        seq_bwd_keys_pack_tile<T>(pa, j, pv[4 * j], pv[4 * j + 1], pv[4 * j + 2], pv[4 * j + 3]);
     }
 }
 
@@ -150,20 +159,18 @@ __device__ __forceinline__ void seq_bwd_keys_dscores(const float (&pv)[32], cons
         float dsv[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) dsv[e] = pv[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? ld[j].w : ld[j].y));
-        dsa[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(dsv[0], dsv[1]);
-        dsa[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(dsv[2], dsv[3]);
+        seq_bwd_keys_pack_tile<T>(dsa, j, dsv[0], dsv[1], dsv[2], dsv[3]);
     }
 }
 
 // An accumulator (rows 16 warp + g, + 8; columns 8 j + 2 t, + 1), times
-// `scale`, rounded to T as seq_bwd_keys_dscores packs dS^T: the fragments
-// that seq_bwd_keys_store_ds stores as a 64 x 64 tile.
+// `scale`, as A fragments: what seq_bwd_keys_store_ds stores as a 64 x 64 tile.
 template <typename T>
 __device__ __forceinline__ void seq_bwd_keys_pack(const float (&c)[32], float scale, uint32_t (&a)[4][4]) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        a[j >> 1][2 * (j & 1)] = TypeTraits<T>::pack(scale * c[4 * j], scale * c[4 * j + 1]);
-        a[j >> 1][2 * (j & 1) + 1] = TypeTraits<T>::pack(scale * c[4 * j + 2], scale * c[4 * j + 3]);
+        seq_bwd_keys_pack_tile<T>(a, j, scale * c[4 * j], scale * c[4 * j + 1], scale * c[4 * j + 2],
+                                  scale * c[4 * j + 3]);
     }
 }
 
