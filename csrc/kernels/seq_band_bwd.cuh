@@ -63,7 +63,13 @@
 // backward": dQ's scratch zeroed by segments that producers claim (flags)
 // and cast by finisher warps once every pair that reaches its rows is
 // done (flags), in place of the fill and cast kernels: correct, 9-22%
-// slower (those kernels are 3% of forward + backward).
+// slower (those kernels are 3% of forward + backward). README, "five more
+// band-backward forms": dK / dV per warp through the item's K / V tiles
+// (no barrier): 0.7-1.1% slower; the edge tiles one consumer does not see
+// taking no turn (consumer 1 a tile behind): 0.5-2% slower; four stages
+// with one dS^T buffer a consumer: no change; a summer (the producer
+// warpgroup's other warps) adding both consumers' dQ before one reduction:
+// 2.3-4.6% slower.
 #pragma once
 
 #include <cstdint>
