@@ -63,13 +63,16 @@
 // backward": dQ's scratch zeroed by segments that producers claim (flags)
 // and cast by finisher warps once every pair that reaches its rows is
 // done (flags), in place of the fill and cast kernels: correct, 9-22%
-// slower (those kernels are 3% of forward + backward). README, "five more
+// slower (those kernels are 3% of forward + backward). README, "six more
 // band-backward forms": dK / dV per warp through the item's K / V tiles
 // (no barrier): 0.7-1.1% slower; the edge tiles one consumer does not see
 // taking no turn (consumer 1 a tile behind): 0.5-2% slower; four stages
 // with one dS^T buffer a consumer: no change; a summer (the producer
 // warpgroup's other warps) adding both consumers' dQ before one reduction:
-// 2.3-4.6% slower.
+// 2.3-4.6% slower; dK / dV written in the next item's first tile beside
+// its scores: 20-26% slower where ptxas serialised the wgmmas (C7518, a
+// branch touching accumulators while the scores were in flight), spills
+// at 232 registers otherwise.
 #pragma once
 
 #include <cstdint>
