@@ -65,8 +65,8 @@
 // done (flags), in place of the fill and cast kernels: correct, 9-22%
 // slower (those kernels are 3% of forward + backward). README, "six more
 // band-backward forms": dK / dV per warp through the item's K / V tiles
-// (no barrier): 0.7-1.1% slower; the edge tiles one consumer does not see
-// taking no turn (consumer 1 a tile behind): 0.5-2% slower; four stages
+// (no barrier): 0.9-1.2% slower; the edge tiles one consumer does not see
+// taking no turn (consumer 1 a tile behind): up to 2.2% slower; four stages
 // with one dS^T buffer a consumer: no change; a summer (the producer
 // warpgroup's other warps) adding both consumers' dQ before one reduction:
 // 2.3-4.6% slower; dK / dV written in the next item's first tile beside

@@ -119,7 +119,7 @@ struct SeqBandConfig {
     static constexpr int kKeys = kSeqBandKeys;             // keys a tile
     static constexpr int kThreads = 128 * (kConsumers + 1);
     // the key tiles' ring: four stages (three were 2-5% slower at 1M-8M
-    // tokens once the half tiles balanced the consumers, five 3.5-5% slower
+    // tokens once the half tiles balanced the consumers, five 3.3-4.5% slower
     // at 1M-16M, README; with random blocks a list's consumers find its
     // next tile copied while the others' lists hold stages)
     static constexpr int kStages = 4;
